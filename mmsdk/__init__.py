@@ -1,0 +1,98 @@
+"""mmsdk: make multimodal LLMs small and fast to deploy.
+
+``Optimizer(model).apply("int4-kv", "sparse-xattn").export()``. Importing mmsdk is cheap: names
+below load their modules on first use, and nothing here imports onnxruntime, TensorRT-LLM,
+Triton or touches CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+__version__ = "0.1.0"
+
+hookimpl = pluggy.HookimplMarker("mmsdk")
+"""Decorator for plugin hook implementations: ``@mmsdk.hookimpl``."""
+
+_LAZY: dict[str, str] = {
+    "Optimizer": "mmsdk.core.optimizer",
+    "Session": "mmsdk.core.session",
+    "PassSpec": "mmsdk.core.passes",
+    "PassContext": "mmsdk.core.passes",
+    "PassResult": "mmsdk.core.passes",
+    "CheckContext": "mmsdk.core.passes",
+    "PassConfig": "mmsdk.core.config",
+    "ModelAdapter": "mmsdk.core.adapter",
+    "Manifest": "mmsdk.core.manifest",
+    "ModelSource": "mmsdk.core.sources",
+    "LoadedModel": "mmsdk.core.sources",
+    "DatasetSource": "mmsdk.core.datasets",
+    "VQAExample": "mmsdk.core.datasets",
+    "CalibrationSet": "mmsdk.core.calibration",
+    "ExportResult": "mmsdk.core.backend",
+    "load_model": "mmsdk.core.sources",
+    "QKVFuseConfig": "mmsdk.plugins.attention.qkv_fuse",
+    "MmsdkError": "mmsdk.core.errors",
+    "UnknownNameError": "mmsdk.core.errors",
+    "DuplicateNameError": "mmsdk.core.errors",
+    "NoAdapterError": "mmsdk.core.errors",
+    "ConfigError": "mmsdk.core.errors",
+    "IncompatiblePassError": "mmsdk.core.errors",
+    "PluginLoadError": "mmsdk.core.errors",
+    "BackendUnavailableError": "mmsdk.core.errors",
+    "ExportError": "mmsdk.core.errors",
+    "OutputExistsError": "mmsdk.core.errors",
+    "ArtifactIntegrityError": "mmsdk.core.errors",
+    "CalibrationError": "mmsdk.core.errors",
+    "UnsupportedInputError": "mmsdk.core.errors",
+}
+
+__all__ = ["__version__", "hookimpl", "load", *_LAZY]
+
+
+def load(path: Any, **options: Any) -> Any:
+    """Verify an export folder against its manifest and load it (the torch backend returns the model)."""
+    from mmsdk.core.exporting import load as _load
+
+    return _load(path, **options)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mmsdk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from mmsdk.core.adapter import ModelAdapter
+    from mmsdk.core.backend import ExportResult
+    from mmsdk.core.calibration import CalibrationSet
+    from mmsdk.core.config import PassConfig
+    from mmsdk.core.datasets import DatasetSource, VQAExample
+    from mmsdk.core.errors import (
+        ArtifactIntegrityError,
+        BackendUnavailableError,
+        CalibrationError,
+        ConfigError,
+        DuplicateNameError,
+        ExportError,
+        IncompatiblePassError,
+        MmsdkError,
+        NoAdapterError,
+        OutputExistsError,
+        PluginLoadError,
+        UnknownNameError,
+        UnsupportedInputError,
+    )
+    from mmsdk.core.manifest import Manifest
+    from mmsdk.core.optimizer import Optimizer
+    from mmsdk.core.passes import CheckContext, PassContext, PassResult, PassSpec
+    from mmsdk.core.session import Session
+    from mmsdk.core.sources import LoadedModel, ModelSource, load_model
+    from mmsdk.plugins.attention.qkv_fuse import QKVFuseConfig

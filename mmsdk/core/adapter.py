@@ -1,0 +1,241 @@
+"""The ModelAdapter base class: where a model family keeps its parts. All model knowledge lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "ModelAdapter",
+    "KVLayout",
+    "ImageTokenLayout",
+    "AttentionProjections",
+    "MLPProjections",
+    "CrossAttentionBlock",
+    "VisionBlock",
+    "CROSS_ATTENTION",
+    "GATED_CROSS_ATTENTION",
+    "INLINE_IMAGE_TOKENS",
+    "MROPE",
+    "ROPE",
+]
+
+# Capabilities a pass can require (PassSpec.requires) and an adapter can report.
+CROSS_ATTENTION = "cross-attention"
+GATED_CROSS_ATTENTION = "gated-cross-attention"
+INLINE_IMAGE_TOKENS = "inline-image-tokens"
+MROPE = "mrope"
+ROPE = "rope"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the language model's KV cache."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    self_attention_layers: tuple[int, ...]
+    cross_attention_layers: tuple[int, ...] = ()
+
+    def bytes_per_token(self, element_bytes: float = 2.0) -> float:
+        """Bytes of self-attention K+V one token adds to the cache at ``element_bytes`` per value."""
+        return 2 * len(self.self_attention_layers) * self.num_kv_heads * self.head_dim * element_bytes
+
+
+@dataclass(frozen=True)
+class ImageTokenLayout:
+    """How images reach the language model.
+
+    ``inline``: image embeddings replace placeholder tokens in the sequence (LLaVA, Qwen-VL).
+    ``cross-attention``: the sequence holds a marker token, and decoder layers attend to the image
+    states through separate cross-attention layers (IDEFICS, Mllama).
+    """
+
+    mode: Literal["inline", "cross-attention"]
+    image_token_id: int | None
+
+
+@dataclass(frozen=True)
+class AttentionProjections:
+    """Attribute names of an attention module's projections (any may be absent: None)."""
+
+    q: str | None = "q_proj"
+    k: str | None = "k_proj"
+    v: str | None = "v_proj"
+    o: str | None = "o_proj"
+
+
+@dataclass(frozen=True)
+class MLPProjections:
+    """Attribute names of an MLP's projections; ``gate`` is None for non-gated MLPs."""
+
+    up: str
+    down: str
+    gate: str | None = None
+
+
+@dataclass(frozen=True)
+class CrossAttentionBlock:
+    """One cross-attention layer of a Flamingo-style model."""
+
+    decoder_index: int
+    module: nn.Module
+    attention: nn.Module
+    gate_names: tuple[str, ...]
+    projections: AttentionProjections
+
+
+@dataclass(frozen=True)
+class VisionBlock:
+    """One vision-encoder layer: its attention and MLP modules and their projection names."""
+
+    module: nn.Module
+    attention: nn.Module
+    projections: AttentionProjections
+    mlp: nn.Module
+    mlp_projections: MLPProjections
+    num_heads: int
+    head_dim: int
+
+
+class ModelAdapter:
+    """Base class of model-family adapters: answers "where is X" for one family; never mutates."""
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    architectures: ClassVar[frozenset[str]]
+    summary: ClassVar[str] = ""
+
+    def matches(self, model: nn.Module) -> bool:
+        """True if this adapter knows ``model``'s architecture."""
+        return type(model).__name__ in self.architectures
+
+    # --- parts -------------------------------------------------------------------------------
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        """The vision encoder."""
+        raise NotImplementedError
+
+    def projector(self, model: nn.Module) -> nn.Module | None:
+        """The vision-to-language projector or resampler (None if the family has none)."""
+        raise NotImplementedError
+
+    def language_model(self, model: nn.Module) -> nn.Module:
+        """The decoder stack (embeddings, layers, final norm), without the LM head."""
+        raise NotImplementedError
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        """The output projection to the vocabulary."""
+        return model.lm_head
+
+    def embed_tokens(self, model: nn.Module) -> nn.Module:
+        """The token embedding table."""
+        return self.language_model(model).embed_tokens
+
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The language model's self-attention decoder layers, in order."""
+        return list(self.language_model(model).layers)
+
+    def self_attention(self, layer: nn.Module) -> nn.Module:
+        """The self-attention module of a decoder layer."""
+        return layer.self_attn
+
+    def attention_projections(self, attention: nn.Module) -> AttentionProjections:
+        """Names of the q/k/v/o projections of a (self- or cross-) attention module."""
+        return AttentionProjections()
+
+    def mlp(self, layer: nn.Module) -> nn.Module:
+        """The MLP of a decoder layer."""
+        return layer.mlp
+
+    def mlp_projections(self, mlp: nn.Module) -> MLPProjections:
+        """Names of a decoder MLP's projections."""
+        return MLPProjections(gate="gate_proj", up="up_proj", down="down_proj")
+
+    def cross_attention_blocks(self, model: nn.Module) -> list[CrossAttentionBlock]:
+        """The cross-attention layers (empty for families without them)."""
+        return []
+
+    def vision_blocks(self, model: nn.Module) -> list[VisionBlock]:
+        """The vision encoder's transformer layers."""
+        raise NotImplementedError
+
+    def text_config(self, model: nn.Module) -> Any:
+        """The language model's config object."""
+        return model.config.get_text_config(decoder=True)
+
+    def components(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Named top-level parts (vision_tower, projector, language_model, lm_head) for accounting."""
+        parts = {
+            "vision_tower": self.vision_tower(model),
+            "projector": self.projector(model),
+            "language_model": self.language_model(model),
+            "lm_head": self.lm_head(model),
+        }
+        return {name: module for name, module in parts.items() if module is not None}
+
+    # --- layout ------------------------------------------------------------------------------
+    def rotary_kind(self, model: nn.Module) -> Literal["rope", "mrope"]:
+        """The language model's rotary embedding kind."""
+        return "rope"
+
+    def kv_layout(self, model: nn.Module) -> KVLayout:
+        """Heads, KV heads, head dim and which layers hold self-/cross-attention KV."""
+        cfg = self.text_config(model)
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        layers = len(self.decoder_layers(model))
+        cross = tuple(block.decoder_index for block in self.cross_attention_blocks(model))
+        return KVLayout(
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_size=cfg.hidden_size,
+            self_attention_layers=tuple(range(layers)),
+            cross_attention_layers=cross,
+        )
+
+    def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
+        """How image features enter the language model."""
+        raise NotImplementedError
+
+    def capabilities(self, model: nn.Module) -> frozenset[str]:
+        """Capability tags passes can require (see the constants in this module)."""
+        caps = {ROPE if self.rotary_kind(model) == "rope" else MROPE}
+        if self.image_tokens(model).mode == "inline":
+            caps.add(INLINE_IMAGE_TOKENS)
+        blocks = self.cross_attention_blocks(model)
+        if blocks:
+            caps.add(CROSS_ATTENTION)
+            if all(block.gate_names for block in blocks):
+                caps.add(GATED_CROSS_ATTENTION)
+        return frozenset(caps)
+
+    # --- prompts -----------------------------------------------------------------------------
+    def format_prompt(self, question: str, num_images: int = 1) -> str:
+        """A prompt with this family's image placeholder(s) before ``question``."""
+        raise NotImplementedError
+
+    def describe(self, model: nn.Module) -> dict[str, Any]:
+        """A JSON-able summary of the model as this adapter sees it (used in manifests and reports)."""
+        kv = self.kv_layout(model)
+        return {
+            "adapter": self.name,
+            "family": self.family,
+            "architecture": type(model).__name__,
+            "rotary": self.rotary_kind(model),
+            "image_tokens": self.image_tokens(model).mode,
+            "decoder_layers": kv.num_layers,
+            "cross_attention_layers": list(kv.cross_attention_layers),
+            "heads": kv.num_heads,
+            "kv_heads": kv.num_kv_heads,
+            "head_dim": kv.head_dim,
+            "hidden_size": kv.hidden_size,
+        }

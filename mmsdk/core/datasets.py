@@ -1,0 +1,28 @@
+"""Named (image, question, answer) datasets used for calibration and evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["VQAExample", "DatasetSource"]
+
+
+@dataclass(frozen=True)
+class VQAExample:
+    """One visual question: an image (HxW or HxWxC array, PIL image or tensor), a question and its answer."""
+
+    image: Any
+    question: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """A named dataset: ``load(split)`` returns its examples for one of ``splits``."""
+
+    name: str
+    load: Callable[[str], list[VQAExample]]
+    summary: str
+    splits: tuple[str, ...] = ("calibration", "test")
+    default_calibration_split: str = "calibration"
