@@ -69,6 +69,12 @@ class AttentionProjections:
     k: str | None = "k_proj"
     v: str | None = "v_proj"
     o: str | None = "o_proj"
+    qkv: str | None = None  # a projection that already computes q, k and v together
+
+    def linears(self) -> dict[str, str]:
+        """Role -> attribute name for every projection present."""
+        roles = {"q": self.q, "k": self.k, "v": self.v, "o": self.o, "qkv": self.qkv}
+        return {role: name for role, name in roles.items() if name is not None}
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,10 @@ class ModelAdapter:
         """True if this adapter knows ``model``'s architecture."""
         return type(model).__name__ in self.architectures
 
+    def refuse(self, model: nn.Module) -> str | None:
+        """A message explaining why a matched model cannot be optimized, or None if it can."""
+        return None
+
     # --- parts -------------------------------------------------------------------------------
     def vision_tower(self, model: nn.Module) -> nn.Module:
         """The vision encoder."""
@@ -138,12 +148,12 @@ class ModelAdapter:
         return self.language_model(model).embed_tokens
 
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
-        """The language model's self-attention decoder layers, in order."""
+        """Every layer of the decoder stack, in order (Mllama's cross-attention layers included)."""
         return list(self.language_model(model).layers)
 
-    def self_attention(self, layer: nn.Module) -> nn.Module:
-        """The self-attention module of a decoder layer."""
-        return layer.self_attn
+    def self_attention(self, layer: nn.Module) -> nn.Module | None:
+        """The self-attention module of a decoder layer (None for a pure cross-attention layer)."""
+        return getattr(layer, "self_attn", None)
 
     def attention_projections(self, attention: nn.Module) -> AttentionProjections:
         """Names of the q/k/v/o projections of a (self- or cross-) attention module."""
@@ -170,14 +180,27 @@ class ModelAdapter:
         return model.config.get_text_config(decoder=True)
 
     def components(self, model: nn.Module) -> dict[str, nn.Module]:
-        """Named top-level parts (vision_tower, projector, language_model, lm_head) for accounting."""
+        """Named parts for accounting and per-component policies.
+
+        A module nested in another part (Qwen's merger inside the vision tower, IDEFICS's vision
+        model inside its decoder) belongs to the first part listed: projector, vision_tower,
+        language_model, lm_head.
+        """
         parts = {
-            "vision_tower": self.vision_tower(model),
             "projector": self.projector(model),
+            "vision_tower": self.vision_tower(model),
             "language_model": self.language_model(model),
             "lm_head": self.lm_head(model),
         }
         return {name: module for name, module in parts.items() if module is not None}
+
+    def component_map(self, model: nn.Module) -> dict[str, str]:
+        """Qualified module name -> the component it belongs to (first-listed part wins)."""
+        owner: dict[int, str] = {}
+        for part, module in self.components(model).items():
+            for sub in module.modules():
+                owner.setdefault(id(sub), part)
+        return {name: owner[id(sub)] for name, sub in model.named_modules() if id(sub) in owner}
 
     # --- layout ------------------------------------------------------------------------------
     def rotary_kind(self, model: nn.Module) -> Literal["rope", "mrope"]:
@@ -190,15 +213,15 @@ class ModelAdapter:
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        layers = len(self.decoder_layers(model))
+        layers = self.decoder_layers(model)
         cross = tuple(block.decoder_index for block in self.cross_attention_blocks(model))
         return KVLayout(
-            num_layers=layers,
+            num_layers=len(layers),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             hidden_size=cfg.hidden_size,
-            self_attention_layers=tuple(range(layers)),
+            self_attention_layers=tuple(i for i, layer in enumerate(layers) if self.self_attention(layer) is not None),
             cross_attention_layers=cross,
         )
 
@@ -219,9 +242,21 @@ class ModelAdapter:
         return frozenset(caps)
 
     # --- prompts -----------------------------------------------------------------------------
-    def format_prompt(self, question: str, num_images: int = 1) -> str:
-        """A prompt with this family's image placeholder(s) before ``question``."""
-        raise NotImplementedError
+    default_prompt: ClassVar[str] = "{image} {question}"
+    image_placeholder: ClassVar[str] = "<image>"
+
+    def format_prompt(self, question: str, processor: Any = None) -> str:
+        """A prompt asking ``question`` about one image, in the form ``processor`` expects.
+
+        mmsdk's embedded processors know their own form; a Hugging Face processor with a chat
+        template gets it applied; otherwise the family's plain default is used.
+        """
+        if processor is not None and hasattr(processor, "format_prompt"):
+            return processor.format_prompt(question)
+        if processor is not None and getattr(processor, "chat_template", None):
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+            return processor.apply_chat_template(messages, add_generation_prompt=True)
+        return self.default_prompt.format(image=self.image_placeholder, question=question)
 
     def describe(self, model: nn.Module) -> dict[str, Any]:
         """A JSON-able summary of the model as this adapter sees it (used in manifests and reports)."""

@@ -58,9 +58,9 @@ class CalibrationSet:
             samples.append(_to_sample(item, index))
         return cls(samples, name=name)
 
-    def prompts(self, adapter: ModelAdapter) -> list[str]:
+    def prompts(self, adapter: ModelAdapter, processor: Any = None) -> list[str]:
         """Each sample's text formatted with the family's image placeholder."""
-        return [adapter.format_prompt(sample.text) for sample in self.samples]
+        return [adapter.format_prompt(sample.text, processor) for sample in self.samples]
 
 
 def _iterate(source: Any) -> Iterable[Any]:

@@ -28,8 +28,8 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
-    tensors = [p for p in module.parameters(remove_duplicate=False)]
-    tensors += [b for b in module.buffers(remove_duplicate=False)]
+    tensors = [p for _, p in module.named_parameters(remove_duplicate=False)]
+    tensors += [b for _, b in module.named_buffers(remove_duplicate=False)]
     return tensors
 
 

@@ -77,19 +77,26 @@ class Session:
     def adapt(self, model: nn.Module, adapter: str | None = None) -> ModelAdapter:
         """The adapter for ``model``: the one named, else the first that matches (plugins before built-ins)."""
         if adapter is not None:
-            return self.adapters.get(adapter)
+            return self._accept(self.adapters.get(adapter), model)
         builtin_last = sorted(
             self.adapters.entries(), key=lambda entry: self.origins.get(entry.plugin, _BUILTIN).builtin
         )
         for entry in builtin_last:
             if entry.item.matches(model):
-                return entry.item
+                return self._accept(entry.item, model)
         known = ", ".join(f"{a.name} ({', '.join(sorted(a.architectures))})" for a in self.adapters)
         raise NoAdapterError(
             f"No adapter matches {type(model).__name__}. Known adapters: {known or '(none)'}.",
             fix="pass adapter='<name>' if the model is a known family under another class name, "
             "or install a plugin that provides an adapter for it (docs/adapters.md).",
         )
+
+    @staticmethod
+    def _accept(adapter: ModelAdapter, model: nn.Module) -> ModelAdapter:
+        reason = adapter.refuse(model)
+        if reason:
+            raise NoAdapterError(f"adapter {adapter.name!r} recognises {type(model).__name__} but: {reason}")
+        return adapter
 
     def pass_spec(self, item: str | BaseModel) -> tuple[PassSpec, BaseModel]:
         """Resolve a pass name (default config) or a config object (its pass) to (spec, config)."""

@@ -1,0 +1,16 @@
+"""Built-in plugin that registers mmsdk's embedded models (``tiny:*``) as model sources."""
+
+from __future__ import annotations
+
+import mmsdk
+from mmsdk.core.registry import Registrar
+from mmsdk.core.sources import ModelSource
+
+
+@mmsdk.hookimpl
+def mmsdk_register_models(register: Registrar[ModelSource]) -> None:
+    from mmsdk.models import tiny
+
+    for name, build in tiny.TINY_BUILDERS.items():
+        doc = (build.__doc__ or "").strip().splitlines()[0]
+        register(ModelSource(name=name, build=build, summary=f"random weights: {doc}"))

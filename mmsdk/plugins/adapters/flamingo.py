@@ -1,0 +1,102 @@
+"""Adapters for the Flamingo family (gated cross-attention): IDEFICS and Mllama."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+import mmsdk
+from mmsdk.core.adapter import AttentionProjections, CrossAttentionBlock, ImageTokenLayout, ModelAdapter, VisionBlock
+from mmsdk.core.registry import Registrar
+from mmsdk.plugins.adapters._common import clip_like_blocks
+
+
+class IdeficsAdapter(ModelAdapter):
+    """IDEFICS: CLIP tower (+ optional perceiver) feeding a tanh-gated cross-attention layer before
+    every ``cross_layer_interval``-th decoder layer."""
+
+    name = "idefics"
+    family = "flamingo"
+    architectures: ClassVar[frozenset[str]] = frozenset({"IdeficsForVisionText2Text"})
+    summary = "IDEFICS (Flamingo-style gated cross-attention every N decoder layers)"
+    image_placeholder = "<fake_token_around_image><image><fake_token_around_image>"
+    default_prompt = "User:{image}{question}<end_of_utterance>\nAssistant:"
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.vision_model
+
+    def projector(self, model: nn.Module) -> nn.Module | None:
+        return getattr(model.model, "perceiver_resampler", None)
+
+    def language_model(self, model: nn.Module) -> nn.Module:
+        return model.model
+
+    def vision_blocks(self, model: nn.Module) -> list[VisionBlock]:
+        layers = self.vision_tower(model).encoder.layers
+        return clip_like_blocks(layers, model.config.vision_config.num_attention_heads)
+
+    def cross_attention_blocks(self, model: nn.Module) -> list[CrossAttentionBlock]:
+        interval = model.model.cross_layer_interval
+        return [
+            CrossAttentionBlock(
+                decoder_index=index * interval,
+                module=layer,
+                attention=layer.cross_attn,
+                gate_names=("alpha_cross_attn", "alpha_dense"),
+                projections=AttentionProjections(),
+            )
+            for index, layer in enumerate(model.model.gated_cross_attn_layers)
+        ]
+
+    def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
+        return ImageTokenLayout(mode="cross-attention", image_token_id=None)
+
+
+class MllamaAdapter(ModelAdapter):
+    """Mllama (Llama 3.2 Vision): tiled ViT -> linear projector -> decoder whose listed layers are
+    tanh-gated cross-attention layers instead of self-attention ones."""
+
+    name = "mllama"
+    family = "flamingo"
+    architectures: ClassVar[frozenset[str]] = frozenset({"MllamaForConditionalGeneration"})
+    summary = "Mllama / Llama-3.2-Vision (gated cross-attention decoder layers)"
+    image_placeholder = "<|image|>"
+    default_prompt = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{image}{question}<|eot_id|>"
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return model.model.vision_model
+
+    def projector(self, model: nn.Module) -> nn.Module:
+        return model.model.multi_modal_projector
+
+    def language_model(self, model: nn.Module) -> nn.Module:
+        return model.model.language_model
+
+    def vision_blocks(self, model: nn.Module) -> list[VisionBlock]:
+        tower = self.vision_tower(model)
+        heads = model.config.vision_config.attention_heads
+        layers = [*tower.transformer.layers, *tower.global_transformer.layers]
+        return clip_like_blocks(layers, heads)
+
+    def cross_attention_blocks(self, model: nn.Module) -> list[CrossAttentionBlock]:
+        layers = self.decoder_layers(model)
+        return [
+            CrossAttentionBlock(
+                decoder_index=index,
+                module=layers[index],
+                attention=layers[index].cross_attn,
+                gate_names=("cross_attn_attn_gate", "cross_attn_mlp_gate"),
+                projections=AttentionProjections(),
+            )
+            for index in self.text_config(model).cross_attention_layers
+        ]
+
+    def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
+        return ImageTokenLayout(mode="cross-attention", image_token_id=model.config.image_token_index)
+
+
+@mmsdk.hookimpl
+def mmsdk_register_adapters(register: Registrar[ModelAdapter]) -> None:
+    register(IdeficsAdapter())
+    register(MllamaAdapter())
