@@ -1,0 +1,5 @@
+"""``python -m mmsdk`` runs the command line interface."""
+
+from mmsdk.cli import main
+
+raise SystemExit(main())
