@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 __all__ = [
@@ -171,6 +172,22 @@ class ModelAdapter:
         """The cross-attention layers (empty for families without them)."""
         return []
 
+    def layer_norms(self, layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """The norms before a decoder layer's attention and before its MLP."""
+        return layer.input_layernorm, layer.post_attention_layernorm
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm after the last decoder layer."""
+        return self.language_model(model).norm
+
+    def rotary_embedding(self, model: nn.Module) -> nn.Module:
+        """The decoder's rotary embedding module (it holds ``inv_freq`` and ``attention_scaling``)."""
+        return self.language_model(model).rotary_emb
+
+    def rope_sections(self, model: nn.Module) -> tuple[int, ...] | None:
+        """M-RoPE's (temporal, height, width) split of the rotary frequencies; None for 1-D RoPE."""
+        return None
+
     def vision_blocks(self, model: nn.Module) -> list[VisionBlock]:
         """The vision encoder's transformer layers."""
         raise NotImplementedError
@@ -227,6 +244,21 @@ class ModelAdapter:
 
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         """How image features enter the language model."""
+        raise NotImplementedError
+
+    # --- images ------------------------------------------------------------------------------
+    def image_input_names(self, model: nn.Module) -> tuple[str, ...]:
+        """The processor outputs the vision path reads (``pixel_values`` first)."""
+        return ("pixel_values",)
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        """What the language model reads from the images in ``images``: ``[num_images, tokens, dim]``.
+
+        ``images`` holds the processor outputs named by :meth:`image_input_names` (size and grid
+        entries may come as nested lists). Inline families return the projected embeddings that
+        replace the image tokens; cross-attention families return the states their
+        cross-attention layers attend to. Exporters trace this function.
+        """
         raise NotImplementedError
 
     def capabilities(self, model: nn.Module) -> frozenset[str]:

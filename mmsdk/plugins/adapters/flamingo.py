@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
+import torch
 from torch import nn
 
 import mmsdk
@@ -52,6 +53,16 @@ class IdeficsAdapter(ModelAdapter):
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="cross-attention", image_token_id=None)
 
+    def rotary_embedding(self, model: nn.Module) -> nn.Module:
+        return model.model.layers[0].self_attn.rotary_emb  # IDEFICS keeps one per attention module
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        pixels = images["pixel_values"]
+        states = model.model.vision_model(pixel_values=pixels.flatten(0, 1)).last_hidden_state
+        if model.config.use_resampler:
+            states = model.model.perceiver_resampler(states)
+        return states.reshape(pixels.shape[0], -1, states.shape[-1])
+
 
 class MllamaAdapter(ModelAdapter):
     """Mllama (Llama 3.2 Vision): tiled ViT -> linear projector -> decoder whose listed layers are
@@ -94,6 +105,18 @@ class MllamaAdapter(ModelAdapter):
 
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="cross-attention", image_token_id=model.config.image_token_index)
+
+    def image_input_names(self, model: nn.Module) -> tuple[str, ...]:
+        return ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        states = model.model.vision_model(
+            pixel_values=images["pixel_values"],
+            aspect_ratio_ids=images["aspect_ratio_ids"],
+            aspect_ratio_mask=images["aspect_ratio_mask"],
+        ).last_hidden_state
+        projected = model.model.multi_modal_projector(states)
+        return projected.reshape(images["pixel_values"].shape[0], -1, projected.shape[-1])
 
 
 @mmsdk.hookimpl

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
+import torch
 from torch import nn
 
 import mmsdk
@@ -39,6 +40,16 @@ class LlavaAdapter(ModelAdapter):
 
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="inline", image_token_id=model.config.image_token_id)
+
+    def image_input_names(self, model: nn.Module) -> tuple[str, ...]:
+        any_res = getattr(model.config, "image_grid_pinpoints", None) is not None
+        return ("pixel_values", "image_sizes") if any_res else ("pixel_values",)
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        extra = {"image_sizes": images["image_sizes"]} if "image_sizes" in images else {}
+        out = model.model.get_image_features(pixel_values=images["pixel_values"], return_dict=True, **extra)
+        features = out.pooler_output
+        return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
 
 
 @mmsdk.hookimpl

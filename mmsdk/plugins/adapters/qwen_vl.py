@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, Mapping
 
+import torch
 from torch import nn
 
 import mmsdk
@@ -58,6 +59,19 @@ class QwenVLAdapter(ModelAdapter):
 
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="inline", image_token_id=model.config.image_token_id)
+
+    def rope_sections(self, model: nn.Module) -> tuple[int, ...] | None:
+        cfg = self.text_config(model)
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        return tuple(params.get("mrope_section", (16, 24, 24)))
+
+    def image_input_names(self, model: nn.Module) -> tuple[str, ...]:
+        return ("pixel_values", "image_grid_thw")
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        grid = torch.as_tensor(images["image_grid_thw"], dtype=torch.long)
+        out = model.model.get_image_features(images["pixel_values"], grid, return_dict=True)
+        return torch.stack(list(out.pooler_output))
 
 
 class QwenVLv1Adapter(ModelAdapter):

@@ -1,0 +1,235 @@
+"""decoder.onnx, written node by node from the model's weights (through its adapter).
+
+Contract (ORT GenAI's): ``inputs_embeds`` [B, S, hidden], ``attention_mask`` int64 [B, T],
+``position_ids`` int64 [B, S] ([3, B, S] for M-RoPE), ``past_key_values.{i}.key/value``
+[B, kv_heads, P, D] -> ``logits`` [B, S, vocab], ``present.{i}.key/value`` [B, kv_heads, T, D].
+Flamingo-family decoders also take ``cross_key_values.{i}.key/value`` [B, heads, L, D] from the
+vision graph and ``cross_attention_mask`` int64 [B, S, groups].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mmsdk.core.errors import ExportError
+from mmsdk.plugins.backends.onnxruntime import names as N
+from mmsdk.plugins.backends.onnxruntime.graph import INT32, INT64, GraphBuilder
+from mmsdk.plugins.backends.onnxruntime.kvcache import cache_last_dim, cache_type
+from mmsdk.plugins.backends.onnxruntime.lowering import LinearWeights, concat_rows, linear_weights
+from mmsdk.plugins.backends.onnxruntime.ops import (
+    MS,
+    NormSpec,
+    activation,
+    float_min,
+    linear,
+    norm_spec,
+    rms_norm,
+    skip_rms_norm,
+    split,
+)
+from mmsdk.plugins.backends.onnxruntime.rope import RopeCache, add_rope_cache, apply_rope, rope_spec
+
+if TYPE_CHECKING:
+    import onnx
+    from torch import nn
+
+    from mmsdk.core.adapter import ModelAdapter
+    from mmsdk.core.session import Session
+    from mmsdk.plugins.backends.onnxruntime.plan import ExportPlan
+
+__all__ = ["DecoderBuilder", "Stream"]
+
+
+class Stream:
+    """The residual stream: a materialized sum plus at most one delta waiting to be added.
+
+    Keeping the delta pending lets the next norm fuse the add (SkipSimplifiedLayerNormalization).
+    """
+
+    def __init__(self, hidden: str) -> None:
+        self.hidden = hidden
+        self.pending: str | None = None
+
+    def norm(self, g: GraphBuilder, spec: NormSpec, hint: str) -> str:
+        if self.pending is None:
+            return rms_norm(g, self.hidden, spec, hint)
+        normed, self.hidden = skip_rms_norm(g, self.pending, self.hidden, spec, hint)
+        self.pending = None
+        return normed
+
+    def add(self, g: GraphBuilder, delta: str) -> None:
+        if self.pending is not None:
+            self.hidden = g.op("Add", [self.hidden, self.pending], hint="residual")
+        self.pending = delta
+
+
+class DecoderBuilder:
+    """Builds decoder.onnx for one model; every module it cannot read raises before anything is written."""
+
+    def __init__(self, model: nn.Module, adapter: ModelAdapter, session: Session, plan: ExportPlan) -> None:
+        self.model, self.adapter, self.session, self.plan = model, adapter, session, plan
+        self.layout = adapter.kv_layout(model)
+        self.text = adapter.text_config(model)
+        self.g = GraphBuilder("decoder", modality="text", stage="decoder")
+        self.qualnames = {id(m): name for name, m in model.named_modules()}
+        self.rope: RopeCache | None = None
+        self.shared: dict[str, str] = {}
+
+    # --- reading the model -------------------------------------------------------------------
+    def where(self, module: nn.Module) -> str:
+        return self.qualnames.get(id(module), type(module).__name__)
+
+    def linear_of(self, module: nn.Module) -> LinearWeights:
+        return linear_weights(module, self.session, self.plan.target, self.where(module))
+
+    def norm_of(self, module: nn.Module) -> NormSpec:
+        return norm_spec(module, self.session, self.plan.target, self.where(module))
+
+    def qkv_weights(self, attention: nn.Module) -> LinearWeights:
+        """q|k|v rows as one linear: the model's own fused projection, qkv-fuse's, or concatenated."""
+        from mmsdk.plugins.attention.qkv_fuse import FusedSlice
+
+        names = self.adapter.attention_projections(attention).linears()
+        if "qkv" in names:
+            return self.linear_of(getattr(attention, names["qkv"]))
+        parts = [getattr(attention, names[role]) for role in ("q", "k", "v")]
+        if all(isinstance(p, FusedSlice) for p in parts) and parts[0].roles == ("q", "k", "v"):
+            return self.linear_of(parts[0].fused)
+        return concat_rows([self.linear_of(p) for p in parts], self.where(attention))
+
+    def mlp_weights(self, mlp: nn.Module) -> tuple[LinearWeights, LinearWeights, bool]:
+        """(gate|up fused or up alone, down, gated?)."""
+        proj = self.adapter.mlp_projections(mlp)
+        up, down = self.linear_of(getattr(mlp, proj.up)), self.linear_of(getattr(mlp, proj.down))
+        if proj.gate is None:
+            return up, down, False
+        gate = self.linear_of(getattr(mlp, proj.gate))
+        return concat_rows([gate, up], self.where(mlp)), down, True
+
+    # --- graph -------------------------------------------------------------------------------
+    def build(self) -> onnx.ModelProto:
+        """The whole decoder graph."""
+        from mmsdk.plugins.backends.onnxruntime import xattn
+
+        g, layout = self.g, self.layout
+        embeds = self.declare_inputs()
+        self.shared.update(self.attention_inputs())
+        spec = rope_spec(self.model, self.adapter, self.plan.max_positions, layout.head_dim)
+        self.rope = add_rope_cache(g, spec)
+        stream = Stream(embeds)
+        layers = self.adapter.decoder_layers(self.model)
+        cross = {c.decoder_index: c for c in self.plan.cross}
+        blocks = self.adapter.cross_attention_blocks(self.model)
+        for index, layer in enumerate(layers):
+            with g.scope(f"layers.{index}", module=self.where(layer)):
+                if index in cross:
+                    block = blocks[cross[index].block_index]
+                    with g.scope("cross", stage="cross_attention", modality="multimodal", module=self.where(block.module)):
+                        xattn.emit_block(self, stream, block, cross[index])
+                attention = self.adapter.self_attention(layer)
+                if attention is not None:
+                    self.emit_self_attention_layer(stream, layer, attention, index)
+        with g.scope("norm", module=self.where(self.adapter.final_norm(self.model))):
+            hidden = stream.norm(g, self.norm_of(self.adapter.final_norm(self.model)), "final_norm")
+        head = self.adapter.lm_head(self.model)
+        with g.scope("lm_head", stage="lm_head", module=self.where(head)):
+            logits = linear(g, hidden, self.linear_of(head), "lm_head", accuracy_level=self.plan.accuracy_level)
+        g.output(logits, N.LOGITS, g.float_type, [N.BATCH, N.SEQUENCE, self.linear_of(head).out_features])
+        return g.model()
+
+    def declare_inputs(self) -> str:
+        g, layout = self.g, self.layout
+        embeds = g.input(N.INPUTS_EMBEDS, g.float_type, [N.BATCH, N.SEQUENCE, layout.hidden_size])
+        g.input(N.ATTENTION_MASK, INT64, [N.BATCH, N.TOTAL])
+        mrope = self.adapter.rope_sections(self.model) is not None
+        g.input(N.POSITION_IDS, INT64, [3, N.BATCH, N.SEQUENCE] if mrope else [N.BATCH, N.SEQUENCE])
+        ctype, last = cache_type(self.plan.kv, g.float_type), cache_last_dim(self.plan.kv, layout.head_dim)
+        for i in layout.self_attention_layers:
+            for name in (N.past_key(i), N.past_value(i)):
+                g.input(name, ctype, [N.BATCH, layout.num_kv_heads, N.PAST, last])
+        if self.plan.cross:
+            from mmsdk.plugins.backends.onnxruntime.xattn import declare_cross_inputs
+
+            declare_cross_inputs(self)
+        return embeds
+
+    def attention_inputs(self) -> dict[str, str]:
+        """seqlens_k / total_sequence_length for GQA and the additive padding bias [B, 1, S, T]."""
+        g = self.g
+        with g.scope("attention_inputs", stage="decoder"):
+            mask_shape = g.op("Shape", [N.ATTENTION_MASK])
+            total64 = g.op("Gather", [mask_shape, g.const("one", 1, keep_dtype=True)], axis=0)
+            total = g.op("Cast", [total64], to=INT32)
+            batch = g.op("Gather", [mask_shape, g.const("zero", 0, keep_dtype=True)], axis=0)
+            batch1 = g.op("Unsqueeze", [batch, g.ints("axes0", [0])])
+            last = g.op("Sub", [total, g.const("one_i32", np.int32(1))])
+            seqlens = g.op("Expand", [last, batch1], hint="seqlens_k")
+            valid = g.op("Cast", [N.ATTENTION_MASK], to=9)  # bool
+            zero = g.const("zero_f", 0.0)
+            neg = g.const("neg_f", float_min(g))
+            bias = g.op("Where", [valid, zero, neg])  # [B, T]
+            bias4 = g.op("Unsqueeze", [bias, g.ints("axes12", [1, 2])])  # [B, 1, 1, T]
+            embeds_shape = g.op("Shape", [N.INPUTS_EMBEDS])
+            seq = g.op("Slice", [embeds_shape, g.ints("s1", [1]), g.ints("s2", [2])])
+            target = g.op("Concat", [batch1, g.ints("one1", [1]), seq, g.op("Unsqueeze", [total64, g.ints("axes0b", [0])])],
+                          axis=0)
+            full = g.op("Expand", [bias4, target], hint="attention_bias")
+        return {"seqlens_k": seqlens, "total": total, "bias": full}
+
+    def emit_self_attention_layer(self, stream: Stream, layer: nn.Module, attention: nn.Module, index: int) -> None:
+        g, acc = self.g, self.plan.accuracy_level
+        norm_in, norm_post = (self.norm_of(n) for n in self.adapter.layer_norms(layer))
+        with g.scope("self_attn", module=self.where(attention)):
+            x = stream.norm(g, norm_in, "input_layernorm")
+            attn = self.self_attention(x, attention, index)
+            stream.add(g, linear(g, attn, self.linear_of(self._o_proj(attention)), "o_proj", accuracy_level=acc))
+        mlp = self.adapter.mlp(layer)
+        with g.scope("mlp", module=self.where(mlp)):
+            x = stream.norm(g, norm_post, "post_attention_layernorm")
+            stream.add(g, self.mlp(x, mlp))
+
+    def _o_proj(self, attention: nn.Module) -> nn.Module:
+        name = self.adapter.attention_projections(attention).o
+        if name is None:
+            raise ExportError(f"{self.where(attention)} has no output projection the adapter can name.",
+                              fix="fix the adapter's attention_projections().")
+        return getattr(attention, name)
+
+    def self_attention(self, x: str, attention: nn.Module, index: int) -> str:
+        g, layout, kv = self.g, self.layout, self.plan.kv
+        assert self.rope is not None  # set in build()
+        heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+        qkv = linear(g, x, self.qkv_weights(attention), "qkv_proj", accuracy_level=self.plan.accuracy_level)
+        q, k, v = split(g, qkv, [heads * dim, kv_heads * dim, kv_heads * dim], "split_qkv")
+        q = apply_rope(g, q, self.rope, N.POSITION_IDS, heads, "q_rotary")
+        k = apply_rope(g, k, self.rope, N.POSITION_IDS, kv_heads, "k_rotary")
+        inputs = [q, k, v, N.past_key(index), N.past_value(index), self.shared["seqlens_k"], self.shared["total"],
+                  "", "", "", self.shared["bias"]]
+        attrs: dict[str, object] = {"num_heads": heads, "kv_num_heads": kv_heads}
+        scaling = getattr(attention, "scaling", None)
+        if isinstance(scaling, float):
+            attrs["scale"] = scaling
+        if kv is not None:
+            ks, vs = kv.k_scales[index], kv.v_scales[index]
+            inputs += ["", g.const(f"k_scale.{index}", ks, keep_dtype=True), g.const(f"v_scale.{index}", vs, keep_dtype=True)]
+            attrs.update(k_quant_type=kv.quant_type(ks), v_quant_type=kv.quant_type(vs), kv_cache_bit_width=kv.bits)
+        outs = g.op("GroupQueryAttention", inputs, domain=MS, hint="GroupQueryAttention",
+                    outputs=[g.fresh("attn_out"), N.present_key(index), N.present_value(index)], **attrs)
+        ctype, last = cache_type(kv, g.float_type), cache_last_dim(kv, dim)
+        for name in outs[1:]:
+            g.output(name, name, ctype, [N.BATCH, kv_heads, N.TOTAL, last])
+        return outs[0]
+
+    def mlp(self, x: str, mlp: nn.Module) -> str:
+        g, acc = self.g, self.plan.accuracy_level
+        first, down, gated = self.mlp_weights(mlp)
+        act = str(getattr(self.text, "hidden_act", "silu"))
+        hidden = linear(g, x, first, "gate_up_proj" if gated else "up_proj", accuracy_level=acc)
+        if gated:
+            gate, up = split(g, hidden, [down.in_features, down.in_features], "split_gate_up")
+            hidden = g.op("Mul", [activation(g, gate, act, "act"), up], hint="gate_mul")
+        else:
+            hidden = activation(g, hidden, act, "act")
+        return linear(g, hidden, down, "down_proj", accuracy_level=acc)

@@ -1,0 +1,56 @@
+"""Export-time check: the written graphs must reproduce the optimized torch model on a sample prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from mmsdk.core.errors import ExportError
+
+if TYPE_CHECKING:
+    from mmsdk.core.backend import ExportContext
+
+__all__ = ["verify_against_torch", "LOGIT_TOLERANCE", "QUANTIZED_KV_TOLERANCE"]
+
+# Largest |logit difference| / max(1, max |logit|) accepted for the last prompt token.
+LOGIT_TOLERANCE = 1e-3
+# With a quantized KV cache ORT quantizes the prompt's K/V before attending to them, while a torch
+# quantized cache may keep recent tokens in float: the two differ by quantization noise.
+QUANTIZED_KV_TOLERANCE = 0.25
+STEPS = 4
+
+
+def verify_against_torch(context: ExportContext, staging: Path, details: Mapping[str, Any],
+                         sample: Mapping[str, Any]) -> dict[str, Any]:
+    """Compare prefill logits (raising on a mismatch) and report greedy agreement over a few steps."""
+    import torch
+
+    from mmsdk.runtime.inputs import from_batch
+    from mmsdk.runtime.pipeline import OrtPipeline
+    from mmsdk.runtime.sessions import SessionConfig, open_session
+    from mmsdk.runtime.spec import ExportSpec
+
+    spec = ExportSpec.from_details(details)
+    sessions = {k: open_session(staging / spec.files[k], SessionConfig()) for k in ("vision", "embedding", "decoder")}
+    pipe = OrtPipeline(spec, sessions, context.processor)
+    prepared = from_batch(spec, sample, STEPS, pipe.vision_shapes)
+    generation = pipe.decode(prepared, pipe.encode(prepared))
+    with torch.no_grad():
+        reference = context.model(**sample).logits[:, -1].float()
+        expected = context.model.generate(**sample, max_new_tokens=STEPS, do_sample=False)
+    scale = max(1.0, float(reference.abs().max()))
+    error = float((generation.first_logits - reference).abs().max()) / scale
+    tolerance = QUANTIZED_KV_TOLERANCE if details["decoder"]["cache"]["bits"] else LOGIT_TOLERANCE
+    if not error <= tolerance:
+        raise ExportError(
+            f"the exported graphs do not reproduce the optimized torch model: last-token logits differ by "
+            f"{error:.3g} (relative; allowed {tolerance}). Passes applied: {', '.join(context.pass_names()) or 'none'}.",
+            fix="one of the passes changes the model in a way the onnxruntime backend does not express; drop it "
+            "for this export or export to the 'torch' backend, and report the pass and model.",
+        )
+    torch_tokens = expected[0, sample["input_ids"].shape[1]:].tolist()
+    ort_tokens = generation.tokens[0]
+    agree = sum(1 for a, b in zip(torch_tokens, ort_tokens) if a == b)
+    return {"prompt_tokens": int(sample["input_ids"].shape[1]), "relative_logit_error": error,
+            "tolerance": tolerance, "greedy_tokens_torch": torch_tokens, "greedy_tokens_onnxruntime": ort_tokens,
+            "greedy_agreement": f"{agree}/{min(len(torch_tokens), len(ort_tokens))}"}

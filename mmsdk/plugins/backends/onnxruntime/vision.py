@@ -1,0 +1,203 @@
+"""vision.onnx: the vision tower and projector (with whatever passes changed in them), traced for one image.
+
+The vision path is traced rather than written by hand: vision towers differ per family and the
+vision passes (token pruning / merging, ViT pruning) change their torch code, which tracing
+captures as it is. Shapes are those of the family's processor, one image per run; size and grid
+inputs (``image_sizes``, ``image_grid_thw``) are fixed at export and checked by the runtime.
+Flamingo-family graphs also project the image states into every open cross-attention block's K/V.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from mmsdk.core.errors import ExportError
+from mmsdk.plugins.backends.onnxruntime import names as N
+from mmsdk.plugins.backends.onnxruntime.annotate import annotate_traced, model_metadata
+
+if TYPE_CHECKING:
+    import onnx
+    import torch
+    from torch import nn
+
+    from mmsdk.core.adapter import ModelAdapter
+    from mmsdk.plugins.backends.onnxruntime.plan import ExportPlan
+
+__all__ = ["FIXED_IMAGE_INPUTS", "VisionGraph", "build_vision", "image_inputs_of"]
+
+# Processor outputs that describe an image's size or grid: fixed at export, checked at run time.
+FIXED_IMAGE_INPUTS = frozenset({"image_sizes", "image_grid_thw"})
+OPSET = 18
+
+
+@dataclass
+class VisionGraph:
+    """The traced graph and what the runtime must know to feed it."""
+
+    model: onnx.ModelProto
+    inputs: list[str]
+    outputs: list[str]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    exporter: str = ""
+    max_abs_error: float = 0.0
+
+    def details(self) -> dict[str, Any]:
+        return {"inputs": self.inputs, "outputs": self.outputs, "fixed_inputs": self.fixed,
+                "exporter": self.exporter, "max_abs_error_vs_torch": self.max_abs_error}
+
+
+def image_inputs_of(adapter: ModelAdapter, model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The first image's vision inputs out of a processor batch (every entry split along axis 0)."""
+    images = len(batch["input_ids"])
+    picked = {}
+    for name in adapter.image_input_names(model):
+        if name in batch:
+            value = batch[name]
+            picked[name] = value[: len(value) // images]
+    return picked
+
+
+class _Wrapper:
+    """Builds the nn.Module the exporters trace (kept out of module scope: torch imports lazily)."""
+
+    @staticmethod
+    def make(model: nn.Module, adapter: ModelAdapter, keys: list[str], fixed: dict[str, Any],
+             plan: ExportPlan) -> nn.Module:
+        import torch
+
+        blocks = adapter.cross_attention_blocks(model)
+        cross = [blocks[c.block_index] for c in plan.cross_with_kv()]
+        recipe = plan.recipe
+        layout = adapter.kv_layout(model)
+
+        class VisionExport(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, *tensors: torch.Tensor) -> Any:
+                images = {**fixed, **dict(zip(keys, tensors))}
+                states = adapter.image_features(self.model, images)
+                if not cross:
+                    return states.reshape(-1, states.shape[-1])
+                outs = []
+                for block in cross:
+                    outs.extend(_project_kv(block.attention, block.projections.linears(), states, layout, recipe))
+                return tuple(outs)
+
+        return VisionExport().eval()
+
+
+def _project_kv(attention: nn.Module, names: dict[str, str], states: torch.Tensor, layout: Any, recipe: Any) -> list:
+    batch, length = states.shape[0], states.shape[1]
+    heads, dim = layout.num_heads, layout.head_dim
+    out = []
+    for role in ("k", "v"):
+        projected = getattr(attention, names[role])(states)
+        kv_heads = projected.shape[-1] // dim
+        x = projected.view(batch, length, kv_heads, dim).transpose(1, 2)
+        norm = getattr(attention, recipe.k_norm, None) if role == "k" and recipe and recipe.k_norm else None
+        if norm is not None:
+            x = norm(x)
+        out.append(x.repeat_interleave(heads // kv_heads, dim=1).contiguous())
+    return out
+
+
+def build_vision(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, sample: Mapping[str, Any]) -> VisionGraph:
+    """Trace the vision path on ``sample`` (one image's processor outputs) and check it against torch."""
+    import torch
+
+    keys = [k for k in sample if k not in FIXED_IMAGE_INPUTS]
+    fixed = {k: _as_list(v) for k, v in sample.items() if k in FIXED_IMAGE_INPUTS}
+    wrapper = _Wrapper.make(model, adapter, keys, fixed, plan)
+    args = tuple(sample[k] for k in keys)
+    with torch.no_grad():
+        reference = wrapper(*args)
+    references = [reference] if isinstance(reference, torch.Tensor) else list(reference)
+    outputs = [N.IMAGE_FEATURES] if len(references) == 1 and not plan.cross else [
+        name for c in plan.cross_with_kv() for name in (N.cross_key(c.decoder_index), N.cross_value(c.decoder_index))]
+    proto, exporter = _export(wrapper, args, keys, outputs)
+    graph = VisionGraph(proto, keys, outputs, fixed, exporter)
+    graph.max_abs_error = _check(proto, {k: sample[k] for k in keys}, references, outputs)
+    for name in fixed:  # kept as graph inputs (ORT GenAI feeds them) though the graph has them built in
+        _add_unused_input(proto, name, np.asarray(fixed[name]))
+        graph.inputs.append(name)
+    annotate_traced(proto, _scopes(model, adapter, plan), "vision_encoder")
+    model_metadata(proto, "vision", "vision")
+    return graph
+
+
+def _as_list(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _export(wrapper: nn.Module, args: tuple, keys: list[str], outputs: list[str]) -> tuple[onnx.ModelProto, str]:
+    import onnx
+    import torch
+
+    errors = []
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:  # TorchScript tracing follows data-dependent Python control flow of vision code as traced
+            buffer = io.BytesIO()
+            torch.onnx.export(wrapper, args, buffer, dynamo=False, input_names=keys, output_names=outputs,
+                              opset_version=OPSET)
+            return onnx.load_from_string(buffer.getvalue()), "torchscript"
+        except Exception as err:  # noqa: BLE001 - try the other exporter, report both
+            errors.append(f"torchscript: {type(err).__name__}: {str(err)[:300]}")
+        try:
+            program = torch.onnx.export(wrapper, args, dynamo=True, input_names=keys, output_names=outputs,
+                                        verbose=False)
+            return program.model_proto, "dynamo"
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"dynamo: {type(err).__name__}: {str(err)[:300]}")
+    raise ExportError(
+        "the vision path (vision tower + projector) could not be exported to ONNX by either torch exporter: "
+        + " | ".join(errors),
+        fix="export to the 'torch' backend, or check that the passes applied to the vision tower are traceable.",
+    )
+
+
+def _check(proto: onnx.ModelProto, feeds: Mapping[str, Any], references: list, outputs: list[str]) -> float:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    got = session.run(outputs, {k: np.asarray(v) for k, v in feeds.items() if k in names})
+    worst = 0.0
+    for name, value, ref in zip(outputs, got, references):
+        want = ref.detach().float().cpu().numpy()
+        error = float(np.abs(value - want).max()) if want.size else 0.0
+        worst = max(worst, error)
+        if error > 1e-3 * max(1.0, float(np.abs(want).max())):
+            raise ExportError(
+                f"the exported vision graph does not reproduce the torch vision path: {name} differs by {error:.3g}.",
+                fix="a pass changed the vision tower in a way the exporter did not trace faithfully; export to "
+                "'torch', or report the pass and model.",
+            )
+    return worst
+
+
+def _add_unused_input(proto: onnx.ModelProto, name: str, value: np.ndarray) -> None:
+    from onnx import helper
+
+    if any(i.name == name for i in proto.graph.input):
+        return
+    proto.graph.input.append(helper.make_tensor_value_info(name, 7, list(value.shape)))
+
+
+def _scopes(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan) -> dict[str, str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    scopes = {}
+    for module, stage in ((adapter.vision_tower(model), "vision_encoder"), (adapter.projector(model), "projector")):
+        if module is not None and id(module) in names:
+            scopes["model." + names[id(module)]] = stage
+    blocks = adapter.cross_attention_blocks(model)
+    for c in plan.cross_with_kv():
+        scopes["model." + names[id(blocks[c.block_index].attention)]] = "cross_kv"
+    return scopes

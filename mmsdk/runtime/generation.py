@@ -1,0 +1,117 @@
+"""The decode loop: embedding and decoder sessions chained through OrtValues, KV cache handed on as is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mmsdk.runtime.positions import mrope_positions, step_positions, text_positions
+from mmsdk.runtime.sessions import Bound, as_torch, empty_ortvalue
+
+if TYPE_CHECKING:
+    import torch
+
+    from mmsdk.runtime.inputs import Prepared
+    from mmsdk.runtime.pipeline import OrtPipeline
+    from mmsdk.runtime.sampling import Sampler
+
+__all__ = ["Encoded", "Generation", "decode"]
+
+N_IDS, N_FEATS, N_EMBEDS = "input_ids", "image_features", "inputs_embeds"
+
+
+@dataclass
+class Encoded:
+    """The vision stage's result for one batch, still in ORT/torch memory."""
+
+    features: Any = None  # [N, hidden] (inline families)
+    cross: dict[str, Any] | None = None  # cross_key_values.* -> [B, heads, L, D]
+    seconds: float = 0.0
+
+
+@dataclass
+class Generation:
+    """Generated token ids per row (prompt excluded) and the prefill logits of the last prompt token."""
+
+    tokens: list[list[int]]
+    first_logits: torch.Tensor
+    seconds: float = 0.0
+    decode_steps: int = 0
+
+
+def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sampler) -> Generation:
+    """Prefill then decode up to ``prepared.max_new_tokens`` tokens (stops when every row hit EOS)."""
+    import time
+
+    import torch
+
+    start = time.perf_counter()
+    spec, batch = pipe.spec, prepared.batch
+    mask = prepared.attention_mask
+    positions, deltas = _prefill_positions(pipe, prepared)
+    embeds = _embed(pipe, prepared.input_ids, encoded.features)
+    past = {name: empty_ortvalue([batch, spec.num_kv_heads, 0, spec.cache_last_dim], spec.cache_dtype)
+            for layer in spec.self_layers for name in (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value")}
+    cross_mask = prepared.cross_mask
+    tokens = torch.empty(batch, 0, dtype=torch.long)
+    done = torch.zeros(batch, dtype=torch.bool)
+    eos = torch.tensor(spec.eos_token_ids or [-1])
+    pad = spec.pad_token_id if spec.pad_token_id is not None else (spec.eos_token_ids or (0,))[0]
+    first_logits = None
+    for step in range(prepared.max_new_tokens):
+        logits, past = _decoder_step(pipe, embeds, mask, positions, past, encoded.cross, cross_mask)
+        last = as_torch(logits)[:, -1]
+        if first_logits is None:
+            first_logits = last.clone()
+        chosen = torch.where(done, torch.full_like(done, pad, dtype=torch.long), sampler(last))
+        tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+        done |= torch.isin(chosen, eos)
+        if bool(done.all()) or step + 1 == prepared.max_new_tokens:
+            break
+        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        positions = step_positions(mask, deltas)
+        if cross_mask is not None:
+            cross_mask = cross_mask[:, -1:]
+        embeds = _embed(pipe, chosen[:, None].numpy(), None)
+    rows = [[int(t) for t in row] for row in tokens]
+    assert first_logits is not None
+    return Generation(_strip(rows, spec.eos_token_ids, pad), first_logits, time.perf_counter() - start, len(rows[0]))
+
+
+def _strip(rows: list[list[int]], eos: tuple[int, ...], pad: int) -> list[list[int]]:
+    """Cut each row after its first EOS (kept), dropping the padding that filled finished rows."""
+    out = []
+    for row in rows:
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out.append(row[:cut])
+    return out
+
+
+def _prefill_positions(pipe: OrtPipeline, prepared: Prepared) -> tuple[np.ndarray, np.ndarray | None]:
+    spec = pipe.spec
+    if spec.mrope is None:
+        return text_positions(prepared.attention_mask), None
+    return mrope_positions(prepared.input_ids, prepared.attention_mask, prepared.grids, spec.mrope)
+
+
+def _embed(pipe: OrtPipeline, ids: np.ndarray, features: Any) -> Any:
+    feeds: dict[str, Any] = {N_IDS: np.ascontiguousarray(ids, dtype=np.int64)}
+    if pipe.spec.inline_images:
+        feeds[N_FEATS] = features if features is not None else pipe.no_features
+    return Bound(pipe.embedding).inputs(feeds).output(N_EMBEDS).run()[0]
+
+
+def _decoder_step(pipe: OrtPipeline, embeds: Any, mask: np.ndarray, positions: np.ndarray, past: dict[str, Any],
+                  cross: dict[str, Any] | None, cross_mask: np.ndarray | None) -> tuple[Any, dict[str, Any]]:
+    feeds: dict[str, Any] = {N_EMBEDS: embeds, "attention_mask": mask, "position_ids": positions, **past}
+    if cross is not None:
+        feeds.update(cross)
+        feeds["cross_attention_mask"] = np.ascontiguousarray(cross_mask)
+    bound = Bound(pipe.decoder).inputs(feeds).output("logits")
+    presents = [name.replace("past_key_values.", "present.") for name in past]
+    for name in presents:
+        bound.output(name)
+    outs = bound.run()
+    return outs[0], dict(zip(past, outs[1:]))
