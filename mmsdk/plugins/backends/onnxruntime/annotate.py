@@ -67,10 +67,17 @@ def model_metadata(model: onnx.ModelProto, graph: str, modality: str) -> None:
 def annotate_traced(model: onnx.ModelProto, scopes: Mapping[str, str], default_stage: str) -> None:
     """Annotate a traced graph: each node's stage from the longest module prefix in ``scopes``.
 
-    ``scopes`` maps a qualified module name (as the exporter's wrapper saw it) to a stage. The
-    torch exporter's bulky per-node debug properties are dropped; the module path is kept.
+    ``scopes`` maps a qualified module name to a stage. Exporters name nodes after the module
+    calls they went through, which may start below the root (a method such as
+    ``get_image_features`` calls ``vision_tower`` directly), so every dotted suffix of a qualified
+    name matches too. The torch exporter's bulky per-node debug properties are dropped.
     """
-    ordered = sorted(scopes.items(), key=lambda item: -len(item[0]))
+    expanded: dict[str, str] = {}
+    for qualname, stage in scopes.items():
+        parts = qualname.split(".")
+        for start in range(len(parts)):
+            expanded.setdefault(".".join(parts[start:]), stage)
+    ordered = sorted(expanded.items(), key=lambda item: -len(item[0]))
     for node in model.graph.node:
         module = _module_path(node)
         stage = next((s for prefix, s in ordered if module == prefix or module.startswith(prefix + ".")), default_stage)

@@ -114,8 +114,10 @@ def describe(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, vision: 
         decoder["spatial_merge_size"] = int(model.config.vision_config.spatial_merge_size)
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None)
+    head = adapter.lm_head(model)
     return {
         "files": dict(FILES), "decoder_data": DECODER_DATA, "processor": PROCESSOR_DIR,
+        "vocab_size": int(getattr(head, "out_features", 0) + getattr(head, "out_additional_features", 0)),
         "family": adapter.family, "adapter": adapter.name,
         "image_tokens": image_layout.mode, "image_token_id": image_layout.image_token_id,
         "vision": vision.details(), "decoder": decoder,

@@ -75,22 +75,38 @@ class _Wrapper:
         recipe = plan.recipe
         layout = adapter.kv_layout(model)
 
+        class CrossKV(torch.nn.Module):
+            """One block's K/V projection; a module of its own so the exported nodes carry its name."""
+
+            def __init__(self, attention: nn.Module, names: dict[str, str]) -> None:
+                super().__init__()
+                object.__setattr__(self, "attention", attention)  # not a child: its weights stay the model's
+                self.names = names
+
+            def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                k, v = _project_kv(self.attention, self.names, states, layout, recipe)
+                return k, v
+
         class VisionExport(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.model = model
+                self.cross = [CrossKV(block.attention, block.projections.linears()) for block in cross]
+                for entry, module in zip(plan_cross, self.cross):
+                    self.add_module(f"{CROSS_KV_SCOPE}{entry.decoder_index}", module)
 
             def forward(self, *tensors: torch.Tensor) -> Any:
                 images = {**fixed, **dict(zip(keys, tensors))}
                 states = adapter.image_features(self.model, images)
-                if not cross:
+                if not self.cross:
                     return states.reshape(-1, states.shape[-1])
-                outs = []
-                for block in cross:
-                    outs.extend(_project_kv(block.attention, block.projections.linears(), states, layout, recipe))
-                return tuple(outs)
+                return tuple(t for module in self.cross for t in module(states))
 
+        plan_cross = plan.cross_with_kv()
         return VisionExport().eval()
+
+
+CROSS_KV_SCOPE = "cross_kv_"
 
 
 def _project_kv(attention: nn.Module, names: dict[str, str], states: torch.Tensor, layout: Any, recipe: Any) -> list:
@@ -197,7 +213,6 @@ def _scopes(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan) -> dict[s
     for module, stage in ((adapter.vision_tower(model), "vision_encoder"), (adapter.projector(model), "projector")):
         if module is not None and id(module) in names:
             scopes["model." + names[id(module)]] = stage
-    blocks = adapter.cross_attention_blocks(model)
     for c in plan.cross_with_kv():
-        scopes["model." + names[id(blocks[c.block_index].attention)]] = "cross_kv"
+        scopes[f"{CROSS_KV_SCOPE}{c.decoder_index}"] = "cross_kv"
     return scopes
