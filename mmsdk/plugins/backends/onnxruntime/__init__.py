@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import mmsdk
-from mmsdk.core.backend import Backend, BackendOptions, ExportContext, ExportInfo
+from mmsdk.core.backend import Backend, BackendOptions, ExportContext, ExportInfo, LowerTarget
 from mmsdk.plugins.backends.onnxruntime.options import OrtOptions
 
 if TYPE_CHECKING:
@@ -55,3 +55,13 @@ class OnnxRuntimeBackend:
 @mmsdk.hookimpl
 def mmsdk_register_backends(register: Registrar[Backend]) -> None:
     register(OnnxRuntimeBackend())
+
+
+@mmsdk.hookimpl
+def mmsdk_lower(module: Any, target: LowerTarget) -> Any:
+    """Built-in lowering for this backend: modules exposing MatMulNBits-layout ``packed()`` weights."""
+    if target.backend != OnnxRuntimeBackend.name:
+        return None
+    from mmsdk.plugins.backends.onnxruntime.lowering import nbits_from_packed
+
+    return nbits_from_packed(module)

@@ -25,6 +25,12 @@ PASS_SUPPORT: dict[str, str] = {
     "token-prune": "traced into vision.onnx",
     "token-merge": "traced into vision.onnx",
     "vit-prune": "traced into vision.onnx",
+    "int4-weight": "MatMulNBits (bits=4) with the packed bytes copied as they are; AWQ input scales as a Mul",
+    "int4-kv": "GroupQueryAttention kv_cache_bit_width=4 with the calibrated k_scale / v_scale; cross-attention K/V "
+    "quantized and dequantized once in vision.onnx",
+    "int8-kv": "GroupQueryAttention kv_cache_bit_width=8 with the calibrated k_scale / v_scale; cross-attention K/V "
+    "quantized and dequantized once in vision.onnx",
+    "ptq-align": "its ranges reach the graphs through the KV and weight passes that use them",
 }
 # Passes the backend refuses, with the reason (checked before any pass-specific work).
 REFUSED: dict[str, str] = {
@@ -80,8 +86,40 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
         kv=decided.get("kv"),
         recipe=recipe,
         cross=cross,
+        cross_kv_quant=decided.get("cross_kv_quant", {}),
     )
 
 
-# Passes that need a decision of their own register a handler here (name -> handler).
-PASS_HANDLERS: dict[str, PassHandler] = {}
+def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str, Any]) -> None:
+    """int4-kv / int8-kv: GroupQueryAttention's quantized cache with the pass's calibrated scales."""
+    from mmsdk.plugins.backends.onnxruntime.kvcache import kv_from_record
+
+    fmt = "int4" if result.name == "int4-kv" else "int8"
+    if getattr(result.config, "scales", "static") != "static":
+        raise IncompatiblePassError(
+            f"{result.name} with dynamic per-token scales runs in torch only; GroupQueryAttention takes static "
+            "calibrated scales.",
+            fix=f"apply {result.name} with scales='static' (and opt.calibrate(...)) for this export.",
+        )
+    calibration = result.records.get("calibration") or {}
+    record = calibration.get("kv_cache") or calibration.get("kv_ranges")
+    if not record or not record.get("layers"):
+        raise ExportError(
+            f"pass {result.name!r} recorded no calibrated K/V ranges, so there are no k_scale / v_scale to export.",
+            fix="calibrate before exporting (opt.calibrate(samples)), with static scales.",
+        )
+    kv, cross = kv_from_record(record, fmt, f"{result.name}: {record.get('method', 'minmax')} ranges")
+    missing = sorted(set(context.adapter.kv_layout(context.model).self_attention_layers) - set(kv.k_scales))
+    if missing:
+        raise ExportError(f"pass {result.name!r} recorded no K/V ranges for decoder layers {missing}.",
+                          fix="re-run calibration on the whole model, then export again.")
+    blocks = context.adapter.cross_attention_blocks(context.model)
+    decided["kv"] = kv
+    decided["cross_kv_quant"] = {
+        (blocks[index].decoder_index if kind == "recomputed" else index): (k, v, kv.bits)
+        for (kind, index), (k, v) in cross.items()
+    }
+
+
+# Passes that need a decision of their own (name -> handler).
+PASS_HANDLERS: dict[str, PassHandler] = {"int4-kv": _kv_cache_pass, "int8-kv": _kv_cache_pass}

@@ -24,10 +24,10 @@ from mmsdk.plugins.backends.onnxruntime.ops import (
     activation,
     float_min,
     linear,
+    linear_group,
     norm_spec,
     rms_norm,
     skip_rms_norm,
-    split,
 )
 from mmsdk.plugins.backends.onnxruntime.rope import RopeCache, add_rope_cache, apply_rope, rope_spec
 
@@ -87,26 +87,30 @@ class DecoderBuilder:
     def norm_of(self, module: nn.Module) -> NormSpec:
         return norm_spec(module, self.session, self.plan.target, self.where(module))
 
-    def qkv_weights(self, attention: nn.Module) -> LinearWeights:
-        """q|k|v rows as one linear: the model's own fused projection, qkv-fuse's, or concatenated."""
+    def qkv_weights(self, attention: nn.Module) -> list[LinearWeights]:
+        """q|k|v as one linear (the model's fused projection, qkv-fuse's, or rows stacked here) or three."""
         from mmsdk.plugins.attention.qkv_fuse import FusedSlice
 
         names = self.adapter.attention_projections(attention).linears()
         if "qkv" in names:
-            return self.linear_of(getattr(attention, names["qkv"]))
+            return [self.linear_of(getattr(attention, names["qkv"]))]
         parts = [getattr(attention, names[role]) for role in ("q", "k", "v")]
         if all(isinstance(p, FusedSlice) for p in parts) and parts[0].roles == ("q", "k", "v"):
-            return self.linear_of(parts[0].fused)
-        return concat_rows([self.linear_of(p) for p in parts], self.where(attention))
+            return [self.linear_of(parts[0].fused)]
+        return self.fused_or_apart([self.linear_of(p) for p in parts], attention)
 
-    def mlp_weights(self, mlp: nn.Module) -> tuple[LinearWeights, LinearWeights, bool]:
-        """(gate|up fused or up alone, down, gated?)."""
+    def fused_or_apart(self, parts: list[LinearWeights], owner: nn.Module) -> list[LinearWeights]:
+        fused = concat_rows(parts, self.where(owner))
+        return [fused] if fused is not None else parts
+
+    def mlp_weights(self, mlp: nn.Module) -> tuple[list[LinearWeights], LinearWeights, bool]:
+        """(gate|up as one or two linears, or up alone; down; gated?)."""
         proj = self.adapter.mlp_projections(mlp)
         up, down = self.linear_of(getattr(mlp, proj.up)), self.linear_of(getattr(mlp, proj.down))
         if proj.gate is None:
-            return up, down, False
+            return [up], down, False
         gate = self.linear_of(getattr(mlp, proj.gate))
-        return concat_rows([gate, up], self.where(mlp)), down, True
+        return self.fused_or_apart([gate, up], mlp), down, True
 
     # --- graph -------------------------------------------------------------------------------
     def build(self) -> onnx.ModelProto:
@@ -201,8 +205,8 @@ class DecoderBuilder:
         g, layout, kv = self.g, self.layout, self.plan.kv
         assert self.rope is not None  # set in build()
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
-        qkv = linear(g, x, self.qkv_weights(attention), "qkv_proj", accuracy_level=self.plan.accuracy_level)
-        q, k, v = split(g, qkv, [heads * dim, kv_heads * dim, kv_heads * dim], "split_qkv")
+        q, k, v = linear_group(g, x, self.qkv_weights(attention), [heads * dim, kv_heads * dim, kv_heads * dim],
+                               "qkv_proj", accuracy_level=self.plan.accuracy_level)
         q = apply_rope(g, q, self.rope, N.POSITION_IDS, heads, "q_rotary")
         k = apply_rope(g, k, self.rope, N.POSITION_IDS, kv_heads, "k_rotary")
         inputs = [q, k, v, N.past_key(index), N.past_value(index), self.shared["seqlens_k"], self.shared["total"],
@@ -213,6 +217,8 @@ class DecoderBuilder:
             attrs["scale"] = scaling
         if kv is not None:
             ks, vs = kv.k_scales[index], kv.v_scales[index]
+            if ks.size != vs.size:  # ORT's CPU kernel needs one quant type for K and V: widen the per-tensor one
+                ks, vs = (np.full(max(ks.size, vs.size), a.item(), np.float32) if a.size == 1 else a for a in (ks, vs))
             inputs += ["", g.const(f"k_scale.{index}", ks, keep_dtype=True), g.const(f"v_scale.{index}", vs, keep_dtype=True)]
             attrs.update(k_quant_type=kv.quant_type(ks), v_quant_type=kv.quant_type(vs), kv_cache_bit_width=kv.bits)
         outs = g.op("GroupQueryAttention", inputs, domain=MS, hint="GroupQueryAttention",
@@ -226,10 +232,10 @@ class DecoderBuilder:
         g, acc = self.g, self.plan.accuracy_level
         first, down, gated = self.mlp_weights(mlp)
         act = str(getattr(self.text, "hidden_act", "silu"))
-        hidden = linear(g, x, first, "gate_up_proj" if gated else "up_proj", accuracy_level=acc)
         if gated:
-            gate, up = split(g, hidden, [down.in_features, down.in_features], "split_gate_up")
+            gate, up = linear_group(g, x, first, [down.in_features, down.in_features], "gate_up_proj",
+                                    accuracy_level=acc)
             hidden = g.op("Mul", [activation(g, gate, act, "act"), up], hint="gate_mul")
         else:
-            hidden = activation(g, hidden, act, "act")
+            hidden = activation(g, linear(g, x, first[0], "up_proj", accuracy_level=acc), act, "act")
         return linear(g, hidden, down, "down_proj", accuracy_level=acc)

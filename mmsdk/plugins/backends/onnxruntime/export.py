@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ def build_graphs(context: ExportContext, plan: ExportPlan, sample: dict[str, Any
     model_metadata(embedding, "embedding", "multimodal")
     vision = build_vision(model, adapter, plan, image_inputs_of(adapter, model, sample))
     details = describe(model, adapter, plan, vision, context)
+    details["decoder"]["ops"] = dict(sorted(Counter(node.op_type for node in decoder.graph.node).items()))
     details["annotations"] = {name: node_stage_counts(proto) for name, proto in
                               (("vision", vision.model), ("embedding", embedding), ("decoder", decoder))}
     return {"vision": vision.model, "embedding": embedding, "decoder": decoder, "details": details}
@@ -104,6 +106,7 @@ def describe(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, vision: 
     cache = {"bits": kv.bits if kv else None, "dtype": "float32" if kv is None else ("int8" if kv.bits == 8 else "uint8"),
              "last_dim": cache_last_dim(kv, layout.head_dim), "scales_from": kv.source if kv else None}
     decoder: dict[str, Any] = {
+        "accuracy_level": plan.accuracy_level,
         "self_attention_layers": list(layout.self_attention_layers), "num_heads": layout.num_heads,
         "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim, "hidden_size": layout.hidden_size,
         "max_sequence_length": plan.max_positions, "cache": cache,

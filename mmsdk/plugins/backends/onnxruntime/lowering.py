@@ -64,6 +64,7 @@ class NBitsWeights:
     ``packed`` uint8 [out, blocks, block_size * bits / 8] (low bits first along ``in``), ``scales``
     float [out, blocks], optional ``zero_points`` (uint8 packed [out, ceil(blocks * bits / 8)] or
     float [out, blocks]; absent means 2^(bits-1)), dequantized as ``(q - zero_point) * scale``.
+    ``prequant`` [in] multiplies the input first (AWQ's per-input-channel scale, ``1 / s``).
     """
 
     packed: np.ndarray
@@ -73,6 +74,7 @@ class NBitsWeights:
     block_size: int = 32
     zero_points: np.ndarray | None = None
     bias: np.ndarray | None = None
+    prequant: np.ndarray | None = None
 
     @property
     def out_features(self) -> int:
@@ -128,8 +130,11 @@ def _native_linear(module: Any) -> DenseWeights | None:
     return DenseWeights(weight, _concat_bias(biases, [p.out_features for p in parts]))
 
 
-def concat_rows(parts: list[LinearWeights], where: str) -> LinearWeights:
-    """One linear computing ``parts`` side by side (q|k|v, gate|up): their rows stacked."""
+def concat_rows(parts: list[LinearWeights], where: str) -> LinearWeights | None:
+    """One linear computing ``parts`` side by side (q|k|v, gate|up): their rows stacked.
+
+    None when they cannot share one matmul (different AWQ input scales); the caller emits them apart.
+    """
     if all(isinstance(p, DenseWeights) for p in parts):
         dense = [p for p in parts if isinstance(p, DenseWeights)]
         bias = _concat_bias([p.bias for p in dense], [p.out_features for p in dense])
@@ -147,13 +152,42 @@ def concat_rows(parts: list[LinearWeights], where: str) -> LinearWeights:
             "so they cannot share one MatMulNBits.",
             fix="quantize all of q/k/v (and gate/up) with one config, or leave them all in float.",
         )
+    prequants = [p.prequant for p in nbits]
+    if any(q is None for q in prequants) != all(q is None for q in prequants) or (
+            first.prequant is not None and not all(np.array_equal(q, first.prequant) for q in prequants)):
+        return None
     zeros = None if first.zero_points is None else np.concatenate([p.zero_points for p in nbits])  # type: ignore[misc]
     bias = _concat_bias([p.bias for p in nbits], [p.out_features for p in nbits])
     return NBitsWeights(np.concatenate([p.packed for p in nbits]), np.concatenate([p.scales for p in nbits]),
-                        first.in_features, first.bits, first.block_size, zeros, bias)
+                        first.in_features, first.bits, first.block_size, zeros, bias, first.prequant)
 
 
 def _concat_bias(biases: list[np.ndarray | None], sizes: list[int]) -> np.ndarray | None:
     if all(b is None for b in biases):
         return None
     return np.concatenate([b if b is not None else np.zeros(n, np.float32) for b, n in zip(biases, sizes)])
+
+
+def nbits_from_packed(module: Any) -> NBitsWeights | None:
+    """NBitsWeights of a module exposing ``packed()`` in MatMulNBits layout (mmsdk's INT4 linear), else None.
+
+    ``packed()`` returns an object with ``qweight`` [N, blocks, block/2] uint8, ``scales`` [N, blocks],
+    ``zero_points`` (packed uint8 or None), ``in_features`` and ``block_size``; the module may hold
+    ``bias`` and ``prequant``. The bytes are copied as they are: no re-quantization.
+    """
+    packed_fn = getattr(module, "packed", None)
+    if not callable(packed_fn):
+        return None
+    packed = packed_fn()
+    if not all(hasattr(packed, a) for a in ("qweight", "scales", "zero_points", "in_features", "block_size")):
+        return None
+
+    def arr(t: Any) -> np.ndarray | None:
+        return None if t is None else t.detach().cpu().numpy()
+
+    scales = packed.scales.detach().float().cpu().numpy()
+    prequant = getattr(module, "prequant", None)
+    bias = getattr(module, "bias", None)
+    return NBitsWeights(arr(packed.qweight), scales, int(packed.in_features), 4, int(packed.block_size),
+                        arr(packed.zero_points), None if bias is None else bias.detach().float().cpu().numpy(),
+                        None if prequant is None else prequant.detach().float().cpu().numpy())

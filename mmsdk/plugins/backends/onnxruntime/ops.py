@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from mmsdk.core.session import Session
     from mmsdk.plugins.backends.onnxruntime.graph import GraphBuilder
 
-__all__ = ["linear", "NormSpec", "norm_spec", "rms_norm", "skip_rms_norm", "activation", "MS"]
+__all__ = ["linear", "linear_group", "NormSpec", "norm_spec", "rms_norm", "skip_rms_norm", "activation", "MS"]
 
 MS = "com.microsoft"
 
@@ -32,7 +32,18 @@ def linear(g: GraphBuilder, x: str, weights: LinearWeights, hint: str, *, accura
     return _matmul_nbits(g, x, weights, hint, accuracy_level)
 
 
+def linear_group(g: GraphBuilder, x: str, parts: Sequence[LinearWeights], sizes: Sequence[int], hint: str, *,
+                 accuracy_level: int = 0) -> list[str]:
+    """Outputs of projections sharing input ``x``: one matmul split by ``sizes``, or one matmul each."""
+    if len(parts) == 1:
+        out = linear(g, x, parts[0], hint, accuracy_level=accuracy_level)
+        return split(g, out, sizes, f"split_{hint}")
+    return [linear(g, x, part, f"{hint}.{index}", accuracy_level=accuracy_level) for index, part in enumerate(parts)]
+
+
 def _matmul_nbits(g: GraphBuilder, x: str, w: NBitsWeights, hint: str, accuracy_level: int) -> str:
+    if w.prequant is not None:  # AWQ: y = (x * prequant) @ W_hat.T
+        x = g.op("Mul", [x, g.const(f"{hint}.prequant", w.prequant)], hint=f"{hint}/prequant")
     inputs = [x, g.const(f"{hint}.qweight", w.packed), g.const(f"{hint}.scales", w.scales)]
     optional: list[str] = []
     if w.zero_points is not None:

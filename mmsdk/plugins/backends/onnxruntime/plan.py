@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from mmsdk.plugins.backends.onnxruntime.kvcache import KVQuant
 
 if TYPE_CHECKING:
@@ -49,6 +51,9 @@ class ExportPlan:
     kv: KVQuant | None = None
     recipe: CrossRecipe | None = None
     cross: tuple[CrossPlan, ...] = ()
+    # decoder index -> (k scales, v scales, bits): cross-attention K/V a KV pass quantized in torch; the
+    # vision graph quantizes and dequantizes them the same way (MultiHeadAttention reads float K/V).
+    cross_kv_quant: dict[int, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
     notes: dict[str, object] = field(default_factory=dict)
 
     def cross_with_kv(self) -> tuple[CrossPlan, ...]:

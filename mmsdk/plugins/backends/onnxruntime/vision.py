@@ -78,20 +78,22 @@ class _Wrapper:
         class CrossKV(torch.nn.Module):
             """One block's K/V projection; a module of its own so the exported nodes carry its name."""
 
-            def __init__(self, attention: nn.Module, names: dict[str, str]) -> None:
+            def __init__(self, attention: nn.Module, names: dict[str, str], quant: Any) -> None:
                 super().__init__()
                 object.__setattr__(self, "attention", attention)  # not a child: its weights stay the model's
-                self.names = names
+                self.names, self.quant = names, quant
 
             def forward(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                k, v = _project_kv(self.attention, self.names, states, layout, recipe)
+                k, v = _project_kv(self.attention, self.names, states, layout, recipe, self.quant)
                 return k, v
 
         class VisionExport(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.model = model
-                self.cross = [CrossKV(block.attention, block.projections.linears()) for block in cross]
+                self.cross = [CrossKV(block.attention, block.projections.linears(),
+                                      plan.cross_kv_quant.get(entry.decoder_index))
+                              for block, entry in zip(cross, plan_cross)]
                 for entry, module in zip(plan_cross, self.cross):
                     self.add_module(f"{CROSS_KV_SCOPE}{entry.decoder_index}", module)
 
@@ -109,17 +111,25 @@ class _Wrapper:
 CROSS_KV_SCOPE = "cross_kv_"
 
 
-def _project_kv(attention: nn.Module, names: dict[str, str], states: torch.Tensor, layout: Any, recipe: Any) -> list:
+def _project_kv(attention: nn.Module, names: dict[str, str], states: torch.Tensor, layout: Any, recipe: Any,
+                quant: Any) -> list:
+    import torch
+
     batch, length = states.shape[0], states.shape[1]
     heads, dim = layout.num_heads, layout.head_dim
     out = []
-    for role in ("k", "v"):
+    for index, role in enumerate(("k", "v")):
         projected = getattr(attention, names[role])(states)
         kv_heads = projected.shape[-1] // dim
         x = projected.view(batch, length, kv_heads, dim).transpose(1, 2)
         norm = getattr(attention, recipe.k_norm, None) if role == "k" and recipe and recipe.k_norm else None
         if norm is not None:
             x = norm(x)
+        if quant is not None:  # the torch cache stores these quantized: reproduce its rounding once
+            scale = torch.as_tensor(quant[index], dtype=x.dtype)
+            scale = scale.reshape(1, kv_heads, 1, dim) if scale.numel() > 1 else scale.reshape(1)
+            qmax = 2 ** (quant[2] - 1)
+            x = torch.clamp(torch.round(x / scale), -qmax, qmax - 1) * scale
         out.append(x.repeat_interleave(heads // kv_heads, dim=1).contiguous())
     return out
 
