@@ -83,6 +83,7 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
         target=LowerTarget(BACKEND, {"accuracy_level": options.accuracy_level}),
         max_positions=max_positions,
         accuracy_level=options.accuracy_level,
+        dtype=options.dtype,
         kv=decided.get("kv"),
         recipe=recipe,
         cross=cross,

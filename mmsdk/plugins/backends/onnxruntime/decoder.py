@@ -15,7 +15,7 @@ import numpy as np
 
 from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.onnxruntime import names as N
-from mmsdk.plugins.backends.onnxruntime.graph import INT32, INT64, GraphBuilder
+from mmsdk.plugins.backends.onnxruntime.graph import INT32, INT64, GraphBuilder, float_type_of
 from mmsdk.plugins.backends.onnxruntime.kvcache import cache_last_dim, cache_type
 from mmsdk.plugins.backends.onnxruntime.lowering import LinearWeights, concat_rows, linear_weights
 from mmsdk.plugins.backends.onnxruntime.ops import (
@@ -72,7 +72,7 @@ class DecoderBuilder:
         self.model, self.adapter, self.session, self.plan = model, adapter, session, plan
         self.layout = adapter.kv_layout(model)
         self.text = adapter.text_config(model)
-        self.g = GraphBuilder("decoder", modality="text", stage="decoder")
+        self.g = GraphBuilder("decoder", modality="text", stage="decoder", float_type=float_type_of(plan.dtype))
         self.qualnames = {id(m): name for name, m in model.named_modules()}
         self.rope: RopeCache | None = None
         self.shared: dict[str, str] = {}

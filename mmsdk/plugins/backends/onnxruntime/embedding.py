@@ -13,7 +13,7 @@ import numpy as np
 
 from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.onnxruntime import names as N
-from mmsdk.plugins.backends.onnxruntime.graph import INT64, GraphBuilder
+from mmsdk.plugins.backends.onnxruntime.graph import FLOAT, INT64, GraphBuilder
 
 if TYPE_CHECKING:
     import onnx
@@ -40,12 +40,12 @@ def embedding_table(module: nn.Module, where: str) -> np.ndarray:
     return np.concatenate(tables)
 
 
-def build_embedding(model: nn.Module, adapter: ModelAdapter) -> onnx.ModelProto:
-    """The embedding graph of ``model``."""
+def build_embedding(model: nn.Module, adapter: ModelAdapter, float_type: int = FLOAT) -> onnx.ModelProto:
+    """The embedding graph of ``model`` (``inputs_embeds`` of ``float_type``; image features stay float32)."""
     module = adapter.embed_tokens(model)
     table = embedding_table(module, "the token embeddings")
     layout = adapter.image_tokens(model)
-    g = GraphBuilder("embedding", modality="multimodal", stage="embedding")
+    g = GraphBuilder("embedding", modality="multimodal", stage="embedding", float_type=float_type)
     ids = g.input(N.INPUT_IDS, INT64, [N.BATCH, N.SEQUENCE])
     hidden = table.shape[1]
     with g.scope("embed_tokens", module="embed_tokens", modality="text"):
@@ -55,8 +55,10 @@ def build_embedding(model: nn.Module, adapter: ModelAdapter) -> onnx.ModelProto:
             out = g.op("Gather", [weights, ids], axis=0)
         g.output(out, N.INPUTS_EMBEDS, g.float_type, [N.BATCH, N.SEQUENCE, hidden])
         return g.model()
-    features = g.input(N.IMAGE_FEATURES, g.float_type, ["num_image_tokens", hidden])
+    features = g.input(N.IMAGE_FEATURES, FLOAT, ["num_image_tokens", hidden])
     with g.scope("merge_image_features"):
+        if float_type != FLOAT:
+            features = g.op("Cast", [features], to=float_type)
         is_image = g.op("Equal", [ids, g.const("image_token_id", np.int64(layout.image_token_id))])
         safe_ids = g.op("Where", [is_image, g.const("zero_id", np.int64(0)), ids])
         text = g.op("Gather", [weights, safe_ids], axis=0)

@@ -12,6 +12,7 @@ from mmsdk.core.backend import ExportInfo
 from mmsdk.plugins.backends.onnxruntime import names as N
 from mmsdk.plugins.backends.onnxruntime.annotate import model_metadata, node_stage_counts
 from mmsdk.plugins.backends.onnxruntime.checks import PASS_SUPPORT, make_plan
+from mmsdk.plugins.backends.onnxruntime.graph import float_type_of
 from mmsdk.plugins.backends.onnxruntime.kvcache import cache_last_dim
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def build_graphs(context: ExportContext, plan: ExportPlan, sample: dict[str, Any
     model, adapter = context.model, context.adapter
     decoder = DecoderBuilder(model, adapter, context.session, plan).build()
     model_metadata(decoder, "decoder", "text")
-    embedding = build_embedding(model, adapter)
+    embedding = build_embedding(model, adapter, float_type_of(plan.dtype))
     model_metadata(embedding, "embedding", "multimodal")
     vision = build_vision(model, adapter, plan, image_inputs_of(adapter, model, sample))
     details = describe(model, adapter, plan, vision, context)
@@ -103,10 +104,10 @@ def describe(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, vision: 
     image_layout = adapter.image_tokens(model)
     sections = adapter.rope_sections(model)
     kv = plan.kv
-    cache = {"bits": kv.bits if kv else None, "dtype": "float32" if kv is None else ("int8" if kv.bits == 8 else "uint8"),
+    cache = {"bits": kv.bits if kv else None, "dtype": plan.dtype if kv is None else ("int8" if kv.bits == 8 else "uint8"),
              "last_dim": cache_last_dim(kv, layout.head_dim), "scales_from": kv.source if kv else None}
     decoder: dict[str, Any] = {
-        "accuracy_level": plan.accuracy_level,
+        "accuracy_level": plan.accuracy_level, "dtype": plan.dtype,
         "self_attention_layers": list(layout.self_attention_layers), "num_heads": layout.num_heads,
         "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim, "hidden_size": layout.hidden_size,
         "max_sequence_length": plan.max_positions, "cache": cache,

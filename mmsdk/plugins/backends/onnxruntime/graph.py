@@ -17,12 +17,17 @@ from mmsdk.plugins.backends.onnxruntime.annotate import MODALITY_KEY, MODULE_KEY
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["GraphBuilder", "IR_VERSION", "OPSETS", "FLOAT", "INT64", "INT32"]
+__all__ = ["GraphBuilder", "IR_VERSION", "OPSETS", "FLOAT", "FLOAT16", "INT64", "INT32", "float_type_of"]
 
 # ORT 1.30+ reads IR 10; onnx>=1.23 writes 14 by default, which ORT refuses.
 IR_VERSION = 10
 OPSETS = {"": 21, "com.microsoft": 1}
-FLOAT, INT64, INT32 = 1, 7, 6  # onnx.TensorProto element types, without importing onnx here
+FLOAT, INT64, INT32, FLOAT16 = 1, 7, 6, 10  # onnx.TensorProto element types, without importing onnx here
+
+
+def float_type_of(dtype: str) -> int:
+    """The ONNX element type of an export ``dtype`` option ("float32" or "float16")."""
+    return {"float32": FLOAT, "float16": FLOAT16}[dtype]
 
 
 class GraphBuilder:

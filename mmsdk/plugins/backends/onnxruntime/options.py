@@ -23,6 +23,10 @@ class OrtOptions(BackendOptions):
         4, description="MatMulNBits accuracy_level for INT4 weights: 4 lets the CPU quantize activations to "
         "int8 (its fast path, what ORT GenAI's builder writes for CPU); 0 keeps activations in float.",
     )
+    dtype: Literal["float32", "float16"] = Field(
+        "float32", description="Activations and float weights of embedding.onnx and decoder.onnx (the vision graph "
+        "stays float32); float16 halves the float weights and is the usual CUDA choice.",
+    )
     genai: Literal["auto", "off"] = Field(
         "auto", description="Also write ONNX Runtime GenAI's genai_config.json where GenAI supports the family.",
     )

@@ -48,6 +48,7 @@ class ExportPlan:
     target: LowerTarget
     max_positions: int
     accuracy_level: int = 0
+    dtype: str = "float32"  # activations and float weights of the embedding and decoder graphs
     kv: KVQuant | None = None
     recipe: CrossRecipe | None = None
     cross: tuple[CrossPlan, ...] = ()

@@ -14,7 +14,7 @@ import numpy as np
 
 from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.onnxruntime import names as N
-from mmsdk.plugins.backends.onnxruntime.graph import INT64
+from mmsdk.plugins.backends.onnxruntime.graph import FLOAT, INT64
 from mmsdk.plugins.backends.onnxruntime.ops import MS, float_min, linear
 from mmsdk.plugins.backends.onnxruntime.plan import CrossPlan, CrossRecipe
 
@@ -74,7 +74,9 @@ def declare_cross_inputs(builder: DecoderBuilder) -> None:
     heads, dim = cross_dims(builder)
     for plan in builder.plan.cross_with_kv():
         for name in (N.cross_key(plan.decoder_index), N.cross_value(plan.decoder_index)):
-            g.input(name, g.float_type, [N.BATCH, heads, "vision_sequence_length", dim])
+            # the vision graph computes in float32; a float16 decoder casts once per step
+            g.input(name, FLOAT, [N.BATCH, heads, "vision_sequence_length", dim])
+            builder.shared[name] = name if g.float_type == FLOAT else g.op("Cast", [name], to=g.float_type)
     g.input(N.CROSS_ATTENTION_MASK, INT64, [N.BATCH, N.SEQUENCE, "vision_groups"])
     with g.scope("cross_inputs", stage="cross_attention", modality="multimodal"):
         mask = g.op("Cast", [N.CROSS_ATTENTION_MASK], to=g.float_type)  # [B, S, G]
@@ -140,7 +142,7 @@ def _cross_attention(builder: DecoderBuilder, x: str, block: CrossAttentionBlock
         normed = g.op("SimplifiedLayerNormalization", [per_head, g.const("q_norm.weight", spec.weight)], axis=-1,
                       epsilon=spec.eps, stash_type=1, hint="q_norm")
         q = g.op("Reshape", [normed, g.ints("bsh", [0, 0, heads * dim])])
-    key, value = N.cross_key(block.decoder_index), N.cross_value(block.decoder_index)
+    key, value = (builder.shared[n] for n in (N.cross_key(block.decoder_index), N.cross_value(block.decoder_index)))
     bias = _key_bias(builder, key)
     attrs: dict[str, object] = {"num_heads": heads}
     scaling = getattr(attention, "scaling", None)
