@@ -46,7 +46,6 @@ def test_ort_allocated_outputs_are_handed_on_without_copies(llava):
     assert to_ortvalue(value) is value  # bound into the decoder as the very same OrtValue
     step = Bound(llava.decoder).inputs({
         "inputs_embeds": value, "attention_mask": prepared.attention_mask,
-        "position_ids": np.cumsum(prepared.attention_mask, -1) - 1,
         **{f"past_key_values.{i}.{kv}": np.zeros((1, 1, 0, 16), np.float32) for i in (0, 1) for kv in ("key", "value")},
     }).output("logits").output("present.0.key").run()
     logits, present = step

@@ -105,7 +105,9 @@ def _embed(pipe: OrtPipeline, ids: np.ndarray, features: Any) -> Any:
 
 def _decoder_step(pipe: OrtPipeline, embeds: Any, mask: np.ndarray, positions: np.ndarray, past: dict[str, Any],
                   cross: dict[str, Any] | None, cross_mask: np.ndarray | None) -> tuple[Any, dict[str, Any]]:
-    feeds: dict[str, Any] = {N_EMBEDS: embeds, "attention_mask": mask, "position_ids": positions, **past}
+    feeds: dict[str, Any] = {N_EMBEDS: embeds, "attention_mask": mask, **past}
+    if pipe.decoder_takes_positions:
+        feeds["position_ids"] = positions
     if cross is not None:
         feeds.update(cross)
         feeds["cross_attention_mask"] = np.ascontiguousarray(cross_mask)

@@ -1,7 +1,7 @@
 """decoder.onnx, written node by node from the model's weights (through its adapter).
 
 Contract (ORT GenAI's): ``inputs_embeds`` [B, S, hidden], ``attention_mask`` int64 [B, T],
-``position_ids`` int64 [B, S] ([3, B, S] for M-RoPE), ``past_key_values.{i}.key/value``
+``position_ids`` int64 [3, B, S] (M-RoPE only), ``past_key_values.{i}.key/value``
 [B, kv_heads, P, D] -> ``logits`` [B, S, vocab], ``present.{i}.key/value`` [B, kv_heads, T, D].
 Flamingo-family decoders also take ``cross_key_values.{i}.key/value`` [B, heads, L, D] from the
 vision graph and ``cross_attention_mask`` int64 [B, S, groups].
@@ -147,8 +147,8 @@ class DecoderBuilder:
         g, layout = self.g, self.layout
         embeds = g.input(N.INPUTS_EMBEDS, g.float_type, [N.BATCH, N.SEQUENCE, layout.hidden_size])
         g.input(N.ATTENTION_MASK, INT64, [N.BATCH, N.TOTAL])
-        mrope = self.adapter.rope_sections(self.model) is not None
-        g.input(N.POSITION_IDS, INT64, [3, N.BATCH, N.SEQUENCE] if mrope else [N.BATCH, N.SEQUENCE])
+        if self.adapter.rope_sections(self.model) is not None:  # 1-D RoPE needs no position input (see projected_qkv)
+            g.input(N.POSITION_IDS, INT64, [3, N.BATCH, N.SEQUENCE])
         ctype, last = cache_type(self.plan.kv, g.float_type), cache_last_dim(self.plan.kv, layout.head_dim)
         for i in layout.self_attention_layers:
             for name in (N.past_key(i), N.past_value(i)):
@@ -205,13 +205,10 @@ class DecoderBuilder:
         g, layout, kv = self.g, self.layout, self.plan.kv
         assert self.rope is not None  # set in build()
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
-        q, k, v = linear_group(g, x, self.qkv_weights(attention), [heads * dim, kv_heads * dim, kv_heads * dim],
-                               "qkv_proj", accuracy_level=self.plan.accuracy_level)
-        q = apply_rope(g, q, self.rope, N.POSITION_IDS, heads, "q_rotary")
-        k = apply_rope(g, k, self.rope, N.POSITION_IDS, kv_heads, "k_rotary")
-        inputs = [q, k, v, N.past_key(index), N.past_value(index), self.shared["seqlens_k"], self.shared["total"],
-                  "", "", "", self.shared["bias"]]
-        attrs: dict[str, object] = {"num_heads": heads, "kv_num_heads": kv_heads}
+        qkv, rotary = self.projected_qkv(x, attention)
+        inputs = [*qkv, N.past_key(index), N.past_value(index), self.shared["seqlens_k"], self.shared["total"],
+                  *rotary, "", self.shared["bias"]]
+        attrs: dict[str, object] = {"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": int(rotary[0] != "")}
         scaling = getattr(attention, "scaling", None)
         if isinstance(scaling, float):
             attrs["scale"] = scaling
@@ -227,6 +224,27 @@ class DecoderBuilder:
         for name in outs[1:]:
             g.output(name, name, ctype, [N.BATCH, kv_heads, N.TOTAL, last])
         return outs[0]
+
+    def projected_qkv(self, x: str, attention: nn.Module) -> tuple[list[str], list[str]]:
+        """(query, key, value) for GQA and its (cos_cache, sin_cache) inputs.
+
+        1-D RoPE: GroupQueryAttention rotates q and k itself (``do_rotary``), taking the packed
+        q|k|v as it is. It numbers positions 0.. over the whole row, left padding included; RoPE
+        scores depend only on position differences, so a row shifted by its padding attends exactly
+        as with transformers' positions. M-RoPE: MRotaryEmbedding from the 3-D position ids first.
+        """
+        g, layout, acc = self.g, self.layout, self.plan.accuracy_level
+        assert self.rope is not None  # set in build()
+        heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+        parts, sizes = self.qkv_weights(attention), [heads * dim, kv_heads * dim, kv_heads * dim]
+        if self.rope.sections is None:
+            if len(parts) == 1:
+                return [linear(g, x, parts[0], "qkv_proj", accuracy_level=acc), "", ""], [self.rope.cos, self.rope.sin]
+            return linear_group(g, x, parts, sizes, "qkv_proj", accuracy_level=acc), [self.rope.cos, self.rope.sin]
+        q, k, v = linear_group(g, x, parts, sizes, "qkv_proj", accuracy_level=acc)
+        q = apply_rope(g, q, self.rope, N.POSITION_IDS, heads, "q_rotary")
+        k = apply_rope(g, k, self.rope, N.POSITION_IDS, kv_heads, "k_rotary")
+        return [q, k, v], ["", ""]
 
     def mlp(self, x: str, mlp: nn.Module) -> str:
         g, acc = self.g, self.plan.accuracy_level

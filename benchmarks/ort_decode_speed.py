@@ -1,0 +1,192 @@
+"""Decode speed on CPU, same weights: torch fp32 eager, mmsdk's ONNX Runtime export (fp32 / INT4),
+and the decoder ONNX Runtime GenAI's model builder writes for the same text weights (INT4, the peer).
+
+    python benchmarks/ort_decode_speed.py [--tokens 64] [--markdown docs/benchmarks.md]
+
+Decode tokens/s = (N - 1) / (time to generate N tokens - time to generate 1), medians of --repeats
+runs, so prefill (and the vision stage) cancel. A benchmark, not a test: numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import decode_rate, environment, mid_llava, write_results  # noqa: E402
+
+QUESTION = "what digit is this ?"
+
+
+def rtn_int4(model: Any, adapter: Any, block: int) -> str:
+    """Quantize the decoder's linears and the LM head to INT4: the int4-weight pass when installed, else RTN here."""
+    import torch
+    from torch import nn
+
+    from mmsdk.core.session import Session
+
+    session = Session.create(autoload=False)
+    if "int4-weight" in session.passes:
+        from mmsdk import Optimizer
+
+        config = session.passes.get("int4-weight").config_cls(group_size=block, lm_head=True)
+        Optimizer(model, session=session).apply(config).model  # noqa: B018 - runs the pass
+        return f"int4-weight pass (rtn, group {block}, lm_head)"
+
+    class Packed(nn.Module):  # MatMulNBits layout, symmetric, implicit zero point 8
+        def __init__(self, linear: nn.Linear) -> None:
+            super().__init__()
+            w = linear.weight.detach().numpy()
+            n, k = w.shape
+            blocks = -(-k // block)
+            padded = np.pad(w, ((0, 0), (0, blocks * block - k))).reshape(n, blocks, block)
+            scale = np.maximum(np.abs(padded).max(-1), 1e-12) / 7.0
+            q = (np.clip(np.rint(padded / scale[..., None]), -8, 7) + 8).astype(np.uint8)
+            self.register_buffer("qweight", torch.from_numpy(q[..., 0::2] | (q[..., 1::2] << 4)))
+            self.register_buffer("scales", torch.from_numpy(scale.astype(np.float32)))
+            self.in_features, self.out_features, self.block_size, self.bias = k, n, block, None
+
+        def packed(self) -> Any:
+            from types import SimpleNamespace
+
+            return SimpleNamespace(qweight=self.qweight, scales=self.scales, zero_points=None,
+                                   in_features=self.in_features, block_size=self.block_size)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).flatten(-2).float() - 8
+            w = (q * self.scales[..., None]).reshape(self.out_features, -1)[:, : self.in_features]
+            return x @ w.T
+
+    for parent in [*adapter.decoder_layers(model), model]:
+        for owner in [m for m in parent.modules() if m is not model.model.vision_tower]:
+            for name, child in list(owner.named_children()):
+                if type(child) is nn.Linear and (parent is not model or name == "lm_head"):
+                    setattr(owner, name, Packed(child))
+    return f"RTN packer in this script (symmetric, group {block}, lm_head) - the int4-weight pass was not installed"
+
+
+def torch_rate(loaded: Any, image: Any, tokens: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    inputs = loaded.processor(images=[image], text=[loaded.processor.format_prompt(QUESTION)])
+
+    def run(n: int) -> None:
+        with torch.no_grad():
+            loaded.model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    return decode_rate(run, tokens, repeats)
+
+
+def mmsdk_rate(loaded: Any, folder: Path, image: Any, tokens: int, repeats: int, **options: Any) -> dict[str, Any]:
+    import mmsdk
+    from mmsdk import Optimizer
+
+    opt = Optimizer(loaded.model, loaded.processor)
+    opt.export("onnxruntime", folder, overwrite=True, verify=False, **options)
+    pipe = mmsdk.load(folder)
+    rate = decode_rate(lambda n: pipe.generate([image], [QUESTION], max_new_tokens=n), tokens, repeats)
+    return {**rate, "decoder_bytes": _bytes(folder, ("decoder.onnx", "decoder.onnx.data"))}
+
+
+def builder_rate(loaded: Any, work: Path, tokens: int, repeats: int, prompt_len: int) -> dict[str, Any]:
+    """The GenAI model builder's INT4 CPU decoder for the same text weights, run by onnxruntime-genai."""
+    import onnxruntime_genai as og
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    text = loaded.model.config.text_config
+    llm = LlamaForCausalLM(text).eval()
+    with torch.no_grad():
+        llm.model.load_state_dict(loaded.model.model.language_model.state_dict())
+        llm.lm_head.weight.copy_(loaded.model.lm_head.weight)
+    hf = work / "hf"
+    llm.save_pretrained(hf)
+    vocab = {f"t{i}": i for i in range(text.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0").save_pretrained(hf)
+    out = work / "builder"
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", "llama", "-i", str(hf), "-o", str(out),
+               "-p", "int4", "-e", "cpu"]
+    subprocess.run(command, check=True, capture_output=True)
+    model = og.Model(str(out))
+    prompt = np.random.RandomState(0).randint(3, text.vocab_size, prompt_len).astype(np.int32)
+
+    def run(n: int) -> None:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=prompt_len + n, min_length=prompt_len + n, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(prompt)
+        while not generator.is_done():
+            generator.generate_next_token()
+
+    rate = decode_rate(run, tokens, repeats)
+    return {**rate, "decoder_bytes": _bytes(out, ("model.onnx", "model.onnx.data")),
+            "builder_command": " ".join(["python", *command[1:]])}
+
+
+def _bytes(folder: Path, names: tuple[str, ...]) -> int:
+    return sum((folder / n).stat().st_size for n in names if (folder / n).exists())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+
+    from mmsdk.testing import sample_image
+
+    loaded = mid_llava(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab)
+    image = sample_image(0)
+    prompt_len = int(loaded.processor(images=[image], text=[loaded.processor.format_prompt(QUESTION)])["input_ids"].shape[1])
+    params = sum(p.numel() for p in loaded.model.model.language_model.parameters()) + loaded.model.lm_head.weight.numel()
+    work = Path(tempfile.mkdtemp(prefix="mmsdk-bench-"))
+    try:
+        rows: dict[str, Any] = {"torch fp32 eager": torch_rate(loaded, image, args.tokens, args.repeats)}
+        rows["mmsdk ORT fp32"] = mmsdk_rate(loaded, work / "fp32", image, args.tokens, args.repeats)
+        peer = builder_rate(loaded, work, args.tokens, args.repeats, prompt_len)
+        quantizer = rtn_int4(loaded.model, _adapter(loaded.model), args.block)
+        for level in (4, 0):
+            rows[f"mmsdk ORT INT4 (accuracy_level {level})"] = mmsdk_rate(
+                loaded, work / f"int4_{level}", image, args.tokens, args.repeats, accuracy_level=level)
+        rows["GenAI builder INT4 (accuracy_level 4)"] = peer
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results = {"environment": environment(), "model": {
+        "decoder": f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads, "
+                   f"MLP {args.intermediate}, vocab {args.vocab}", "text_parameters": int(params),
+        "prompt_tokens": prompt_len, "generated_tokens": args.tokens, "int4_quantizer": quantizer}, "rows": rows}
+    header = "| engine | decode tokens/s | prefill + 1st token (s) | decoder file bytes |\n| --- | --- | --- | --- |\n"
+    table = header + "\n".join(f"| {name} | {r['decode_tokens_per_s']} | {r['prefill_plus_first_token_s']} | "
+                               f"{r.get('decoder_bytes', '-')} |" for name, r in rows.items())
+    table += (f"\n\nModel: {results['model']['decoder']} ({params / 1e6:.0f} M text parameters), prompt "
+              f"{prompt_len} tokens, {args.tokens} generated; INT4: {quantizer}.")
+    print(table)
+    write_results("ort_decode_speed", results, table, args.markdown)
+
+
+def _adapter(model: Any) -> Any:
+    from mmsdk.core.session import Session
+
+    return Session.create(autoload=False).adapt(model)
+
+
+if __name__ == "__main__":
+    main()
