@@ -20,56 +20,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import decode_rate, environment, mid_llava, write_results  # noqa: E402
+from benchmarks._common import decode_rate, environment, mid_llava, rtn_int4, write_results  # noqa: E402
 
 QUESTION = "what digit is this ?"
-
-
-def rtn_int4(model: Any, adapter: Any, block: int) -> str:
-    """Quantize the decoder's linears and the LM head to INT4: the int4-weight pass when installed, else RTN here."""
-    import torch
-    from torch import nn
-
-    from mmsdk.core.session import Session
-
-    session = Session.create(autoload=False)
-    if "int4-weight" in session.passes:
-        from mmsdk import Optimizer
-
-        config = session.passes.get("int4-weight").config_cls(group_size=block, lm_head=True)
-        Optimizer(model, session=session).apply(config).model  # noqa: B018 - runs the pass
-        return f"int4-weight pass (rtn, group {block}, lm_head)"
-
-    class Packed(nn.Module):  # MatMulNBits layout, symmetric, implicit zero point 8
-        def __init__(self, linear: nn.Linear) -> None:
-            super().__init__()
-            w = linear.weight.detach().numpy()
-            n, k = w.shape
-            blocks = -(-k // block)
-            padded = np.pad(w, ((0, 0), (0, blocks * block - k))).reshape(n, blocks, block)
-            scale = np.maximum(np.abs(padded).max(-1), 1e-12) / 7.0
-            q = (np.clip(np.rint(padded / scale[..., None]), -8, 7) + 8).astype(np.uint8)
-            self.register_buffer("qweight", torch.from_numpy(q[..., 0::2] | (q[..., 1::2] << 4)))
-            self.register_buffer("scales", torch.from_numpy(scale.astype(np.float32)))
-            self.in_features, self.out_features, self.block_size, self.bias = k, n, block, None
-
-        def packed(self) -> Any:
-            from types import SimpleNamespace
-
-            return SimpleNamespace(qweight=self.qweight, scales=self.scales, zero_points=None,
-                                   in_features=self.in_features, block_size=self.block_size)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).flatten(-2).float() - 8
-            w = (q * self.scales[..., None]).reshape(self.out_features, -1)[:, : self.in_features]
-            return x @ w.T
-
-    for parent in [*adapter.decoder_layers(model), model]:
-        for owner in [m for m in parent.modules() if m is not model.model.vision_tower]:
-            for name, child in list(owner.named_children()):
-                if type(child) is nn.Linear and (parent is not model or name == "lm_head"):
-                    setattr(owner, name, Packed(child))
-    return f"RTN packer in this script (symmetric, group {block}, lm_head) - the int4-weight pass was not installed"
 
 
 def torch_rate(loaded: Any, image: Any, tokens: int, repeats: int) -> dict[str, float]:
