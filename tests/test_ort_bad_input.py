@@ -154,3 +154,12 @@ def test_inexpressible_pass_is_refused_and_nothing_is_written(name, error, messa
         opt.export("onnxruntime", tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == []  # no staging folder left behind either
+
+
+def test_unknown_pass_needs_the_export_time_check(tmp_path):
+    session = Session.create(autoload=False, disabled=(), extra=[_plugin()])
+    loaded = session.models.get("tiny:llava").build()
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("hooked")
+    with pytest.raises(ExportError, match="verify=False"):
+        opt.export("onnxruntime", tmp_path / "out", verify=False)
+    assert not (tmp_path / "out").exists()

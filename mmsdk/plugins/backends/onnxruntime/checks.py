@@ -33,9 +33,16 @@ PASS_SUPPORT: dict[str, str] = {
     "ptq-align": "its ranges reach the graphs through the KV and weight passes that use them",
 }
 # Passes the backend refuses, with the reason (checked before any pass-specific work).
+_NOT_YET = ("changes how the model computes without a module or weight the graph builder can read, and this "
+            "backend has no lowering for it yet")
 REFUSED: dict[str, str] = {
     "fp8-kv": "ONNX Runtime's CPU GroupQueryAttention has no FP8 KV-cache kernel (FP8 caches are CUDA-only); "
     "use int8-kv or int4-kv for ONNX Runtime, or export fp8-kv models to TensorRT-LLM",
+    "token-prune": _NOT_YET,
+    "token-merge": _NOT_YET,
+    "sparse-xattn": _NOT_YET,
+    "gated-xattn": _NOT_YET,
+    "rmsnorm-rope-fusion": _NOT_YET,
 }
 
 PassHandler = Callable[["ExportContext", "PassResult", dict[str, Any]], None]
@@ -65,6 +72,13 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
             fix="create the Optimizer with Optimizer(model, processor) (mmsdk.load_model returns both).",
         )
     decided: dict[str, Any] = {"skipped_cross_layers": frozenset()}
+    unknown = [r.name for r in context.results if r.name not in PASS_SUPPORT and r.name not in REFUSED]
+    if unknown and not options.verify:
+        raise ExportError(
+            f"the onnxruntime backend does not know pass(es) {', '.join(unknown)}; it exports them only when the "
+            "export-time check against the torch model runs, and verify=False turns that check off.",
+            fix="export with verify=True (the default), or drop those passes for this export.",
+        )
     for result in context.results:
         if result.name in REFUSED:
             raise IncompatiblePassError(
