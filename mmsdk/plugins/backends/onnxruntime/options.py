@@ -20,8 +20,9 @@ class OrtOptions(BackendOptions):
         "default: the model's max_position_embeddings.",
     )
     accuracy_level: Literal[0, 1, 2, 3, 4] = Field(
-        4, description="MatMulNBits accuracy_level for INT4 weights: 4 lets the CPU quantize activations to "
-        "int8 (its fast path, what ORT GenAI's builder writes for CPU); 0 keeps activations in float.",
+        0, description="MatMulNBits accuracy_level for INT4 weights: 0 keeps activations in float (the same "
+        "numbers as torch's INT4 layer); 4 lets the CPU quantize activations to int8 (its fast path, what ORT "
+        "GenAI's builder writes for CPU).",
     )
     dtype: Literal["float32", "float16"] = Field(
         "float32", description="Activations and float weights of embedding.onnx and decoder.onnx (the vision graph "
