@@ -45,37 +45,36 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
     """Prefill then decode up to ``prepared.max_new_tokens`` tokens (stops when every row hit EOS)."""
     import time
 
-    import torch
-
     start = time.perf_counter()
     spec, batch = pipe.spec, prepared.batch
     mask = prepared.attention_mask
     positions, deltas = _prefill_positions(pipe, prepared)
-    embeds = _embed(pipe, prepared.input_ids, encoded.features)
+    bindings = (pipe.embedding.io_binding(), pipe.decoder.io_binding())  # reused by every step
+    embeds = _embed(pipe, prepared.input_ids, encoded.features, bindings[0])
     past = {name: empty_ortvalue([batch, spec.num_kv_heads, 0, spec.cache_last_dim], spec.cache_dtype)
             for layer in spec.self_layers for name in (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value")}
     cross_mask = prepared.cross_mask
-    tokens = torch.empty(batch, 0, dtype=torch.long)
-    done = torch.zeros(batch, dtype=torch.bool)
-    eos = torch.tensor(spec.eos_token_ids or [-1])
+    eos = np.asarray(spec.eos_token_ids or [-1])
     pad = spec.pad_token_id if spec.pad_token_id is not None else (spec.eos_token_ids or (0,))[0]
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    done = np.zeros(batch, dtype=bool)
     first_logits = None
     for step in range(prepared.max_new_tokens):
-        logits, past = _decoder_step(pipe, embeds, mask, positions, past, encoded.cross, cross_mask)
+        logits, past = _decoder_step(pipe, embeds, mask, positions, past, encoded.cross, cross_mask, bindings[1])
         last = as_torch(logits)[:, -1]
         if first_logits is None:
             first_logits = last.clone()
-        chosen = torch.where(done, torch.full_like(done, pad, dtype=torch.long), sampler(last))
-        tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-        done |= torch.isin(chosen, eos)
-        if bool(done.all()) or step + 1 == prepared.max_new_tokens:
+        chosen = np.where(done, pad, sampler(last).numpy())
+        for row, token in zip(rows, chosen.tolist()):
+            row.append(token)
+        done |= np.isin(chosen, eos)
+        if done.all() or step + 1 == prepared.max_new_tokens:
             break
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
         positions = step_positions(mask, deltas)
         if cross_mask is not None:
             cross_mask = cross_mask[:, -1:]
-        embeds = _embed(pipe, chosen[:, None].numpy(), None)
-    rows = [[int(t) for t in row] for row in tokens]
+        embeds = _embed(pipe, chosen[:, None].astype(np.int64), None, bindings[0])
     assert first_logits is not None
     return Generation(_strip(rows, spec.eos_token_ids, pad), first_logits, time.perf_counter() - start, len(rows[0]))
 
@@ -96,22 +95,23 @@ def _prefill_positions(pipe: OrtPipeline, prepared: Prepared) -> tuple[np.ndarra
     return mrope_positions(prepared.input_ids, prepared.attention_mask, prepared.grids, spec.mrope)
 
 
-def _embed(pipe: OrtPipeline, ids: np.ndarray, features: Any) -> Any:
+def _embed(pipe: OrtPipeline, ids: np.ndarray, features: Any, binding: Any = None) -> Any:
     feeds: dict[str, Any] = {N_IDS: np.ascontiguousarray(ids, dtype=np.int64)}
     if pipe.spec.inline_images:
         feeds[N_FEATS] = features if features is not None else pipe.no_features
-    return Bound(pipe.embedding).inputs(feeds).output(N_EMBEDS).run()[0]
+    return Bound(pipe.embedding, binding).inputs(feeds).output(N_EMBEDS).run()[0]
 
 
 def _decoder_step(pipe: OrtPipeline, embeds: Any, mask: np.ndarray, positions: np.ndarray, past: dict[str, Any],
-                  cross: dict[str, Any] | None, cross_mask: np.ndarray | None) -> tuple[Any, dict[str, Any]]:
+                  cross: dict[str, Any] | None, cross_mask: np.ndarray | None,
+                  binding: Any = None) -> tuple[Any, dict[str, Any]]:
     feeds: dict[str, Any] = {N_EMBEDS: embeds, "attention_mask": mask, **past}
     if pipe.decoder_takes_positions:
         feeds["position_ids"] = positions
     if cross is not None:
         feeds.update(cross)
         feeds["cross_attention_mask"] = np.ascontiguousarray(cross_mask)
-    bound = Bound(pipe.decoder).inputs(feeds).output("logits")
+    bound = Bound(pipe.decoder, binding).inputs(feeds).output("logits")
     presents = [name.replace("past_key_values.", "present.") for name in past]
     for name in presents:
         bound.output(name)

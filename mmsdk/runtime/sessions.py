@@ -78,9 +78,12 @@ class Bound:
     """One run of a session through IOBinding: inputs bound as OrtValues, outputs allocated by ORT
     (or written into caller-owned memory), results handed on as OrtValues without copies."""
 
-    def __init__(self, session: ort.InferenceSession) -> None:
+    def __init__(self, session: ort.InferenceSession, binding: Any = None) -> None:
         self.session = session
-        self.binding = session.io_binding()
+        self.binding = binding if binding is not None else session.io_binding()
+        if binding is not None:  # reused across decode steps: start clean
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
         self._keep: list[Any] = []  # the numpy / torch objects the bound OrtValues point into
 
     def inputs(self, values: Mapping[str, Any]) -> Bound:
