@@ -31,6 +31,11 @@ PASS_SUPPORT: dict[str, str] = {
     "int8-kv": "GroupQueryAttention kv_cache_bit_width=8 with the calibrated k_scale / v_scale; cross-attention K/V "
     "quantized and dequantized once in vision.onnx",
     "ptq-align": "its ranges reach the graphs through the KV and weight passes that use them",
+    "rmsnorm-rope-fusion": "the decoder's RMSNorms and rotary embeddings are always fused ORT ops "
+    "((Skip)SimplifiedLayerNormalization, RoPE in GroupQueryAttention, MRotaryEmbedding); the fused modules are "
+    "read for their weights",
+    "gated-xattn": "skipped cross-attention layers are left out of both graphs; image K/V are computed once per "
+    "image in vision.onnx",
 }
 # Passes the backend refuses, with the reason (checked before any pass-specific work).
 _NOT_YET = ("changes how the model computes without a module or weight the graph builder can read, and this "
@@ -41,8 +46,6 @@ REFUSED: dict[str, str] = {
     "token-prune": _NOT_YET,
     "token-merge": _NOT_YET,
     "sparse-xattn": _NOT_YET,
-    "gated-xattn": _NOT_YET,
-    "rmsnorm-rope-fusion": _NOT_YET,
 }
 
 PassHandler = Callable[["ExportContext", "PassResult", dict[str, Any]], None]
@@ -136,5 +139,11 @@ def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str
     }
 
 
+def _gated_xattn_pass(context: ExportContext, result: PassResult, decided: dict[str, Any]) -> None:
+    """gated-xattn: the cross-attention layers it skipped (closed gates, latency budget) are not exported."""
+    decided["skipped_cross_layers"] = frozenset(int(i) for i in result.records.get("skipped", []))
+
+
 # Passes that need a decision of their own (name -> handler).
-PASS_HANDLERS: dict[str, PassHandler] = {"int4-kv": _kv_cache_pass, "int8-kv": _kv_cache_pass}
+PASS_HANDLERS: dict[str, PassHandler] = {"int4-kv": _kv_cache_pass, "int8-kv": _kv_cache_pass,
+                                         "gated-xattn": _gated_xattn_pass}
