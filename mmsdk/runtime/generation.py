@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mmsdk.runtime.compaction import compact
 from mmsdk.runtime.positions import mrope_positions, step_positions, text_positions
 from mmsdk.runtime.sessions import Bound, as_torch, empty_ortvalue
 
@@ -28,6 +29,7 @@ class Encoded:
 
     features: Any = None  # [N, hidden] (inline families)
     cross: dict[str, Any] | None = None  # cross_key_values.* -> [B, heads, L, D]
+    slots: list[np.ndarray] | None = None  # kept image-token slots per image (token reduction)
     seconds: float = 0.0
 
 
@@ -47,10 +49,14 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
 
     start = time.perf_counter()
     spec, batch = pipe.spec, prepared.batch
-    mask = prepared.attention_mask
+    mask, ids = prepared.attention_mask, prepared.input_ids
     positions, deltas = _prefill_positions(pipe, prepared)
+    next_position = None
+    if encoded.slots is not None:  # token reduction: keep only the kept image tokens, at their positions
+        short = compact(ids, mask, positions, spec.image_token_id, encoded.slots)
+        ids, mask, positions, next_position = short.input_ids, short.attention_mask, short.positions, short.next_position
     bindings = (pipe.embedding.io_binding(), pipe.decoder.io_binding())  # reused by every step
-    embeds = _embed(pipe, prepared.input_ids, encoded.features, bindings[0])
+    embeds = _embed(pipe, ids, encoded.features, bindings[0])
     past = {name: empty_ortvalue([batch, spec.num_kv_heads, 0, spec.cache_last_dim], spec.cache_dtype)
             for layer in spec.self_layers for name in (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value")}
     cross_mask = prepared.cross_mask
@@ -71,7 +77,7 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
         if done.all() or step + 1 == prepared.max_new_tokens:
             break
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-        positions = step_positions(mask, deltas)
+        positions = step_positions(mask, deltas) if next_position is None else next_position + step
         if cross_mask is not None:
             cross_mask = cross_mask[:, -1:]
         embeds = _embed(pipe, chosen[:, None].astype(np.int64), None, bindings[0])

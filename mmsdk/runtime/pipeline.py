@@ -85,15 +85,20 @@ class OrtPipeline:
         buffers = {name: torch.empty([count * self.vision_output_shapes[name][0], *self.vision_output_shapes[name][1:]]
                                      if self.spec.inline_images else [count, *self.vision_output_shapes[name][1:]])
                    for name in self.spec.vision_outputs}
+        slots = [] if self.spec.image_slots else None
         for index, feed in enumerate(prepared.images):
             bound = Bound(self.vision).inputs(feed)
             for name, buffer in buffers.items():
                 rows = buffer.shape[0] // count
                 bound.output(name, into=buffer[index * rows:(index + 1) * rows])
-            bound.run()
+            if slots is not None:
+                bound.output(self.spec.image_slots)
+                slots.append(bound.run()[-1].numpy())
+            else:
+                bound.run()
         seconds = time.perf_counter() - start
         if self.spec.inline_images:
-            return Encoded(features=buffers[self.spec.vision_outputs[0]], seconds=seconds)
+            return Encoded(features=buffers[self.spec.vision_outputs[0]], seconds=seconds, slots=slots)
         return Encoded(cross=buffers, seconds=seconds)
 
     def decode(self, prepared: Prepared, encoded: Encoded, sampling: SamplingConfig | None = None) -> Generation:

@@ -26,6 +26,7 @@ class ExportSpec:
     image_token_id: int | None
     vision_inputs: tuple[str, ...]
     vision_outputs: tuple[str, ...]
+    image_slots: str | None  # vision output naming the kept image-token slots (token reduction)
     fixed_inputs: Mapping[str, Any]
     self_layers: tuple[int, ...]
     num_kv_heads: int
@@ -61,7 +62,9 @@ class ExportSpec:
         return cls(
             files=d["files"], processor_dir=d["processor"], family=d["family"],
             inline_images=d["image_tokens"] == "inline", image_token_id=d["image_token_id"],
-            vision_inputs=tuple(vis["inputs"]), vision_outputs=tuple(vis["outputs"]),
+            vision_inputs=tuple(vis["inputs"]),
+            vision_outputs=tuple(o for o in vis["outputs"] if o != vis.get("slots_output")),
+            image_slots=vis.get("slots_output"),
             fixed_inputs=dict(vis.get("fixed_inputs") or {}), self_layers=tuple(dec["self_attention_layers"]),
             num_kv_heads=int(dec["num_kv_heads"]), head_dim=int(dec["head_dim"]),
             cache_dtype=_CACHE_DTYPES[cache["dtype"]], cache_last_dim=int(cache["last_dim"]),

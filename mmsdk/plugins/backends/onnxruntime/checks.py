@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mmsdk.core.backend import LowerTarget
 from mmsdk.core.errors import BackendUnavailableError, ExportError, IncompatiblePassError
 from mmsdk.plugins.backends.onnxruntime.plan import ExportPlan
+from mmsdk.plugins.backends.onnxruntime.tokens import token_pass
 
 if TYPE_CHECKING:
     from mmsdk.core.backend import ExportContext
@@ -36,6 +37,10 @@ PASS_SUPPORT: dict[str, str] = {
     "read for their weights",
     "gated-xattn": "skipped cross-attention layers are left out of both graphs; image K/V are computed once per "
     "image in vision.onnx",
+    "token-prune": "visionzip: the same reducer runs in vision.onnx, which outputs the kept features and their slots; "
+    "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
+    "token-merge": "the same merge runs in vision.onnx, which outputs the merged features and their slots; "
+    "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
 }
 # Passes the backend refuses, with the reason (checked before any pass-specific work).
 _NOT_YET = ("changes how the model computes without a module or weight the graph builder can read, and this "
@@ -43,8 +48,6 @@ _NOT_YET = ("changes how the model computes without a module or weight the graph
 REFUSED: dict[str, str] = {
     "fp8-kv": "ONNX Runtime's CPU GroupQueryAttention has no FP8 KV-cache kernel (FP8 caches are CUDA-only); "
     "use int8-kv or int4-kv for ONNX Runtime, or export fp8-kv models to TensorRT-LLM",
-    "token-prune": _NOT_YET,
-    "token-merge": _NOT_YET,
     "sparse-xattn": _NOT_YET,
 }
 
@@ -105,6 +108,7 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
         recipe=recipe,
         cross=cross,
         cross_kv_quant=decided.get("cross_kv_quant", {}),
+        token_reduction=bool(decided.get("token_reduction")),
     )
 
 
@@ -146,4 +150,5 @@ def _gated_xattn_pass(context: ExportContext, result: PassResult, decided: dict[
 
 # Passes that need a decision of their own (name -> handler).
 PASS_HANDLERS: dict[str, PassHandler] = {"int4-kv": _kv_cache_pass, "int8-kv": _kv_cache_pass,
-                                         "gated-xattn": _gated_xattn_pass}
+                                         "gated-xattn": _gated_xattn_pass, "token-prune": token_pass,
+                                         "token-merge": token_pass}

@@ -147,8 +147,10 @@ class DecoderBuilder:
         g, layout = self.g, self.layout
         embeds = g.input(N.INPUTS_EMBEDS, g.float_type, [N.BATCH, N.SEQUENCE, layout.hidden_size])
         g.input(N.ATTENTION_MASK, INT64, [N.BATCH, N.TOTAL])
-        if self.adapter.rope_sections(self.model) is not None:  # 1-D RoPE needs no position input (see projected_qkv)
+        if self.adapter.rope_sections(self.model) is not None:
             g.input(N.POSITION_IDS, INT64, [3, N.BATCH, N.SEQUENCE])
+        elif self.plan.token_reduction:  # gapped positions after token reduction (see projected_qkv)
+            g.input(N.POSITION_IDS, INT64, [N.BATCH, N.SEQUENCE])
         ctype, last = cache_type(self.plan.kv, g.float_type), cache_last_dim(self.plan.kv, layout.head_dim)
         for i in layout.self_attention_layers:
             for name in (N.past_key(i), N.past_value(i)):
@@ -231,13 +233,14 @@ class DecoderBuilder:
         1-D RoPE: GroupQueryAttention rotates q and k itself (``do_rotary``), taking the packed
         q|k|v as it is. It numbers positions 0.. over the whole row, left padding included; RoPE
         scores depend only on position differences, so a row shifted by its padding attends exactly
-        as with transformers' positions. M-RoPE: MRotaryEmbedding from the 3-D position ids first.
+        as with transformers' positions. M-RoPE, and 1-D RoPE after token reduction (positions with
+        gaps): RotaryEmbedding / MRotaryEmbedding from the ``position_ids`` input first.
         """
         g, layout, acc = self.g, self.layout, self.plan.accuracy_level
         assert self.rope is not None  # set in build()
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
         parts, sizes = self.qkv_weights(attention), [heads * dim, kv_heads * dim, kv_heads * dim]
-        if self.rope.sections is None:
+        if self.rope.sections is None and not self.plan.token_reduction:
             if len(parts) == 1:
                 return [linear(g, x, parts[0], "qkv_proj", accuracy_level=acc), "", ""], [self.rope.cos, self.rope.sin]
             return linear_group(g, x, parts, sizes, "qkv_proj", accuracy_level=acc), [self.rope.cos, self.rope.sin]

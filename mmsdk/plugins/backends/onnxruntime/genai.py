@@ -30,6 +30,9 @@ def write_if_supported(context: ExportContext, details: Mapping[str, Any], stagi
         return {"written": False, "reason": "disabled by the genai='off' export option"}
     if model_type is None:
         return {"written": False, "reason": UNSUPPORTED_REASON}
+    if details["vision"].get("slots_output"):
+        return {"written": False, "reason": "vision-token reduction (token-prune / token-merge) shortens the prompt, "
+                "which ORT GenAI's Qwen2.5-VL pipeline does not do; use mmsdk's runtime"}
     from mmsdk.plugins.backends.onnxruntime.genai_files import write_genai_files
 
     return write_genai_files(context, details, staging, model_type)

@@ -55,6 +55,9 @@ class ExportPlan:
     # decoder index -> (k scales, v scales, bits): cross-attention K/V a KV pass quantized in torch; the
     # vision graph quantizes and dequantizes them the same way (MultiHeadAttention reads float K/V).
     cross_kv_quant: dict[int, tuple[np.ndarray, np.ndarray, int]] = field(default_factory=dict)
+    # token-prune / token-merge: the vision graph also outputs the kept image-token slots, and the
+    # decoder takes explicit position ids (kept tokens keep their original, now gapped, positions)
+    token_reduction: bool = False
     notes: dict[str, object] = field(default_factory=dict)
 
     def cross_with_kv(self) -> tuple[CrossPlan, ...]:

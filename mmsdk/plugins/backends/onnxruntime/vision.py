@@ -19,6 +19,7 @@ import numpy as np
 from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.onnxruntime import names as N
 from mmsdk.plugins.backends.onnxruntime.annotate import annotate_traced, model_metadata
+from mmsdk.plugins.backends.onnxruntime.tokens import SLOTS, reduce_image, token_runtime
 
 if TYPE_CHECKING:
     import onnx
@@ -48,6 +49,7 @@ class VisionGraph:
 
     def details(self) -> dict[str, Any]:
         return {"inputs": self.inputs, "outputs": self.outputs, "fixed_inputs": self.fixed,
+                "slots_output": SLOTS if SLOTS in self.outputs else None,
                 "exporter": self.exporter, "max_abs_error_vs_torch": self.max_abs_error}
 
 
@@ -101,10 +103,12 @@ class _Wrapper:
                 images = {**fixed, **dict(zip(keys, tensors))}
                 states = adapter.image_features(self.model, images)
                 if not self.cross:
-                    return states.reshape(-1, states.shape[-1])
+                    features = states.reshape(-1, states.shape[-1])
+                    return reduce_image(reducing, features) if reducing is not None else features
                 return tuple(t for module in self.cross for t in module(states))
 
         plan_cross = plan.cross_with_kv()
+        reducing = token_runtime(model) if plan.token_reduction else None
         return VisionExport().eval()
 
 
@@ -145,8 +149,10 @@ def build_vision(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, samp
     with torch.no_grad():
         reference = wrapper(*args)
     references = [reference] if isinstance(reference, torch.Tensor) else list(reference)
-    outputs = [N.IMAGE_FEATURES] if len(references) == 1 and not plan.cross else [
-        name for c in plan.cross_with_kv() for name in (N.cross_key(c.decoder_index), N.cross_value(c.decoder_index))]
+    if plan.cross:
+        outputs = [name for c in plan.cross_with_kv() for name in (N.cross_key(c.decoder_index), N.cross_value(c.decoder_index))]
+    else:
+        outputs = [N.IMAGE_FEATURES, SLOTS] if plan.token_reduction else [N.IMAGE_FEATURES]
     proto, exporter = _export(wrapper, args, keys, outputs)
     graph = VisionGraph(proto, keys, outputs, fixed, exporter)
     graph.max_abs_error = _check(proto, {k: sample[k] for k in keys}, references, outputs)
