@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import io
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 
@@ -168,12 +169,49 @@ def _as_list(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
+@contextmanager
+def _symbolics() -> Iterator[None]:
+    """TorchScript symbolics for ops the token reducers use, registered for one export only.
+
+    ``index_add`` with repeated indices (merging tokens) must accumulate, which the stock symbolic
+    does not do; ``isin`` has no stock symbolic at opset 18.
+    """
+    import torch
+    from torch.onnx import symbolic_helper as sh
+
+    @sh.parse_args("v", "i", "v", "v", "v")
+    def index_add(g: Any, self: Any, dim: int, index: Any, source: Any, alpha: Any) -> Any:
+        rank = sh._get_tensor_rank(source)
+        scale = sh._maybe_get_const(alpha, "f")
+        if not isinstance(scale, (int, float)) or scale != 1:
+            source = g.op("Mul", source, alpha)
+        axes = g.op("Constant", value_t=torch.tensor([a for a in range(rank) if a != dim], dtype=torch.long))
+        spread = g.op("Expand", g.op("Unsqueeze", index, axes), g.op("Shape", source))
+        return g.op("ScatterElements", self, spread, source, axis_i=dim, reduction_s="add")
+
+    @sh.parse_args("v", "v", "b", "b")
+    def isin(g: Any, elements: Any, test: Any, assume_unique: bool, invert: bool) -> Any:
+        last = g.op("Constant", value_t=torch.tensor([-1]))
+        equal = g.op("Equal", g.op("Unsqueeze", elements, last), g.op("Reshape", test, last))
+        found = g.op("Cast", g.op("ReduceMax", g.op("Cast", equal, to_i=6), last, keepdims_i=0), to_i=9)
+        return g.op("Not", found) if invert else found
+
+    table = {"aten::index_add": index_add, "aten::isin": isin}
+    for name, fn in table.items():
+        torch.onnx.register_custom_op_symbolic(name, fn, OPSET)
+    try:
+        yield
+    finally:
+        for name in table:
+            torch.onnx.unregister_custom_op_symbolic(name, OPSET)
+
+
 def _export(wrapper: nn.Module, args: tuple, keys: list[str], outputs: list[str]) -> tuple[onnx.ModelProto, str]:
     import onnx
     import torch
 
     errors = []
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), _symbolics():
         warnings.simplefilter("ignore")
         try:  # TorchScript tracing follows data-dependent Python control flow of vision code as traced
             buffer = io.BytesIO()
