@@ -54,7 +54,9 @@ class OrtPipeline:
         self.vision, self.embedding, self.decoder = (sessions[k] for k in ("vision", "embedding", "decoder"))
         self.vision_shapes = {i.name: list(i.shape) for i in self.vision.get_inputs()}
         self.decoder_takes_positions = any(i.name == "position_ids" for i in self.decoder.get_inputs())
-        self.vision_output_shapes = {o.name: list(o.shape) for o in self.vision.get_outputs()}
+        # per-image output shapes as traced (token reduction makes them symbolic in the graph)
+        self.vision_output_shapes = {o.name: spec.vision_output_shapes.get(o.name, list(o.shape))
+                                     for o in self.vision.get_outputs()}
         hidden = int(self.embedding.get_outputs()[0].shape[-1])
         self.no_features = np.zeros((0, hidden), np.float32)
 

@@ -27,6 +27,7 @@ class ExportSpec:
     vision_inputs: tuple[str, ...]
     vision_outputs: tuple[str, ...]
     image_slots: str | None  # vision output naming the kept image-token slots (token reduction)
+    vision_output_shapes: Mapping[str, list[int]]  # per image
     fixed_inputs: Mapping[str, Any]
     self_layers: tuple[int, ...]
     num_kv_heads: int
@@ -64,7 +65,7 @@ class ExportSpec:
             inline_images=d["image_tokens"] == "inline", image_token_id=d["image_token_id"],
             vision_inputs=tuple(vis["inputs"]),
             vision_outputs=tuple(o for o in vis["outputs"] if o != vis.get("slots_output")),
-            image_slots=vis.get("slots_output"),
+            image_slots=vis.get("slots_output"), vision_output_shapes=dict(vis.get("output_shapes") or {}),
             fixed_inputs=dict(vis.get("fixed_inputs") or {}), self_layers=tuple(dec["self_attention_layers"]),
             num_kv_heads=int(dec["num_kv_heads"]), head_dim=int(dec["head_dim"]),
             cache_dtype=_CACHE_DTYPES[cache["dtype"]], cache_last_dim=int(cache["last_dim"]),

@@ -47,10 +47,11 @@ class VisionGraph:
     fixed: dict[str, Any] = field(default_factory=dict)
     exporter: str = ""
     max_abs_error: float = 0.0
+    output_shapes: dict[str, list[int]] = field(default_factory=dict)  # per image, as traced
 
     def details(self) -> dict[str, Any]:
         return {"inputs": self.inputs, "outputs": self.outputs, "fixed_inputs": self.fixed,
-                "slots_output": SLOTS if SLOTS in self.outputs else None,
+                "slots_output": SLOTS if SLOTS in self.outputs else None, "output_shapes": self.output_shapes,
                 "exporter": self.exporter, "max_abs_error_vs_torch": self.max_abs_error}
 
 
@@ -155,7 +156,8 @@ def build_vision(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, samp
     else:
         outputs = [N.IMAGE_FEATURES, SLOTS] if plan.token_reduction else [N.IMAGE_FEATURES]
     proto, exporter = _export(wrapper, args, keys, outputs)
-    graph = VisionGraph(proto, keys, outputs, fixed, exporter)
+    graph = VisionGraph(proto, keys, outputs, fixed, exporter,
+                        output_shapes={n: list(r.shape) for n, r in zip(outputs, references)})
     graph.max_abs_error = _check(proto, {k: sample[k] for k in keys}, references, outputs)
     for name in fixed:  # kept as graph inputs (ORT GenAI feeds them) though the graph has them built in
         _add_unused_input(proto, name, np.asarray(fixed[name]))
