@@ -55,6 +55,9 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
     if encoded.slots is not None:  # token reduction: keep only the kept image tokens, at their positions
         short = compact(ids, mask, positions, spec.image_token_id, encoded.slots)
         ids, mask, positions, next_position = short.input_ids, short.attention_mask, short.positions, short.next_position
+    image_mask = None
+    if pipe.decoder_takes_image_mask:  # sparse-xattn: which keys are image tokens (new tokens never are)
+        image_mask = (ids == spec.image_token_id).astype(np.int64) * mask
     bindings = (pipe.embedding.io_binding(), pipe.decoder.io_binding())  # reused by every step
     embeds = _embed(pipe, ids, encoded.features, bindings[0])
     past = {name: empty_ortvalue([batch, spec.num_kv_heads, 0, spec.cache_last_dim], spec.cache_dtype)
@@ -66,7 +69,8 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
     done = np.zeros(batch, dtype=bool)
     first_logits = None
     for step in range(prepared.max_new_tokens):
-        logits, past = _decoder_step(pipe, embeds, mask, positions, past, encoded.cross, cross_mask, bindings[1])
+        logits, past = _decoder_step(pipe, embeds, mask, positions, past, encoded.cross, cross_mask, bindings[1],
+                                     image_mask)
         last = as_torch(logits)[:, -1]
         if first_logits is None:
             first_logits = last.clone()
@@ -77,6 +81,8 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
         if done.all() or step + 1 == prepared.max_new_tokens:
             break
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        if image_mask is not None:
+            image_mask = np.concatenate([image_mask, np.zeros((batch, 1), np.int64)], axis=1)
         positions = step_positions(mask, deltas) if next_position is None else next_position + step
         if cross_mask is not None:
             cross_mask = cross_mask[:, -1:]
@@ -110,10 +116,12 @@ def _embed(pipe: OrtPipeline, ids: np.ndarray, features: Any, binding: Any = Non
 
 def _decoder_step(pipe: OrtPipeline, embeds: Any, mask: np.ndarray, positions: np.ndarray, past: dict[str, Any],
                   cross: dict[str, Any] | None, cross_mask: np.ndarray | None,
-                  binding: Any = None) -> tuple[Any, dict[str, Any]]:
+                  binding: Any = None, image_mask: np.ndarray | None = None) -> tuple[Any, dict[str, Any]]:
     feeds: dict[str, Any] = {N_EMBEDS: embeds, "attention_mask": mask, **past}
     if pipe.decoder_takes_positions:
         feeds["position_ids"] = positions
+    if image_mask is not None:
+        feeds["image_token_mask"] = image_mask
     if cross is not None:
         feeds.update(cross)
         feeds["cross_attention_mask"] = np.ascontiguousarray(cross_mask)

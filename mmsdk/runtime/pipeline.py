@@ -53,7 +53,9 @@ class OrtPipeline:
         self.spec, self.processor, self.manifest = spec, processor, manifest
         self.vision, self.embedding, self.decoder = (sessions[k] for k in ("vision", "embedding", "decoder"))
         self.vision_shapes = {i.name: list(i.shape) for i in self.vision.get_inputs()}
-        self.decoder_takes_positions = any(i.name == "position_ids" for i in self.decoder.get_inputs())
+        decoder_inputs = {i.name for i in self.decoder.get_inputs()}
+        self.decoder_takes_positions = "position_ids" in decoder_inputs
+        self.decoder_takes_image_mask = "image_token_mask" in decoder_inputs
         # per-image output shapes as traced (token reduction makes them symbolic in the graph)
         self.vision_output_shapes = {o.name: spec.vision_output_shapes.get(o.name, list(o.shape))
                                      for o in self.vision.get_outputs()}

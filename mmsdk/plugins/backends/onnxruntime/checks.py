@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mmsdk.core.backend import LowerTarget
 from mmsdk.core.errors import BackendUnavailableError, ExportError, IncompatiblePassError
 from mmsdk.plugins.backends.onnxruntime.plan import ExportPlan
+from mmsdk.plugins.backends.onnxruntime.sparse import SparseRule
 from mmsdk.plugins.backends.onnxruntime.tokens import token_pass
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ PASS_SUPPORT: dict[str, str] = {
     "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
     "token-merge": "the same merge runs in vision.onnx, which outputs the merged features and their slots; "
     "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
+    "sparse-xattn": "the block layout is computed in the decoder graph on every call (pooled q.k, TopK) and folded "
+    "into the attention bias of GroupQueryAttention (self) or MultiHeadAttention (cross)",
 }
 # Passes the backend refuses, with the reason (checked before any pass-specific work).
 _NOT_YET = ("changes how the model computes without a module or weight the graph builder can read, and this "
@@ -48,7 +51,6 @@ _NOT_YET = ("changes how the model computes without a module or weight the graph
 REFUSED: dict[str, str] = {
     "fp8-kv": "ONNX Runtime's CPU GroupQueryAttention has no FP8 KV-cache kernel (FP8 caches are CUDA-only); "
     "use int8-kv or int4-kv for ONNX Runtime, or export fp8-kv models to TensorRT-LLM",
-    "sparse-xattn": _NOT_YET,
 }
 
 PassHandler = Callable[["ExportContext", "PassResult", dict[str, Any]], None]
@@ -109,7 +111,19 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
         cross=cross,
         cross_kv_quant=decided.get("cross_kv_quant", {}),
         token_reduction=bool(decided.get("token_reduction")),
+        sparse=_sparse_with_cache(decided),
     )
+
+
+def _sparse_with_cache(decided: dict[str, Any]) -> SparseRule | None:
+    rule = decided.get("sparse")
+    if rule is not None and rule.kind == "self" and decided.get("kv") is not None:
+        raise IncompatiblePassError(
+            "sparse-xattn ranks image-key blocks by the cached keys, and with a quantized KV cache those live inside "
+            "GroupQueryAttention in int8/int4, where the graph cannot read them.",
+            fix="export sparse-xattn with a float KV cache (drop int4-kv / int8-kv), or drop sparse-xattn.",
+        )
+    return rule
 
 
 def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str, Any]) -> None:
@@ -143,6 +157,12 @@ def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str
     }
 
 
+def _sparse_xattn_pass(context: ExportContext, result: PassResult, decided: dict[str, Any]) -> None:
+    """sparse-xattn: its rule, computed in the graph (sparse.py); float self-attention caches only."""
+    kind = "cross" if context.adapter.cross_attention_blocks(context.model) else "self"
+    decided["sparse"] = SparseRule(int(result.config.block_size), float(result.config.density), kind)
+
+
 def _gated_xattn_pass(context: ExportContext, result: PassResult, decided: dict[str, Any]) -> None:
     """gated-xattn: the cross-attention layers it skipped (closed gates, latency budget) are not exported."""
     decided["skipped_cross_layers"] = frozenset(int(i) for i in result.records.get("skipped", []))
@@ -151,4 +171,4 @@ def _gated_xattn_pass(context: ExportContext, result: PassResult, decided: dict[
 # Passes that need a decision of their own (name -> handler).
 PASS_HANDLERS: dict[str, PassHandler] = {"int4-kv": _kv_cache_pass, "int8-kv": _kv_cache_pass,
                                          "gated-xattn": _gated_xattn_pass, "token-prune": token_pass,
-                                         "token-merge": token_pass}
+                                         "token-merge": token_pass, "sparse-xattn": _sparse_xattn_pass}

@@ -15,7 +15,7 @@ import numpy as np
 
 from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.onnxruntime import names as N
-from mmsdk.plugins.backends.onnxruntime.graph import INT32, INT64, GraphBuilder, float_type_of
+from mmsdk.plugins.backends.onnxruntime.graph import FLOAT, INT32, INT64, GraphBuilder, float_type_of
 from mmsdk.plugins.backends.onnxruntime.kvcache import cache_last_dim, cache_type
 from mmsdk.plugins.backends.onnxruntime.lowering import LinearWeights, concat_rows, linear_weights
 from mmsdk.plugins.backends.onnxruntime.ops import (
@@ -149,8 +149,10 @@ class DecoderBuilder:
         g.input(N.ATTENTION_MASK, INT64, [N.BATCH, N.TOTAL])
         if self.adapter.rope_sections(self.model) is not None:
             g.input(N.POSITION_IDS, INT64, [3, N.BATCH, N.SEQUENCE])
-        elif self.plan.token_reduction:  # gapped positions after token reduction (see projected_qkv)
+        elif self.plan.explicit_positions:  # see projected_qkv
             g.input(N.POSITION_IDS, INT64, [N.BATCH, N.SEQUENCE])
+        if self.plan.sparse is not None and self.plan.sparse.kind == "self":
+            g.input(N.IMAGE_TOKEN_MASK, INT64, [N.BATCH, N.TOTAL])
         ctype, last = cache_type(self.plan.kv, g.float_type), cache_last_dim(self.plan.kv, layout.head_dim)
         for i in layout.self_attention_layers:
             for name in (N.past_key(i), N.past_value(i)):
@@ -208,8 +210,11 @@ class DecoderBuilder:
         assert self.rope is not None  # set in build()
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
         qkv, rotary = self.projected_qkv(x, attention)
+        bias = self.shared["bias"]
+        if self.plan.sparse is not None and self.plan.sparse.kind == "self":
+            bias = self.sparse_bias(qkv[0], qkv[1], index, bias)
         inputs = [*qkv, N.past_key(index), N.past_value(index), self.shared["seqlens_k"], self.shared["total"],
-                  *rotary, "", self.shared["bias"]]
+                  *rotary, "", bias]
         attrs: dict[str, object] = {"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": int(rotary[0] != "")}
         scaling = getattr(attention, "scaling", None)
         if isinstance(scaling, float):
@@ -227,6 +232,31 @@ class DecoderBuilder:
             g.output(name, name, ctype, [N.BATCH, kv_heads, N.TOTAL, last])
         return outs[0]
 
+    def sparse_bias(self, q: str, k: str, index: int, bias: str) -> str:
+        """The padding bias with sparse-xattn's dropped text-to-image entries set to the mask value."""
+        from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries
+
+        g, layout = self.g, self.layout
+        heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+        with g.scope("sparse_xattn"):
+            q4 = g.op("Transpose", [g.op("Reshape", [q, g.ints("q_shape", [0, 0, heads, dim])])], perm=[0, 2, 1, 3])
+            k_new = g.op("Transpose", [g.op("Reshape", [k, g.ints("k_shape", [0, 0, kv_heads, dim])])], perm=[0, 2, 1, 3])
+            keys = g.op("Concat", [N.past_key(index), k_new], axis=2)  # [B, kv_heads, T, D]: cache + this call
+            group = g.op("Expand", [g.op("Unsqueeze", [keys, g.ints("ax2", [2])]),
+                                    g.ints("group", [1, 1, heads // kv_heads, 1, 1])])
+            keys = g.op("Reshape", [group, g.ints("heads_shape", [0, heads, -1, dim])])
+            if g.float_type != FLOAT:
+                q4, keys = (g.op("Cast", [t], to=FLOAT) for t in (q4, keys))
+            if "image_cols" not in self.shared:
+                images = g.op("Cast", [N.IMAGE_TOKEN_MASK], to=9)
+                seq = g.op("Gather", [g.op("Shape", [N.INPUTS_EMBEDS]), g.const("one", np.int64(1))], axis=0)
+                start = g.op("Unsqueeze", [g.op("Neg", [seq]), g.ints("ax0", [0])])
+                self.shared["image_cols"] = images
+                self.shared["text_rows"] = g.op("Not", [g.op("Slice", [images, start, g.ints("end", [2**62]),
+                                                                       g.ints("axis", [1])])])
+            dropped = dropped_entries(g, q4, keys, self.shared["text_rows"], self.shared["image_cols"], self.plan.sparse)
+            return g.op("Where", [dropped, g.const("neg", float_min(g)), bias], hint="sparse_bias")
+
     def projected_qkv(self, x: str, attention: nn.Module) -> tuple[list[str], list[str]]:
         """(query, key, value) for GQA and its (cos_cache, sin_cache) inputs.
 
@@ -240,7 +270,7 @@ class DecoderBuilder:
         assert self.rope is not None  # set in build()
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
         parts, sizes = self.qkv_weights(attention), [heads * dim, kv_heads * dim, kv_heads * dim]
-        if self.rope.sections is None and not self.plan.token_reduction:
+        if self.rope.sections is None and not self.plan.explicit_positions:
             if len(parts) == 1:
                 return [linear(g, x, parts[0], "qkv_proj", accuracy_level=acc), "", ""], [self.rope.cos, self.rope.sin]
             return linear_group(g, x, parts, sizes, "qkv_proj", accuracy_level=acc), [self.rope.cos, self.rope.sin]

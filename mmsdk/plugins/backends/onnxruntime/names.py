@@ -9,6 +9,7 @@ __all__ = [
     "ATTENTION_MASK",
     "POSITION_IDS",
     "CROSS_ATTENTION_MASK",
+    "IMAGE_TOKEN_MASK",
     "LOGITS",
     "PAST_KEY",
     "PAST_VALUE",
@@ -34,6 +35,7 @@ IMAGE_FEATURES = "image_features"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 CROSS_ATTENTION_MASK = "cross_attention_mask"
+IMAGE_TOKEN_MASK = "image_token_mask"  # [B, T] 1 where a (cached or current) token is an image token
 LOGITS = "logits"
 PAST_KEY = "past_key_values.%d.key"
 PAST_VALUE = "past_key_values.%d.value"

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mmsdk.plugins.backends.onnxruntime.kvcache import KVQuant
+from mmsdk.plugins.backends.onnxruntime.sparse import SparseRule
 
 if TYPE_CHECKING:
     from mmsdk.core.backend import LowerTarget
@@ -58,6 +59,13 @@ class ExportPlan:
     # token-prune / token-merge: the vision graph also outputs the kept image-token slots, and the
     # decoder takes explicit position ids (kept tokens keep their original, now gapped, positions)
     token_reduction: bool = False
+    # sparse-xattn: the block-sparse text-to-image rule computed in the graph (sparse.py)
+    sparse: SparseRule | None = None
+
+    @property
+    def explicit_positions(self) -> bool:
+        """The decoder rotates q/k itself from ``position_ids`` (GQA's built-in RoPE cannot serve)."""
+        return self.token_reduction or (self.sparse is not None and self.sparse.kind == "self")
     notes: dict[str, object] = field(default_factory=dict)
 
     def cross_with_kv(self) -> tuple[CrossPlan, ...]:

@@ -107,6 +107,27 @@ def _key_bias(builder: DecoderBuilder, key: str) -> str:
     return bias
 
 
+def _sparse_bias(builder: DecoderBuilder, q: str, key: str, bias: str) -> str:
+    """sparse-xattn on a cross-attention layer: every query row is text, every key an image token."""
+    from onnx import helper
+
+    from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries
+
+    g = builder.g
+    heads, dim = cross_dims(builder)
+    with g.scope("sparse_xattn"):
+        q4 = g.op("Transpose", [g.op("Reshape", [q, g.ints("q_shape", [0, 0, heads, dim])])], perm=[0, 2, 1, 3])
+        keys = key
+        if g.float_type != FLOAT:
+            q4, keys = (g.op("Cast", [t], to=FLOAT) for t in (q4, keys))
+        true = helper.make_tensor("true", 9, [1], [True])
+        rows = g.op("ConstantOfShape", [g.op("Gather", [g.op("Shape", [q4]), g.ints("bs", [0, 2])], axis=0)], value=true)
+        cols = g.op("ConstantOfShape", [g.op("Gather", [g.op("Shape", [keys]), g.ints("bl", [0, 2])], axis=0)], value=true)
+        dropped = dropped_entries(g, q4, keys, rows, cols, builder.plan.sparse)
+        expanded = g.op("Expand", [bias, g.op("Shape", [dropped])])
+        return g.op("Where", [dropped, g.const("neg", float_min(g)), expanded], hint="sparse_bias")
+
+
 def emit_block(builder: DecoderBuilder, stream: Stream, block: CrossAttentionBlock, plan: CrossPlan) -> None:
     """One gated block: x += tanh(a) * xattn(norm(x)); x += tanh(b) * mlp(norm(x)) (rows masked per recipe)."""
     g, recipe = builder.g, builder.plan.recipe
@@ -144,6 +165,8 @@ def _cross_attention(builder: DecoderBuilder, x: str, block: CrossAttentionBlock
         q = g.op("Reshape", [normed, g.ints("bsh", [0, 0, heads * dim])])
     key, value = (builder.shared[n] for n in (N.cross_key(block.decoder_index), N.cross_value(block.decoder_index)))
     bias = _key_bias(builder, key)
+    if builder.plan.sparse is not None:
+        bias = _sparse_bias(builder, q, key, bias)
     attrs: dict[str, object] = {"num_heads": heads}
     scaling = getattr(attention, "scaling", None)
     if isinstance(scaling, float):
