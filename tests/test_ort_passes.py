@@ -6,8 +6,6 @@ are separate built-in plugins).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import pytest
@@ -99,7 +97,7 @@ def test_gated_xattn_skipped_layers_leave_the_graphs(tmp_path):
     result = opt.export("onnxruntime", tmp_path / "out")
     assert "MultiHeadAttention" not in result.manifest.details["decoder"]["ops"]
     vision = onnx.load(str(tmp_path / "out" / "vision.onnx"))
-    assert [o.name for o in vision.graph.output] == []  or all("cross" not in o.name for o in vision.graph.output)
+    assert not any(o.name.startswith("cross_key_values") for o in vision.graph.output)
     _parity(opt, tmp_path / "out")
 
 
@@ -120,5 +118,4 @@ def test_fastv_is_refused(tmp_path):
     opt = _optimizer("tiny:llava", "token-prune").apply(config)
     with pytest.raises(IncompatiblePassError, match="fastv"):
         opt.export("onnxruntime", tmp_path / "out")
-    manifest = tmp_path / "out" / "manifest.json"
-    assert not manifest.exists() and not json.dumps([]) == "x"
+    assert not (tmp_path / "out").exists()

@@ -122,9 +122,10 @@ def _decoder_step(pipe: OrtPipeline, embeds: Any, mask: np.ndarray, positions: n
         feeds["position_ids"] = positions
     if image_mask is not None:
         feeds["image_token_mask"] = image_mask
-    if cross is not None:
-        feeds.update(cross)
-        feeds["cross_attention_mask"] = np.ascontiguousarray(cross_mask)
+    if cross is not None:  # blocks a pass skipped have no inputs (none at all when every block is skipped)
+        feeds.update({name: value for name, value in cross.items() if name in pipe.decoder_inputs})
+        if "cross_attention_mask" in pipe.decoder_inputs:
+            feeds["cross_attention_mask"] = np.ascontiguousarray(cross_mask)
     bound = Bound(pipe.decoder, binding).inputs(feeds).output("logits")
     presents = [name.replace("past_key_values.", "present.") for name in past]
     for name in presents:

@@ -53,9 +53,9 @@ class OrtPipeline:
         self.spec, self.processor, self.manifest = spec, processor, manifest
         self.vision, self.embedding, self.decoder = (sessions[k] for k in ("vision", "embedding", "decoder"))
         self.vision_shapes = {i.name: list(i.shape) for i in self.vision.get_inputs()}
-        decoder_inputs = {i.name for i in self.decoder.get_inputs()}
-        self.decoder_takes_positions = "position_ids" in decoder_inputs
-        self.decoder_takes_image_mask = "image_token_mask" in decoder_inputs
+        self.decoder_inputs = frozenset(i.name for i in self.decoder.get_inputs())
+        self.decoder_takes_positions = "position_ids" in self.decoder_inputs
+        self.decoder_takes_image_mask = "image_token_mask" in self.decoder_inputs
         # per-image output shapes as traced (token reduction makes them symbolic in the graph)
         self.vision_output_shapes = {o.name: spec.vision_output_shapes.get(o.name, list(o.shape))
                                      for o in self.vision.get_outputs()}
@@ -86,8 +86,8 @@ class OrtPipeline:
 
         start = time.perf_counter()
         count = len(prepared.images)
-        buffers = {name: torch.empty([count * self.vision_output_shapes[name][0], *self.vision_output_shapes[name][1:]]
-                                     if self.spec.inline_images else [count, *self.vision_output_shapes[name][1:]])
+        # each image's outputs are stacked along axis 0 (features [N, hidden]; cross K/V [B, heads, L, D])
+        buffers = {name: torch.empty([count * self.vision_output_shapes[name][0], *self.vision_output_shapes[name][1:]])
                    for name in self.spec.vision_outputs}
         slots = [] if self.spec.image_slots else None
         for index, feed in enumerate(prepared.images):
