@@ -70,12 +70,17 @@ def _quantize_linears(model: nn.Module, context: Any, awq: bool) -> None:
 def plugin(kv_records: dict[str, Any] | None = None) -> Any:
     """A plugin with ``test-int4`` / ``test-int4-awq`` and, given records, ``int8-kv`` / ``int4-kv`` stand-ins."""
     holder = types.SimpleNamespace(__name__="ort-test-quantizers")
+    from mmsdk.core.session import Session
+
+    installed = set(Session.create(autoload=False, disabled=()).passes.names())
 
     @mmsdk.hookimpl
     def mmsdk_register_quantizers(register: Any) -> None:
         register(PassSpec("test-int4", QKVFuseConfig, lambda m, c, x: _quantize_linears(m, x, False), "int4 stand-in"))
         register(PassSpec("test-int4-awq", QKVFuseConfig, lambda m, c, x: _quantize_linears(m, x, True), "awq stand-in"))
         for name, record in (kv_records or {}).items():
+            if name in installed:
+                continue
             register(PassSpec(name, QKVFuseConfig, lambda m, c, x, r=record: {"calibration": {"kv_cache": r}},
                               f"{name} stand-in carrying calibrated ranges"))
 
