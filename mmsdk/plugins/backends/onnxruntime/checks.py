@@ -79,6 +79,7 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
             "sample image and ships the processor with the export.",
             fix="create the Optimizer with Optimizer(model, processor) (mmsdk.load_model returns both).",
         )
+    _check_architecture(context)
     decided: dict[str, Any] = {"skipped_cross_layers": frozenset()}
     unknown = [r.name for r in context.results if r.name not in PASS_SUPPORT and r.name not in REFUSED]
     if unknown and not options.verify:
@@ -124,6 +125,24 @@ def _sparse_with_cache(decided: dict[str, Any]) -> SparseRule | None:
             fix="export sparse-xattn with a float KV cache (drop int4-kv / int8-kv), or drop sparse-xattn.",
         )
     return rule
+
+
+def _check_architecture(context: ExportContext) -> None:
+    """Refuse decoders the graph builder does not write (Qwen3-VL's per-head q/k norms and deepstack inputs)."""
+    import inspect
+
+    adapter, model = context.adapter, context.model
+    attentions = [a for a in map(adapter.self_attention, adapter.decoder_layers(model)) if a is not None]
+    qk_norm = any(hasattr(a, "q_norm") or hasattr(a, "k_norm") for a in attentions)
+    language = adapter.language_model(model)
+    deepstack = "deepstack_visual_embeds" in inspect.signature(language.forward).parameters
+    if qk_norm or deepstack:
+        what = "per-head q/k RMSNorm in self-attention" if qk_norm else "deepstack vision features added in decoder layers"
+        raise ExportError(
+            f"the onnxruntime backend does not write decoders with {what} ({type(model).__name__}).",
+            fix="export this model to the 'torch' backend; the onnxruntime backend covers LLaVA / LLaVA-NeXT, "
+            "Qwen2-VL / Qwen2.5-VL, IDEFICS and Mllama.",
+        )
 
 
 def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str, Any]) -> None:
