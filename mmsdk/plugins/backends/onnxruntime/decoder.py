@@ -270,14 +270,30 @@ class DecoderBuilder:
         assert self.rope is not None  # set in build()
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
         parts, sizes = self.qkv_weights(attention), [heads * dim, kv_heads * dim, kv_heads * dim]
-        if self.rope.sections is None and not self.plan.explicit_positions:
+        # GQA's built-in rotary wants head_dim % 16 == 0 (ORT 1.32 CPU); else rotate here, same positions
+        if self.rope.sections is None and not self.plan.explicit_positions and dim % 16 == 0:
             if len(parts) == 1:
                 return [linear(g, x, parts[0], "qkv_proj", accuracy_level=acc), "", ""], [self.rope.cos, self.rope.sin]
             return linear_group(g, x, parts, sizes, "qkv_proj", accuracy_level=acc), [self.rope.cos, self.rope.sin]
         q, k, v = linear_group(g, x, parts, sizes, "qkv_proj", accuracy_level=acc)
-        q = apply_rope(g, q, self.rope, N.POSITION_IDS, heads, "q_rotary")
-        k = apply_rope(g, k, self.rope, N.POSITION_IDS, kv_heads, "k_rotary")
+        positions = N.POSITION_IDS if N.POSITION_IDS in {i.name for i in g.inputs} else self.row_positions()
+        q = apply_rope(g, q, self.rope, positions, heads, "q_rotary")
+        k = apply_rope(g, k, self.rope, positions, kv_heads, "k_rotary")
         return [q, k, v], ["", ""]
+
+    def row_positions(self) -> str:
+        """[B, S] positions P .. P+S-1 over the whole row (GQA's own numbering; see projected_qkv)."""
+        g = self.g
+        if "row_positions" not in self.shared:
+            with g.scope("row_positions"):
+                total = g.op("Gather", [g.op("Shape", [N.ATTENTION_MASK]), g.const("one", np.int64(1))], axis=0)
+                shape = g.op("Shape", [N.INPUTS_EMBEDS])
+                seq = g.op("Gather", [shape, g.const("one_s", np.int64(1))], axis=0)
+                start = g.op("Sub", [total, seq])
+                row = g.op("Range", [start, total, g.const("step", np.int64(1))])
+                batch_seq = g.op("Slice", [shape, g.ints("s0", [0]), g.ints("s2", [2])])
+                self.shared["row_positions"] = g.op("Expand", [row, batch_seq], hint="positions")
+        return self.shared["row_positions"]
 
     def mlp(self, x: str, mlp: nn.Module) -> str:
         g, acc = self.g, self.plan.accuracy_level
