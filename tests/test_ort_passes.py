@@ -119,3 +119,29 @@ def test_fastv_is_refused(tmp_path):
     with pytest.raises(IncompatiblePassError, match="fastv"):
         opt.export("onnxruntime", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("kind", "queries", "keys"), [("self", 37, 37), ("self", 1, 45), ("cross", 9, 26)])
+@pytest.mark.parametrize(("block", "density"), [(8, 0.5), (4, 0.3)])
+def test_sparse_layout_in_the_graph_is_the_pass_rule(kind, queries, keys, block, density):
+    block_sparse = pytest.importorskip("mmsdk.plugins.attention._block_sparse")
+    import onnxruntime as ort
+    import torch
+
+    from mmsdk.plugins.backends.onnxruntime.graph import GraphBuilder
+    from mmsdk.plugins.backends.onnxruntime.sparse import SparseRule, dropped_entries
+
+    g = GraphBuilder("layout", modality="text", stage="decoder")
+    inputs = [g.input("q", 1, ["b", 4, "s", 8]), g.input("k", 1, ["b", 4, "t", 8]), g.input("rows", 9, ["b", "s"]),
+              g.input("cols", 9, ["b", "t"])]
+    g.output(dropped_entries(g, *inputs, SparseRule(block, density, kind)), "dropped", 9, None)
+    session = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.RandomState(0)
+    q, k = rng.randn(2, 4, queries, 8).astype(np.float32), rng.randn(2, 4, keys, 8).astype(np.float32)
+    image = np.zeros((2, keys), bool)
+    image[:, 5:20] = True
+    rows, cols = (~image[:, keys - queries:], image) if kind == "self" else (np.ones((2, queries), bool), np.ones((2, keys), bool))
+    got = session.run(None, {"q": q, "k": k, "rows": rows, "cols": cols})[0]
+    layout = block_sparse.block_layout(torch.tensor(q), torch.tensor(k), torch.tensor(rows), torch.tensor(cols),
+                                       block=block, density=density, causal=kind == "self")
+    assert np.array_equal(got, block_sparse.drop_mask(layout, torch.tensor(rows), torch.tensor(cols)).numpy())

@@ -43,11 +43,51 @@ class Generation:
     decode_steps: int = 0
 
 
+@dataclass
+class _State:
+    """What changes from one decode step to the next."""
+
+    embeds: Any
+    mask: np.ndarray
+    positions: np.ndarray
+    past: dict[str, Any]
+    cross_mask: np.ndarray | None
+    image_mask: np.ndarray | None
+    deltas: np.ndarray | None
+    next_position: np.ndarray | None
+
+
 def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sampler) -> Generation:
     """Prefill then decode up to ``prepared.max_new_tokens`` tokens (stops when every row hit EOS)."""
     import time
 
     start = time.perf_counter()
+    spec, batch = pipe.spec, prepared.batch
+    bindings = (pipe.embedding.io_binding(), pipe.decoder.io_binding())  # reused by every step
+    state = _prefill_state(pipe, prepared, encoded, bindings[0])
+    eos = np.asarray(spec.eos_token_ids or [-1])
+    pad = spec.pad_token_id if spec.pad_token_id is not None else (spec.eos_token_ids or (0,))[0]
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    done = np.zeros(batch, dtype=bool)
+    first_logits = None
+    for step in range(prepared.max_new_tokens):
+        logits, state.past = _decoder_step(pipe, state.embeds, state.mask, state.positions, state.past, encoded.cross,
+                                           state.cross_mask, bindings[1], state.image_mask)
+        last = as_torch(logits)[:, -1]
+        first_logits = last.clone() if first_logits is None else first_logits
+        chosen = np.where(done, pad, sampler(last).numpy())
+        for row, token in zip(rows, chosen.tolist()):
+            row.append(token)
+        done |= np.isin(chosen, eos)
+        if done.all() or step + 1 == prepared.max_new_tokens:
+            break
+        _advance(state, step)
+        state.embeds = _embed(pipe, chosen[:, None].astype(np.int64), None, bindings[0])
+    assert first_logits is not None
+    return Generation(_strip(rows, spec.eos_token_ids, pad), first_logits, time.perf_counter() - start, len(rows[0]))
+
+
+def _prefill_state(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, binding: Any) -> _State:
     spec, batch = pipe.spec, prepared.batch
     mask, ids = prepared.attention_mask, prepared.input_ids
     positions, deltas = _prefill_positions(pipe, prepared)
@@ -58,37 +98,24 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
     image_mask = None
     if pipe.decoder_takes_image_mask:  # sparse-xattn: which keys are image tokens (new tokens never are)
         image_mask = (ids == spec.image_token_id).astype(np.int64) * mask
-    bindings = (pipe.embedding.io_binding(), pipe.decoder.io_binding())  # reused by every step
-    embeds = _embed(pipe, ids, encoded.features, bindings[0])
     past = {name: empty_ortvalue([batch, spec.num_kv_heads, 0, spec.cache_last_dim], spec.cache_dtype)
             for layer in spec.self_layers for name in (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value")}
-    cross_mask = prepared.cross_mask
-    eos = np.asarray(spec.eos_token_ids or [-1])
-    pad = spec.pad_token_id if spec.pad_token_id is not None else (spec.eos_token_ids or (0,))[0]
-    rows: list[list[int]] = [[] for _ in range(batch)]
-    done = np.zeros(batch, dtype=bool)
-    first_logits = None
-    for step in range(prepared.max_new_tokens):
-        logits, past = _decoder_step(pipe, embeds, mask, positions, past, encoded.cross, cross_mask, bindings[1],
-                                     image_mask)
-        last = as_torch(logits)[:, -1]
-        if first_logits is None:
-            first_logits = last.clone()
-        chosen = np.where(done, pad, sampler(last).numpy())
-        for row, token in zip(rows, chosen.tolist()):
-            row.append(token)
-        done |= np.isin(chosen, eos)
-        if done.all() or step + 1 == prepared.max_new_tokens:
-            break
-        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-        if image_mask is not None:
-            image_mask = np.concatenate([image_mask, np.zeros((batch, 1), np.int64)], axis=1)
-        positions = step_positions(mask, deltas) if next_position is None else next_position + step
-        if cross_mask is not None:
-            cross_mask = cross_mask[:, -1:]
-        embeds = _embed(pipe, chosen[:, None].astype(np.int64), None, bindings[0])
-    assert first_logits is not None
-    return Generation(_strip(rows, spec.eos_token_ids, pad), first_logits, time.perf_counter() - start, len(rows[0]))
+    embeds = _embed(pipe, ids, encoded.features, binding)
+    return _State(embeds, mask, positions, past, prepared.cross_mask, image_mask, deltas, next_position)
+
+
+def _advance(state: _State, step: int) -> None:
+    """Masks and positions for the next token."""
+    batch = state.mask.shape[0]
+    state.mask = np.concatenate([state.mask, np.ones((batch, 1), np.int64)], axis=1)
+    if state.image_mask is not None:
+        state.image_mask = np.concatenate([state.image_mask, np.zeros((batch, 1), np.int64)], axis=1)
+    if state.next_position is None:
+        state.positions = step_positions(state.mask, state.deltas)
+    else:
+        state.positions = state.next_position + step
+    if state.cross_mask is not None:
+        state.cross_mask = state.cross_mask[:, -1:]
 
 
 def _strip(rows: list[list[int]], eos: tuple[int, ...], pad: int) -> list[list[int]]:

@@ -80,14 +80,8 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
             fix="create the Optimizer with Optimizer(model, processor) (mmsdk.load_model returns both).",
         )
     _check_architecture(context)
+    _check_unknown(context, options)
     decided: dict[str, Any] = {"skipped_cross_layers": frozenset()}
-    unknown = [r.name for r in context.results if r.name not in PASS_SUPPORT and r.name not in REFUSED]
-    if unknown and not options.verify:
-        raise ExportError(
-            f"the onnxruntime backend does not know pass(es) {', '.join(unknown)}; it exports them only when the "
-            "export-time check against the torch model runs, and verify=False turns that check off.",
-            fix="export with verify=True (the default), or drop those passes for this export.",
-        )
     for result in context.results:
         if result.name in REFUSED:
             raise IncompatiblePassError(
@@ -125,6 +119,16 @@ def _sparse_with_cache(decided: dict[str, Any]) -> SparseRule | None:
             fix="export sparse-xattn with a float KV cache (drop int4-kv / int8-kv), or drop sparse-xattn.",
         )
     return rule
+
+
+def _check_unknown(context: ExportContext, options: OrtOptions) -> None:
+    unknown = [r.name for r in context.results if r.name not in PASS_SUPPORT and r.name not in REFUSED]
+    if unknown and not options.verify:
+        raise ExportError(
+            f"the onnxruntime backend does not know pass(es) {', '.join(unknown)}; it exports them only when the "
+            "export-time check against the torch model runs, and verify=False turns that check off.",
+            fix="export with verify=True (the default), or drop those passes for this export.",
+        )
 
 
 def _check_architecture(context: ExportContext) -> None:
