@@ -31,6 +31,7 @@ class Encoded:
     cross: dict[str, Any] | None = None  # cross_key_values.* -> [B, heads, L, D]
     slots: list[np.ndarray] | None = None  # kept image-token slots per image (token reduction)
     seconds: float = 0.0
+    span: tuple[float, float] = (0.0, 0.0)  # perf_counter at start and end
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Generation:
     first_logits: torch.Tensor
     seconds: float = 0.0
     decode_steps: int = 0
+    span: tuple[float, float] = (0.0, 0.0)  # perf_counter at start and end
 
 
 @dataclass
@@ -84,7 +86,8 @@ def decode(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, sampler: Sam
         _advance(state, step)
         state.embeds = _embed(pipe, chosen[:, None].astype(np.int64), None, bindings[0])
     assert first_logits is not None
-    return Generation(_strip(rows, spec.eos_token_ids, pad), first_logits, time.perf_counter() - start, len(rows[0]))
+    end = time.perf_counter()
+    return Generation(_strip(rows, spec.eos_token_ids, pad), first_logits, end - start, len(rows[0]), (start, end))
 
 
 def _prefill_state(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, binding: Any) -> _State:

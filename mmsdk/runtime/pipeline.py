@@ -32,9 +32,11 @@ class Request:
 class Result:
     """The answer to one request, with the time its stages took."""
 
-    def __init__(self, tokens: list[int], text: str, vision_seconds: float, decode_seconds: float) -> None:
+    def __init__(self, tokens: list[int], text: str, vision_seconds: float, decode_seconds: float,
+                 vision_span: tuple[float, float] = (0.0, 0.0), decode_span: tuple[float, float] = (0.0, 0.0)) -> None:
         self.tokens, self.text = tokens, text
         self.vision_seconds, self.decode_seconds = vision_seconds, decode_seconds
+        self.vision_span, self.decode_span = vision_span, decode_span  # perf_counter (start, end)
 
     def __repr__(self) -> str:
         return f"Result(text={self.text!r}, tokens={len(self.tokens)})"
@@ -100,10 +102,11 @@ class OrtPipeline:
                 slots.append(bound.run()[-1].numpy())
             else:
                 bound.run()
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
         if self.spec.inline_images:
-            return Encoded(features=buffers[self.spec.vision_outputs[0]], seconds=seconds, slots=slots)
-        return Encoded(cross=buffers, seconds=seconds)
+            return Encoded(features=buffers[self.spec.vision_outputs[0]], seconds=end - start, slots=slots,
+                           span=(start, end))
+        return Encoded(cross=buffers, seconds=end - start, span=(start, end))
 
     def decode(self, prepared: Prepared, encoded: Encoded, sampling: SamplingConfig | None = None) -> Generation:
         """The embedding + decoder stage."""

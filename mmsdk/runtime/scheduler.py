@@ -34,7 +34,7 @@ def run_double_buffered(pipe: OrtPipeline, requests: Iterable[Request], max_new_
             generation = pipe.decode(prepared, encoded, sampling)
             tokens = generation.tokens[0]
             text = pipe.processor.batch_decode([tokens], skip_special_tokens=True)[0]
-            yield Result(tokens, text, encoded.seconds, generation.seconds)
+            yield Result(tokens, text, encoded.seconds, generation.seconds, encoded.span, generation.span)
 
 
 def _submit(pipe: OrtPipeline, pool: ThreadPoolExecutor, request: Request | None, max_new_tokens: int,
