@@ -32,9 +32,9 @@ def _answers(pipe, examples, batch=32):
 
 @pytest.mark.parametrize("name", ["builtin:llava-digits", "builtin:idefics-digits"])
 def test_exported_digits_model_answers_like_torch(name, tmp_path):
+    session, loaded, test = _setup(name)
     from mmsdk.evaluation import normalize_answer
 
-    session, loaded, test = _setup(name)
     examples = test[:48]
     opt = Optimizer(loaded.model, loaded.processor, session=session)
     opt.export("onnxruntime", tmp_path / "out")
