@@ -46,8 +46,9 @@ def plan_checkpoint(lm: LanguageModelWeights, family: Family, tp: int, pp: int, 
     """Check that ``tp``/``pp`` divide the model and the INT4 layers fit them; return the plan."""
     sh.require(sh.check_parallelism(lm.heads, lm.intermediate_size, lm.num_layers, tp, pp), _FIX_PARALLEL)
     group = lm.group_size()
-    excluded: list[str] = []
+    excluded: set[str] = set()
     problems: list[str] = []
+    per_stage = lm.num_layers // pp
     for index, layer in enumerate(lm.layers):
         for linear, roles in naming.LINEAR_ROLES.items():
             parts = [layer.linears()[role] for role in roles]
@@ -58,12 +59,13 @@ def plan_checkpoint(lm: LanguageModelWeights, family: Family, tp: int, pp: int, 
                     fix="quantize q/k/v together (apply qkv-fuse before int4-weight, or quantize all three).",
                 )
             if True not in kinds:
-                if group is not None:
-                    excluded.append(naming.linear_name(index, linear))
+                if group is not None:  # names are per rank file: layer indices restart in every stage
+                    excluded.add(naming.linear_name(index % per_stage, linear))
                 continue
             out_global, in_global = _global_widths(lm, linear, tp)
             problems += sh.check_quantized_widths(naming.linear_name(index, linear), out_global, in_global,
                                                   group or 0, tp, linear not in naming.COLUMN_PARALLEL)
+    _check_stages_agree(lm, excluded, per_stage)
     sh.require(problems, "pick tp_size and int4-weight's group size (64 or 128) so the widths divide, or leave "
                          "these layers in full precision.")
     if group is not None and group not in (64, 128):
@@ -71,7 +73,20 @@ def plan_checkpoint(lm: LanguageModelWeights, family: Family, tp: int, pp: int, 
             f"TensorRT-LLM's W4A16_AWQ takes group sizes 64 or 128; the INT4 layers use {group}.",
             fix="re-run int4-weight with a group (block) size of 64 or 128.",
         )
-    return CheckpointPlan(family, tp, pp, getattr(torch, dtype), group, kv_algo, kv_scales, tuple(excluded))
+    return CheckpointPlan(family, tp, pp, getattr(torch, dtype), group, kv_algo, kv_scales, tuple(sorted(excluded)))
+
+
+def _check_stages_agree(lm: LanguageModelWeights, excluded: set[str], per_stage: int) -> None:
+    """exclude_modules names the layers of one rank file, so every pipeline stage must exclude the same ones."""
+    for index, layer in enumerate(lm.layers):
+        for linear, roles in naming.LINEAR_ROLES.items():
+            dense = not isinstance(layer.linears()[roles[0]], Int4Linear)
+            if lm.group_size() is not None and dense != (naming.linear_name(index % per_stage, linear) in excluded):
+                raise ExportError(
+                    f"layer {index}'s {linear} is {'full precision' if dense else 'INT4'} but the same layer of "
+                    "another pipeline stage is not; exclude_modules cannot tell the stages apart.",
+                    fix="quantize the same layers in every pipeline stage, or export with pp_size=1.",
+                )
 
 
 def _global_widths(lm: LanguageModelWeights, linear: str, tp: int) -> tuple[int, int]:

@@ -159,8 +159,11 @@ def _excluded(context: ExportContext, lm: LanguageModelWeights) -> list[str]:
             owner = attention if role in ("q", "k", "v", "o") else mlp
             if not isinstance(linear, Int4Linear):
                 runtime.append(f"{names[id(owner)]}.{_ROLE_ATTR[role]}")
-    patterns = sorted({_checkpoint_name(model, name) for name in runtime})
-    return [p if p.endswith(("_proj", "lm_head")) else f"{p}*" for p in patterns]
+    names = sorted({_checkpoint_name(model, name) for name in runtime})
+    patterns = [n if n.endswith(("_proj", "lm_head")) else f"{n}*" for n in names]
+    # A module inside another excluded part (Qwen's merger inside its vision tower) needs no pattern of its own.
+    return [p for p in patterns if not any(o != p and o.endswith("*") and p.startswith(o[:-1] + ".")
+                                           for o in patterns)]
 
 
 def _checkpoint_name(model: Any, runtime_name: str) -> str:
