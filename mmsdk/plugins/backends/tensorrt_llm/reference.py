@@ -55,9 +55,10 @@ class ReferenceLM:
         return int(self.config["vocab_size"])
 
     def logits(self, input_ids: torch.Tensor, prompt_table: torch.Tensor | None = None,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+               positions: torch.Tensor | None = None, kv_cache: bool = True) -> torch.Tensor:
         """Logits [L, vocab] of one sequence; ids >= vocab_size index ``prompt_table``; ``positions``
-        is [L] (RoPE) or [3, L] (M-RoPE), default 0..L-1."""
+        is [L] (RoPE) or [3, L] (M-RoPE), default 0..L-1. ``kv_cache``: read K/V back through the
+        checkpoint's INT8/FP8 cache scales (as generation steps do) instead of at full precision."""
         ids = input_ids.reshape(-1)
         fake = ids >= self.vocab_size
         h = self.embed[torch.where(fake, 0, ids)]
@@ -68,7 +69,7 @@ class ReferenceLM:
         pos = positions if positions is not None else torch.arange(ids.numel())
         cos, sin = self._rope(pos)
         for layer in self.layers:
-            h = self._layer(layer, h, cos, sin)
+            h = self._layer(layer, h, cos, sin, kv_cache)
         return _rms_norm(h, self.final_norm, self.config["norm_epsilon"]) @ self.lm_head.T
 
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +90,8 @@ class ReferenceLM:
             raise NotImplementedError(f"position_embedding_type {cfg['position_embedding_type']!r}")
         return emb.cos().float(), emb.sin().float()
 
-    def _layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv_cache: bool) -> torch.Tensor:
         cfg, w = self.config, layer.weights
         nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]
         x = _rms_norm(h, layer.norms[0], cfg["norm_epsilon"])
@@ -98,7 +100,7 @@ class ReferenceLM:
         k = (x @ w["k"].T + w.get("k_b", 0)).reshape(n, nkv, hd).transpose(0, 1)
         v = (x @ w["v"].T + w.get("v_b", 0)).reshape(n, nkv, hd).transpose(0, 1)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        if layer.kv_scale is not None:
+        if kv_cache and layer.kv_scale is not None:
             k, v = (self._kv_roundtrip(t, layer.kv_scale) for t in (k, v))
         k, v = k.repeat_interleave(nh // nkv, dim=0), v.repeat_interleave(nh // nkv, dim=0)
         scores = q @ k.transpose(1, 2) / math.sqrt(hd)

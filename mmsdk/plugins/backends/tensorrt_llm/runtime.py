@@ -57,8 +57,9 @@ class ReferenceModel:
         self.vision = onnxruntime.InferenceSession(str(self.folder / "vision" / "model.onnx"), options,
                                                    providers=["CPUExecutionProvider"])
 
-    def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits [1, L, vocab] for one prompt with one image (the processor's input dict)."""
+    def logits(self, inputs: dict[str, torch.Tensor], kv_cache: bool = True) -> torch.Tensor:
+        """Logits [1, L, vocab] for one prompt with one image (the processor's input dict); ``kv_cache``
+        reads K/V through the quantized cache's scales, as TensorRT-LLM's generation steps do."""
         ids = inputs["input_ids"]
         if ids.shape[0] != 1:
             raise ValueError("the reference runs one sequence at a time; pass a batch of one prompt")
@@ -68,7 +69,7 @@ class ReferenceModel:
         fake[marker] = self.lm.vocab_size + torch.arange(int(marker.sum()))
         if table is not None and table.shape[0] != int(marker.sum()):
             raise ValueError(f"{table.shape[0]} visual features for {int(marker.sum())} image tokens")
-        return self.lm.logits(fake, table, positions)[None]
+        return self.lm.logits(fake, table, positions, kv_cache)[None]
 
     def _features(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         kind = self.host["model_type"]

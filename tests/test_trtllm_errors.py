@@ -1,0 +1,140 @@
+"""Combinations TensorRT-LLM cannot take are refused before anything is written, naming the alternative."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import Field
+from trtllm_fakes import FakeKVConfig, fake_session
+
+import mmsdk
+from mmsdk import Optimizer
+from mmsdk.core.config import PassConfig
+from mmsdk.core.errors import ConfigError, ExportError
+from mmsdk.core.passes import PassSpec
+from mmsdk.plugins.backends.tensorrt_llm.families import FAMILIES
+from mmsdk.plugins.backends.tensorrt_llm.options import TensorRTLLMOptions, resolve_target
+
+
+def _export_error(opt, tmp_path, match, **options):
+    with pytest.raises(ExportError, match=match) as info:
+        opt.export("tensorrt-llm", tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists(), "a refused export must leave nothing behind"
+    return str(info.value)
+
+
+def test_int4_kv_names_int8_and_fp8(tmp_path):
+    session = fake_session()
+    loaded = session.models.get("tiny:llava").build()
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
+    message = _export_error(opt, tmp_path, "no INT4 KV cache")
+    assert "'int8-kv'" in message and "'fp8-kv'" in message
+
+
+@pytest.mark.parametrize(("name", "match"), [("tiny:idefics", "no IDEFICS implementation"),
+                                             ("tiny:mllama", "cross-attention decoder layers are not")])
+def test_flamingo_family_is_refused_with_the_alternative(name, match, session, tiny, tmp_path):
+    loaded = tiny(name)
+    message = _export_error(Optimizer(loaded.model, loaded.processor, session=session), tmp_path, match)
+    assert "onnxruntime" in message
+
+
+def test_llava_15_is_not_on_the_pytorch_backend(session, tiny, tmp_path):
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    _export_error(opt, tmp_path, "PyTorch backend does not run LlavaForConditionalGeneration", target="hf")
+    result = opt.export("tensorrt-llm", tmp_path / "auto")  # auto falls back to the checkpoint
+    assert result.manifest.details["target"] == "checkpoint"
+
+
+def test_int8_kv_needs_the_checkpoint_target(tmp_path):
+    session = fake_session()
+    loaded = session.models.get("tiny:qwen2-vl").build()
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int8-kv")
+    message = _export_error(opt, tmp_path, "no INT8 KV cache", target="hf")
+    assert "fp8-kv" in message
+    auto = opt.export("tensorrt-llm", tmp_path / "auto", trtllm_version="1.2.0")
+    assert auto.manifest.details["target"] == "checkpoint"
+    assert auto.manifest.backend_options["trtllm_version"] == "1.2.0"
+    assert auto.manifest.requirements == {"tensorrt-llm": "tensorrt-llm==1.2.*"}
+
+
+def test_checkpoint_is_refused_for_versions_without_trtllm_build(session, tiny, tmp_path):
+    loaded = tiny("tiny:qwen2-vl")
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    message = _export_error(opt, tmp_path, "no longer ships trtllm-build", target="A", trtllm_version="1.4.0")
+    assert "target='hf'" in message
+
+
+def test_kv_scales_come_from_calibration_and_int8_needs_it():
+    from types import SimpleNamespace
+
+    from mmsdk.plugins.backends.tensorrt_llm.kv_scales import kv_scales
+
+    def context(records):
+        result = SimpleNamespace(records=records)
+        return SimpleNamespace(result=lambda name: result if name == "ptq-align" else None)
+
+    calibrated = context({"kv_amax": {"0": {"k": [1.0, 254.0], "v": 3.0}, "1": {"k": 2.0, "v": 127.0}}})
+    assert kv_scales(calibrated, "INT8", 2) == ({0: 2.0, 1: 1.0}, True)  # max(K, V) amax / 127
+    assert kv_scales(calibrated, "FP8", 2)[0][0] == pytest.approx(254.0 / 448)
+    assert kv_scales(context({}), "FP8", 2) == ({0: 1.0, 1: 1.0}, False)  # TensorRT-LLM's own default
+    with pytest.raises(ExportError, match="INT8 KV cache needs calibrated scales"):
+        kv_scales(context({}), "INT8", 2)
+    with pytest.raises(ExportError, match=r"no amax for decoder layer\(s\) \[2\]"):
+        kv_scales(calibrated, "INT8", 3)
+
+
+def test_target_and_version_rules():
+    family = FAMILIES["Qwen2VLForConditionalGeneration"]
+    assert resolve_target(TensorRTLLMOptions(), family, None).target == "hf"
+    assert resolve_target(TensorRTLLMOptions(tp_size=2), family, None).target == "checkpoint"
+    assert resolve_target(TensorRTLLMOptions(trtllm_version="0.21.0"), family, None).target == "checkpoint"
+    assert resolve_target(TensorRTLLMOptions(target="A"), family, "FP8").target == "checkpoint"
+    with pytest.raises(ExportError, match="only apply to target='checkpoint'"):
+        resolve_target(TensorRTLLMOptions(target="hf", tp_size=2), family, None)
+    with pytest.raises(ConfigError, match="not a version number"):
+        TensorRTLLMOptions(trtllm_version="latest")
+    with pytest.raises(ConfigError, match="target"):
+        TensorRTLLMOptions(target="engine")
+
+
+class _PruneConfig(PassConfig):
+    strategy: str = Field("threshold")
+
+
+def _prune_session():
+    from mmsdk.core.session import Session
+
+    spec = PassSpec(name="token-prune", config_cls=_PruneConfig, apply=lambda m, c, x: {}, summary="stand-in")
+    plugin = type("P", (), {"__name__": "prune", "mmsdk_register_encoders": mmsdk.hookimpl(
+        lambda register: register(spec))})
+    return Session.create(autoload=False, disabled=(), extra=[plugin])
+
+
+def test_vision_passes_the_runtime_cannot_express(tmp_path):
+    session = _prune_session()
+    loaded = session.models.get("tiny:qwen2-vl").build()
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(_PruneConfig(strategy="fixed"))
+    _export_error(opt, tmp_path, "runs its own vision code", target="hf")
+    opt.export("tensorrt-llm", tmp_path / "fixed", target="checkpoint")  # a fixed count fits the engine
+    dynamic = Optimizer(loaded.model, loaded.processor, session=session).apply(_PruneConfig())
+    _export_error(dynamic, tmp_path, "depends on the image", target="checkpoint")
+
+
+def test_a_module_nobody_lowers_is_named(session, tiny, tmp_path):
+    import torch
+
+    class Mystery(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    loaded = tiny("tiny:llava")
+    mlp = loaded.model.model.language_model.layers[1].mlp
+    mlp.down_proj = Mystery(mlp.down_proj)
+    message = _export_error(Optimizer(loaded.model, loaded.processor, session=session), tmp_path,
+                            "does not know how to write", target="checkpoint")
+    assert "layers.1.mlp.down_proj (Mystery)" in message and "mmsdk_lower" in message
