@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import Field
-from trtllm_fakes import FakeKVConfig, fake_session
+from trtllm_fakes import fake_session
 
 import mmsdk
 from mmsdk import Optimizer

@@ -17,9 +17,8 @@ from mmsdk import Optimizer
 
 def _trtllm_with_gpu() -> bool:
     try:
-        import torch
-
         import tensorrt_llm  # noqa: F401
+        import torch
     except ImportError:
         return False
     return torch.cuda.is_available()

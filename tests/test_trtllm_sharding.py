@@ -36,7 +36,7 @@ def test_mha_split_matches_trtllm_mha_formula():
     ours = sh.split_qkv(q, k, v, heads, tp=2)
     # TensorRT-LLM's MHA path: cat([q,k,v]).reshape(3, nh*hd, H), split dim 1, reshape(3*nh*hd/T, H)
     theirs = [t.reshape(-1, 5) for t in torch.cat([q, k, v]).reshape(3, 8, 5).chunk(2, dim=1)]
-    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_lm_head_is_padded_to_a_multiple_of_tp():

@@ -22,7 +22,7 @@ from mmsdk.plugins.backends.tensorrt_llm.lowering import DenseLinear, Int4Linear
 from mmsdk.plugins.backends.tensorrt_llm.packing import pack_int4_rows
 from mmsdk.plugins.backends.tensorrt_llm.weights import LanguageModelWeights
 
-__all__ = ["CheckpointPlan", "plan_checkpoint", "checkpoint_config", "rank_tensors", "write_checkpoint"]
+__all__ = ["CheckpointPlan", "checkpoint_config", "plan_checkpoint", "rank_tensors", "write_checkpoint"]
 
 _FIX_PARALLEL = "choose tp_size/pp_size that divide the model (see the numbers above), or tp_size=1, pp_size=1."
 

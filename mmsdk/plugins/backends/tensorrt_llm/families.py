@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Family", "FAMILIES", "REFUSED", "family_for"]
+__all__ = ["FAMILIES", "REFUSED", "Family", "family_for"]
 
 
 @dataclass(frozen=True)

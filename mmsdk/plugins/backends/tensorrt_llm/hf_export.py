@@ -25,7 +25,7 @@ from mmsdk.plugins.backends.tensorrt_llm.weights import LanguageModelWeights, La
 if TYPE_CHECKING:
     from mmsdk.core.backend import ExportContext
 
-__all__ = ["HF_QUANT_CONFIG", "write_hf", "hf_quant_config"]
+__all__ = ["HF_QUANT_CONFIG", "hf_quant_config", "write_hf"]
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 _ROLE_ATTR = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
@@ -40,7 +40,7 @@ def write_hf(context: ExportContext, lm: LanguageModelWeights, folder: Path, dty
     _check_vision_is_plain(context)
     names = {id(m): n for n, m in model.named_modules()}
     state = {k: v for k, v in model.state_dict().items()}
-    for index, (layer_module, layer) in enumerate(zip(adapter.decoder_layers(model), lm.layers)):
+    for index, (layer_module, layer) in enumerate(zip(adapter.decoder_layers(model), lm.layers, strict=True)):
         attention, mlp = adapter.self_attention(layer_module), adapter.mlp(layer_module)
         attn_name, mlp_name, layer_name = names[id(attention)], names[id(mlp)], names[id(layer_module)]
         _drop_prefixes(state, (f"{attn_name}.", f"{mlp_name}."))
@@ -153,7 +153,7 @@ def _excluded(context: ExportContext, lm: LanguageModelWeights) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
     runtime = [names[id(adapter.vision_tower(model))], names[id(adapter.projector(model))],
                names[id(adapter.lm_head(model))], names[id(adapter.embed_tokens(model))]]
-    for layer_module, layer in zip(adapter.decoder_layers(model), lm.layers):
+    for layer_module, layer in zip(adapter.decoder_layers(model), lm.layers, strict=True):
         attention, mlp = adapter.self_attention(layer_module), adapter.mlp(layer_module)
         for role, linear in layer.linears().items():
             owner = attention if role in ("q", "k", "v", "o") else mlp

@@ -12,14 +12,15 @@ Where the numbers are read: the records of ``ptq-align`` and then of the KV pass
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from mmsdk.core.errors import ExportError
 
 if TYPE_CHECKING:
     from mmsdk.core.backend import ExportContext
 
-__all__ = ["KV_PASSES", "QMAX", "kv_algorithm", "layer_amax", "kv_scales"]
+__all__ = ["KV_PASSES", "QMAX", "kv_algorithm", "kv_scales", "layer_amax"]
 
 # mmsdk pass name -> TensorRT-LLM kv_cache_quant_algo (None: TensorRT-LLM cannot store it).
 KV_PASSES: dict[str, str | None] = {"int8-kv": "INT8", "fp8-kv": "FP8", "int4-kv": None}

@@ -9,7 +9,7 @@ third-party quantized layer) is passed to the ``mmsdk_lower`` hook with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -80,7 +80,7 @@ class Int4Linear:
         return dequantize(self.q, self.scales) * self.prequant()[None, :]
 
 
-LinearWeights = Union[DenseLinear, Int4Linear]
+LinearWeights = DenseLinear | Int4Linear
 
 
 def resolve_linear(module: nn.Module, name: str, session: Session) -> LinearWeights:

@@ -8,19 +8,19 @@ and ``mlp.gate`` is ``up_proj`` (the linear one).
 from __future__ import annotations
 
 __all__ = [
+    "COLUMN_PARALLEL",
     "EMBEDDING",
     "FINAL_NORM",
-    "LM_HEAD",
+    "HF_TO_TRTLLM",
+    "INPUT_NORM",
+    "KV_RCP_SCALE",
+    "KV_SCALE",
     "LINEAR_ROLES",
-    "COLUMN_PARALLEL",
+    "LM_HEAD",
+    "POST_NORM",
+    "QUANT_SUFFIXES",
     "layer_prefix",
     "linear_name",
-    "QUANT_SUFFIXES",
-    "KV_SCALE",
-    "KV_RCP_SCALE",
-    "INPUT_NORM",
-    "POST_NORM",
-    "HF_TO_TRTLLM",
 ]
 
 EMBEDDING = "transformer.vocab_embedding.weight"

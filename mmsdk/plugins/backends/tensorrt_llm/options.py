@@ -18,7 +18,7 @@ from mmsdk.core.backend import BackendOptions
 from mmsdk.core.errors import ConfigError, ExportError
 from mmsdk.plugins.backends.tensorrt_llm.families import Family
 
-__all__ = ["TensorRTLLMOptions", "Resolved", "parse_version", "resolve_target", "CHECKPOINT_REMOVED_IN"]
+__all__ = ["CHECKPOINT_REMOVED_IN", "Resolved", "TensorRTLLMOptions", "parse_version", "resolve_target"]
 
 # The TensorRT engine backend (trtllm-build) left TensorRT-LLM's main branch in June-July 2026, after
 # the 1.3 release candidates; 1.4 is the first release line assumed not to ship it.

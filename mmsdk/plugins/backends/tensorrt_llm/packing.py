@@ -19,15 +19,15 @@ import torch
 from mmsdk.core.errors import ExportError
 
 __all__ = [
-    "QMIN",
     "QMAX",
+    "QMIN",
     "W4A16Weight",
-    "quantize_groupwise",
-    "pack_int4_rows",
-    "unpack_int4_rows",
-    "pack_w4a16_awq",
     "dequantize",
     "from_matmulnbits",
+    "pack_int4_rows",
+    "pack_w4a16_awq",
+    "quantize_groupwise",
+    "unpack_int4_rows",
 ]
 
 QMIN, QMAX = -8, 7

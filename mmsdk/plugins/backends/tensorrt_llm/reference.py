@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from mmsdk.core.errors import ArtifactIntegrityError
 
-__all__ = ["ReferenceLM", "load_checkpoint", "unpack_int4", "mrope_positions"]
+__all__ = ["ReferenceLM", "load_checkpoint", "mrope_positions", "unpack_int4"]
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 

@@ -22,7 +22,7 @@ from mmsdk.plugins.backends.tensorrt_llm.vision_inputs import (
     window_order,
 )
 
-__all__ = ["ReferenceModel", "LLM_DIR", "host_details"]
+__all__ = ["LLM_DIR", "ReferenceModel", "host_details"]
 
 LLM_DIR = "llm"
 

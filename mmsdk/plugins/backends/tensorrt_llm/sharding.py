@@ -16,16 +16,16 @@ from mmsdk.core.errors import ExportError
 
 __all__ = [
     "Heads",
-    "kv_heads_per_rank",
+    "check_parallelism",
+    "check_quantized_widths",
     "duplicate_kv",
-    "split_qkv",
-    "split_column",
-    "split_row",
+    "kv_heads_per_rank",
     "pad_rows",
     "pp_layer_ranges",
     "rank_of",
-    "check_parallelism",
-    "check_quantized_widths",
+    "split_column",
+    "split_qkv",
+    "split_row",
 ]
 
 
@@ -60,7 +60,7 @@ def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: Heads, t
     """
     k, v = duplicate_kv(k, heads, tp), duplicate_kv(v, heads, tp)
     parts = [torch.chunk(t, tp, dim=0) for t in (q, k, v)]
-    return [torch.cat([qs, ks, vs], dim=0).contiguous() for qs, ks, vs in zip(*parts)]
+    return [torch.cat([qs, ks, vs], dim=0).contiguous() for qs, ks, vs in zip(*parts, strict=True)]
 
 
 def split_column(t: torch.Tensor, tp: int) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from mmsdk.plugins.backends.tensorrt_llm.families import FAMILIES, REFUSED, Fami
 if TYPE_CHECKING:
     from mmsdk.core.backend import ExportContext
 
-__all__ = ["family_of", "check_passes", "VISION_TOKEN_PASSES"]
+__all__ = ["VISION_TOKEN_PASSES", "check_passes", "family_of"]
 
 # Passes that change how many visual tokens reach the language model.
 VISION_TOKEN_PASSES = frozenset({"token-prune", "token-merge"})

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from mmsdk.plugins.backends.tensorrt_llm.validate import ValidationReport
 
-__all__ = ["expected_tensors", "check_rank_files"]
+__all__ = ["check_rank_files", "expected_tensors"]
 
 SAFETENSORS_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 Spec = tuple[tuple[int, ...], str]
@@ -76,7 +76,8 @@ def _quantized(module: str, quant: dict[str, Any]) -> bool:
     return not any(fnmatch.fnmatchcase(module, p) for p in excluded)
 
 
-def _linear(module: str, n: int, k: int, bias: tuple[int, ...] | None, dt: str, quant: dict[str, Any]) -> dict[str, Spec]:
+def _linear(module: str, n: int, k: int, bias: tuple[int, ...] | None, dt: str,
+            quant: dict[str, Any]) -> dict[str, Spec]:
     out: dict[str, Spec] = {}
     if _quantized(module, quant):
         g = int(quant.get("group_size") or 128)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QwenVisionGeometry", "rotary_pos_emb", "block_mask", "window_index", "window_order"]
+__all__ = ["QwenVisionGeometry", "block_mask", "rotary_pos_emb", "window_index", "window_order"]
 
 
 @dataclass(frozen=True)

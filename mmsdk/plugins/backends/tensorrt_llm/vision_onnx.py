@@ -61,7 +61,7 @@ class _QwenVision(nn.Module):
         h = self.patch_embed(x)
         emb = torch.cat([rotary, rotary], dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        for index, (block, spec) in enumerate(zip(self.blocks, self.specs)):
+        for index, (block, spec) in enumerate(zip(self.blocks, self.specs, strict=True)):
             use = mask if self.full is None or index in self.full or window_mask is None else window_mask
             h = h + self._attention(block, spec, block.norm1(h), cos, sin, use)
             h = h + block.mlp(block.norm2(h))

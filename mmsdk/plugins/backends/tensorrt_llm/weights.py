@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from mmsdk.core.backend import ExportContext
 
-__all__ = ["LayerWeights", "LanguageModelWeights", "read_language_model", "split_rows", "rope_settings"]
+__all__ = ["LanguageModelWeights", "LayerWeights", "read_language_model", "rope_settings", "split_rows"]
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,6 @@ def split_rows(linear: LinearWeights, sizes: list[int]) -> list[LinearWeights]:
     """Split a fused linear's output rows into parts of ``sizes`` (biases and scales follow)."""
     bias_parts = list(linear.bias.split(sizes)) if linear.bias is not None else [None] * len(sizes)
     if isinstance(linear, DenseLinear):
-        return [DenseLinear(w, b) for w, b in zip(linear.weight.split(sizes), bias_parts)]
+        return [DenseLinear(w, b) for w, b in zip(linear.weight.split(sizes), bias_parts, strict=True)]
     return [replace(linear, q=q, scales=s, bias=b)
-            for q, s, b in zip(linear.q.split(sizes), linear.scales.split(sizes), bias_parts)]
+            for q, s, b in zip(linear.q.split(sizes), linear.scales.split(sizes), bias_parts, strict=True)]
