@@ -12,7 +12,7 @@ import torch
 from trtllm_fakes import fake_session
 
 from mmsdk import Optimizer
-from mmsdk.cli_validate import add_parser, main
+from mmsdk.cli.validate import add_parser, run
 from mmsdk.plugins.backends.tensorrt_llm.validate import validate
 
 
@@ -142,7 +142,7 @@ def test_cli_verb_exit_status_and_json(checkpoint, tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="mmsdk")
     add_parser(parser.add_subparsers(dest="verb"))
     args = parser.parse_args(["validate", str(checkpoint), "--json"])
-    assert args.func(args) == 0
+    assert args.handler(args) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
-    assert main(parser.parse_args(["validate", str(tmp_path)])) == 1
+    assert run(parser.parse_args(["validate", str(tmp_path)])) == 1
     assert "no config.json" in capsys.readouterr().out

@@ -1,8 +1,4 @@
-"""``mmsdk validate DIR``: check a TensorRT-LLM export without TensorRT-LLM (exit status 1 on errors).
-
-Wired into the ``mmsdk`` command by ``mmsdk/cli.py``: ``cli_validate.add_parser(subparsers)`` adds the
-verb, and the parsed arguments go to ``cli_validate.main(args)``.
-"""
+"""``mmsdk validate DIR``: check a TensorRT-LLM export without TensorRT-LLM (exit status 1 on errors)."""
 
 from __future__ import annotations
 
@@ -10,39 +6,31 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["add_parser", "main"]
+__all__ = ["add_parser", "run"]
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``validate`` verb to an argparse subparsers object and return its parser."""
+def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "validate",
         help="check a TensorRT-LLM export (checkpoint, Hugging Face folder or vision ONNX) without TensorRT-LLM",
         description="Check config fields, tensor names, shapes, dtypes, values and divisibility of a "
         "TensorRT-LLM export against the formats TensorRT-LLM loads. Exit status 1 when there are errors.",
     )
-    parser.add_argument("dir", help="an mmsdk export folder, a checkpoint folder (config.json + rank*.safetensors), "
-                                    "a Hugging Face folder or a vision folder")
+    parser.add_argument("dir", metavar="DIR", help="an mmsdk export folder, a checkpoint folder (config.json + "
+                                                   "rank*.safetensors), a Hugging Face folder or a vision folder")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
-    parser.set_defaults(func=main)
-    return parser
+    parser.set_defaults(handler=run)
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the validator on ``args.dir``; print the report; return the exit status."""
     from mmsdk.plugins.backends.tensorrt_llm.validate import validate
 
     report = validate(args.dir)
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps({"path": str(report.path), "kind": report.kind, "ok": report.ok, "checked": report.checked,
                           "findings": [{"level": f.level, "where": f.where, "message": f.message}
                                        for f in report.findings]}, indent=2))
     else:
         print(report.summary())
     return 0 if report.ok else 1
-
-
-if __name__ == "__main__":  # python -m mmsdk.cli_validate DIR
-    _parser = argparse.ArgumentParser(prog="mmsdk")
-    add_parser(_parser.add_subparsers(dest="verb", required=True))
-    raise SystemExit(main(_parser.parse_args(["validate", *__import__("sys").argv[1:]])))
