@@ -28,6 +28,9 @@ def test_int4_kv_names_int8_and_fp8(tmp_path):
     opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
     message = _export_error(opt, tmp_path, "no INT4 KV cache")
     assert "'int8-kv'" in message and "'fp8-kv'" in message
+    # the documented opt-in: an 8-bit cache scaled from the same calibrated ranges
+    result = opt.export("tensorrt-llm", tmp_path / "fallback", int4_kv_fallback="int8")
+    assert result.manifest.details["kv_cache_quant_algo"] == "INT8" and result.manifest.details["kv_cache_from_int4"]
 
 
 @pytest.mark.parametrize(("name", "match"), [("tiny:idefics", "no IDEFICS implementation"),
@@ -70,9 +73,9 @@ def test_kv_scales_come_from_calibration_and_int8_needs_it():
 
     from mmsdk.plugins.backends.tensorrt_llm.kv_scales import kv_scales
 
-    def context(records):
+    def context(records, calibration=None):
         result = SimpleNamespace(records=records)
-        return SimpleNamespace(result=lambda name: result if name == "ptq-align" else None)
+        return SimpleNamespace(result=lambda name: result if name == "ptq-align" else None, calibration=calibration)
 
     calibrated = context({"kv_amax": {"0": {"k": [1.0, 254.0], "v": 3.0}, "1": {"k": 2.0, "v": 127.0}}})
     assert kv_scales(calibrated, "INT8", 2) == ({0: 2.0, 1: 1.0}, True)  # max(K, V) amax / 127
@@ -82,6 +85,13 @@ def test_kv_scales_come_from_calibration_and_int8_needs_it():
         kv_scales(context({}), "INT8", 2)
     with pytest.raises(ExportError, match=r"no amax for decoder layer\(s\) \[2\]"):
         kv_scales(calibrated, "INT8", 3)
+    # the manifest's calibration record (what ptq-align / the KV passes write) comes first
+    record = {"kv_cache": {"scales": "static", "layers": [
+        {"layer": 0, "kind": "self", "k_amax": [0.5, 127.0], "v_amax": [1.0]},
+        {"layer": 1, "kind": "self", "k_amax": [2.0], "v_amax": [254.0]}]}}
+    assert kv_scales(context({}, record), "INT8", 2) == ({0: 1.0, 1: 2.0}, True)
+    with pytest.raises(ExportError, match="dynamic per-token scales"):
+        kv_scales(context({}, {"kv_cache": {**record["kv_cache"], "scales": "dynamic"}}), "INT8", 2)
 
 
 def test_target_and_version_rules():
@@ -138,3 +148,43 @@ def test_a_module_nobody_lowers_is_named(session, tiny, tmp_path):
     message = _export_error(Optimizer(loaded.model, loaded.processor, session=session), tmp_path,
                             "does not know how to write", target="checkpoint")
     assert "layers.1.mlp.down_proj (Mystery)" in message and "mmsdk_lower" in message
+
+
+def test_a_plugin_module_is_written_through_mmsdk_lower(tiny, tmp_path):
+    import torch
+
+    from mmsdk.core.session import Session
+    from mmsdk.plugins.backends.tensorrt_llm.lowering import DenseLinear
+
+    class Scaled(torch.nn.Module):
+        """A third-party layer: y = 2 * linear(x)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return 2 * self.inner(x)
+
+    class Lowering:
+        __name__ = "scaled-lowering"
+
+        @mmsdk.hookimpl
+        def mmsdk_lower(self, module, target):
+            if target.backend == "tensorrt-llm" and isinstance(module, Scaled):
+                return DenseLinear(2 * module.inner.weight.detach())
+            return None
+
+    session = Session.create(autoload=False, disabled=(), extra=[Lowering()])
+    loaded = session.models.get("tiny:llava").build()
+    mlp = loaded.model.model.language_model.layers[0].mlp
+    mlp.down_proj = Scaled(mlp.down_proj)
+    from mmsdk.testing import tiny_inputs
+
+    inputs = tiny_inputs(loaded.processor)
+    with torch.no_grad():
+        reference = loaded.model(**inputs).logits
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    opt.export("tensorrt-llm", tmp_path / "out", dtype="float32")
+    logits = mmsdk.load(tmp_path / "out", session=session).logits(inputs)
+    assert (logits - reference).abs().max().item() < 1e-5  # measured 1.8e-7

@@ -1,9 +1,9 @@
 """Stand-ins for the INT4 weight and KV-cache quantizers, used by the TensorRT-LLM tests.
 
-``FakeInt4Linear`` stores a symmetric group-wise INT4 weight exactly as mmsdk's INT4 linears do
-(ONNX MatMulNBits layout: uint8 [N, K/b, b/2], even input column in the low nibble, zero point 8)
-with an AWQ-style activation multiplier, and a plugin teaches the TensorRT-LLM backend to read it
-through ``mmsdk_lower``. ``fake-int8-kv`` records calibrated K/V amax the way the backend reads them.
+``FakeInt4Linear`` stores a symmetric group-wise INT4 weight with the buffers of mmsdk's INT4 linear
+(ONNX MatMulNBits layout: ``qweight`` uint8 [N, K/b, b/2], even input column in the low nibble,
+zero point 8; ``scales``; ``prequant``, an AWQ-style activation multiplier), which the TensorRT-LLM
+backend reads without help. The KV stand-ins record calibrated K/V amax the way the backend reads them.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from torch import nn
 import mmsdk
 from mmsdk.core.config import PassConfig
 from mmsdk.core.passes import PassContext, PassSpec
-from mmsdk.plugins.backends.tensorrt_llm.lowering import Int4Linear
 from mmsdk.plugins.backends.tensorrt_llm.packing import from_matmulnbits, quantize_groupwise
 
 
 class FakeInt4Linear(nn.Module):
-    """y = (x * pre_quant_scale) @ ((u - 8) * scales).T + bias, u the MatMulNBits nibbles."""
+    """y = (x * prequant) @ ((u - 8) * scales).T + bias, u the MatMulNBits nibbles."""
 
     def __init__(self, linear: nn.Linear, block: int, awq: torch.Tensor | None) -> None:
         super().__init__()
@@ -32,16 +31,17 @@ class FakeInt4Linear(nn.Module):
         u = (q.to(torch.int16) + 8).reshape(q.shape[0], -1, block)
         self.register_buffer("qweight", (u[..., 0::2] | (u[..., 1::2] << 4)).to(torch.uint8))
         self.register_buffer("scales", scales)
-        self.register_buffer("pre_quant_scale", pre)
+        self.register_buffer("prequant", pre)
+        self.register_buffer("zero_points", None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
-        self.block, self.in_features, self.out_features = block, weight.shape[1], weight.shape[0]
+        self.block_size, self.in_features, self.out_features = block, weight.shape[1], weight.shape[0]
 
     def dequantized(self) -> torch.Tensor:
         q, scales = from_matmulnbits(self.qweight, self.scales, self.in_features)
-        return q.float() * scales.repeat_interleave(self.block, dim=1)
+        return q.float() * scales.repeat_interleave(self.block_size, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = (x * self.pre_quant_scale) @ self.dequantized().T
+        out = (x * self.prequant) @ self.dequantized().T
         return out if self.bias is None else out + self.bias
 
 
@@ -101,14 +101,6 @@ class FakeQuantPlugin:
                           summary="test INT4 weights in MatMulNBits layout"))
         for name in self.kv_names:
             register(_kv_pass(name))
-
-    @mmsdk.hookimpl
-    def mmsdk_lower(self, module: nn.Module, target: Any) -> Any:
-        if target.backend != "tensorrt-llm" or not isinstance(module, FakeInt4Linear):
-            return None
-        q, scales = from_matmulnbits(module.qweight, module.scales, module.in_features)
-        return Int4Linear(q=q, scales=scales, group_size=module.block, pre_quant_scale=module.pre_quant_scale,
-                          bias=module.bias)
 
 
 def fake_session() -> Any:

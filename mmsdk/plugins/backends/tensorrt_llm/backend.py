@@ -37,7 +37,7 @@ class TensorRTLLMBackend:
 
     def _resolve(self, context: ExportContext, options: TensorRTLLMOptions) -> tuple[Any, str | None, Resolved]:
         family = support.family_of(context)
-        kv_algo = kv_algorithm(context.pass_names())
+        kv_algo = kv_algorithm(context.pass_names(), options.int4_kv_fallback)
         resolved = resolve_target(options, family, kv_algo)
         support.check_passes(context, resolved.target)
         return family, kv_algo, resolved
@@ -62,6 +62,7 @@ class TensorRTLLMBackend:
         scales, calibrated = kv_scales(context, kv_algo, lm.num_layers) if kv_algo else ({}, False)
         details: dict[str, Any] = {"target": resolved.target, "trtllm_requirement": resolved.requirement,
                                    "kv_cache_quant_algo": kv_algo, "kv_scales_calibrated": calibrated,
+                                   "kv_cache_from_int4": "int4-kv" in context.pass_names() and kv_algo is not None,
                                    "weights": "W4A16_AWQ" if lm.group_size() else options.dtype,
                                    "host": host_details(context.model, context.adapter, family.vision_model_type)}
         if resolved.target == "checkpoint":

@@ -5,9 +5,11 @@ TensorRT-LLM keeps one dequantization scale per attention layer for K and V toge
 the layer's K and V amax. The amax values are the calibrated ones the passes recorded, so the ONNX
 Runtime export and this one quantize the cache from the same numbers.
 
-Where the numbers are read: the records of ``ptq-align`` and then of the KV pass itself, under
-``"kv_amax"``: ``{layer index: {"k": amax, "v": amax}}`` where each amax is a number or a list
-(per channel; its largest absolute value is used).
+Where the numbers are read, first found wins:
+1. the export's calibration record (``Manifest.calibration``: ``kv_cache``, else ``kv_ranges``, each
+   with ``layers`` of ``{"layer", "kind", "k_amax", "v_amax"}``; per-channel lists reduce to their max);
+2. the records of ``ptq-align`` and then of the KV pass, under ``"kv_amax"``:
+   ``{layer index: {"k": amax, "v": amax}}`` (numbers or per-channel lists).
 """
 
 from __future__ import annotations
@@ -28,17 +30,24 @@ QMAX = {"INT8": 127.0, "FP8": 448.0}
 CALIBRATION_PASSES = ("ptq-align",)
 
 
-def kv_algorithm(pass_names: list[str]) -> str | None:
-    """TensorRT-LLM's kv_cache_quant_algo for the applied passes (None: the cache stays in model dtype)."""
+def kv_algorithm(pass_names: list[str], int4_fallback: str = "error") -> str | None:
+    """TensorRT-LLM's kv_cache_quant_algo for the applied passes (None: the cache stays in model dtype).
+
+    ``int4_fallback`` ("int8"/"fp8") is the explicit opt-in to store an int4-kv model's cache in that
+    8-bit format, scaled from the same calibrated ranges; the default refuses.
+    """
     for name in pass_names:
         if name in KV_PASSES:
             algo = KV_PASSES[name]
+            if algo is None and int4_fallback != "error":
+                return int4_fallback.upper()
             if algo is None:
                 raise ExportError(
                     f"TensorRT-LLM has no INT4 KV cache (its KV formats are the model dtype, INT8, FP8 and "
                     f"NVFP4), so {name!r} cannot be exported to it.",
                     fix="apply 'int8-kv' (TensorRT-LLM <= 1.2 checkpoint) or 'fp8-kv' (any version) instead of "
-                    f"{name!r}, or export the int4-kv model to ONNX Runtime.",
+                    f"{name!r}, export the int4-kv model to ONNX Runtime, or opt in to an 8-bit cache scaled from "
+                    "the same ranges with int4_kv_fallback='int8' or 'fp8'.",
                 )
             return algo
     return None
@@ -46,6 +55,9 @@ def kv_algorithm(pass_names: list[str]) -> str | None:
 
 def layer_amax(context: ExportContext) -> dict[int, float] | None:
     """Per-layer max(K amax, V amax) from the calibration records, or None when nothing was calibrated."""
+    record = _record_amax(getattr(context, "calibration", None))
+    if record is not None:
+        return record
     for name in (*CALIBRATION_PASSES, *KV_PASSES):
         result = context.result(name)
         table = result.records.get("kv_amax") if result is not None else None
@@ -71,6 +83,20 @@ def kv_scales(context: ExportContext, algo: str, num_layers: int) -> tuple[dict[
             fix="re-run the calibration ('ptq-align') on this model before exporting.",
         )
     return {layer: max(amax[layer], 1e-8) / QMAX[algo] for layer in range(num_layers)}, True
+
+
+def _record_amax(calibration: Mapping[str, Any] | None) -> dict[int, float] | None:
+    kv = (calibration or {}).get("kv_cache") or (calibration or {}).get("kv_ranges")
+    if not kv or not kv.get("layers"):
+        return None
+    if kv.get("scales") == "dynamic":
+        raise ExportError(
+            "the KV cache uses dynamic per-token scales, which only the torch backend runs; TensorRT-LLM needs one "
+            "static scale per layer.",
+            fix="apply the KV pass with scales='static' (calibrated), or export to 'torch'.",
+        )
+    return {int(layer["layer"]): max(_amax(layer.get("k_amax")), _amax(layer.get("v_amax")))
+            for layer in kv["layers"] if layer.get("kind", "self") == "self"}
 
 
 def _amax(value: Any) -> float:

@@ -1,9 +1,11 @@
 """What the TensorRT-LLM backend needs from each linear layer, and how it gets it.
 
-A plain ``nn.Linear`` is read directly. Any other module (an INT4 linear from ``int4-weight``, a
-third-party quantized layer) is passed to the ``mmsdk_lower`` hook with
-``LowerTarget(backend="tensorrt-llm")``; the plugin that introduced the module answers with a
-:class:`DenseLinear` or an :class:`Int4Linear`. Nobody answering is an error naming the module.
+A plain ``nn.Linear`` is read directly. Any other module is first passed to the ``mmsdk_lower``
+hook with ``LowerTarget(backend="tensorrt-llm")``, so the plugin that introduced it can answer with
+a :class:`DenseLinear` or an :class:`Int4Linear`. Without an answer, a module holding mmsdk's INT4
+layout (the ``int4-weight`` pass: ONNX MatMulNBits buffers ``qweight``/``scales`` and optional
+``zero_points``/``prequant``, with ``block_size`` and ``in_features``) is converted directly.
+Anything else is an error naming the module.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from mmsdk.core.backend import LowerTarget
 from mmsdk.core.errors import ExportError
-from mmsdk.plugins.backends.tensorrt_llm.packing import dequantize
+from mmsdk.plugins.backends.tensorrt_llm.packing import dequantize, from_matmulnbits
 
 if TYPE_CHECKING:
     from torch import nn
@@ -92,6 +94,8 @@ def resolve_linear(module: nn.Module, name: str, session: Session) -> LinearWeig
     answer = session.lower(module, LowerTarget(backend=BACKEND_NAME))
     if isinstance(answer, (DenseLinear, Int4Linear)):
         return answer
+    if _holds_matmulnbits(module):
+        return _from_mmsdk_int4(module, name)
     if isinstance(module, nn.Linear):  # a Linear subclass nobody claimed: its weight is still a weight
         return DenseLinear(module.weight.detach(), None if module.bias is None else module.bias.detach())
     raise ExportError(
@@ -101,3 +105,29 @@ def resolve_linear(module: nn.Module, name: str, session: Session) -> LinearWeig
         f"target.backend == {BACKEND_NAME!r}, returning DenseLinear or Int4Linear "
         "(mmsdk.plugins.backends.tensorrt_llm.lowering).",
     )
+
+
+def _holds_matmulnbits(module: nn.Module) -> bool:
+    qweight = getattr(module, "qweight", None)
+    return (isinstance(qweight, torch.Tensor) and qweight.dtype == torch.uint8 and qweight.dim() == 3
+            and isinstance(getattr(module, "scales", None), torch.Tensor) and hasattr(module, "block_size"))
+
+
+def _from_mmsdk_int4(module: nn.Module, name: str) -> Int4Linear:
+    """mmsdk's INT4 linear (MatMulNBits layout) as TensorRT-LLM's signed values + scales; nothing is re-rounded."""
+    in_features, block = int(module.in_features), int(module.block_size)
+    if in_features % block:
+        raise ExportError(
+            f"{name}: in_features {in_features} is not a multiple of its INT4 group size {block} (the weight was "
+            "zero-padded along K, which TensorRT-LLM's W4A16_AWQ layout cannot hold).",
+            fix="re-run int4-weight with indivisible='skip' (keeps such layers in full precision) for TensorRT-LLM.",
+        )
+    try:
+        q, scales = from_matmulnbits(module.qweight, module.scales, in_features, getattr(module, "zero_points", None))
+    except ExportError as err:
+        raise ExportError(f"{name}: {err.problem}", fix=err.fix) from err
+    bias = getattr(module, "bias", None)
+    prequant = getattr(module, "prequant", None)
+    return Int4Linear(q=q, scales=scales.detach(), group_size=block,
+                      pre_quant_scale=None if prequant is None else prequant.detach(),
+                      bias=None if bias is None else bias.detach())

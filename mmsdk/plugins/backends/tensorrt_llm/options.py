@@ -43,6 +43,10 @@ class TensorRTLLMOptions(BackendOptions):
     pp_size: int = Field(1, ge=1, le=64, description="Pipeline-parallel ranks (checkpoint target).")
     dtype: Literal["float16", "bfloat16", "float32"] = Field("float16", description="Dtype of unquantized weights.")
     max_batch_size: int = Field(4, ge=1, description="Images per vision-engine call (README and vision/config.json).")
+    int4_kv_fallback: Literal["error", "int8", "fp8"] = Field(
+        "error", description="TensorRT-LLM has no INT4 KV cache: 'int8'/'fp8' store an int4-kv model's cache in "
+        "that format instead (scaled from the same calibrated ranges); 'error' refuses.",
+    )
 
     @field_validator("target", mode="before")
     @classmethod
