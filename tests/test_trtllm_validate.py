@@ -146,3 +146,56 @@ def test_cli_verb_exit_status_and_json(checkpoint, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["ok"] is True
     assert run(parser.parse_args(["validate", str(tmp_path)])) == 1
     assert "no config.json" in capsys.readouterr().out
+
+
+def _spec_config(**overrides):
+    # specs/tensorrt-llm.md 1.2: the example config.json of LLaVA-1.5-7B (TP=2, W4A16_AWQ + INT8 KV)
+    config = {"architecture": "LlamaForCausalLM", "dtype": "float16", "vocab_size": 32064, "hidden_size": 4096,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "head_size": 128,
+              "hidden_act": "silu", "intermediate_size": 11008, "position_embedding_type": "rope_gpt_neox",
+              "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1},
+              "quantization": {"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": "INT8", "group_size": 128,
+                               "has_zero_point": False, "pre_quant_scale": True,
+                               "exclude_modules": ["lm_head", "*lm_head", "*vocab_embedding", "*router"]}}
+    config.update(overrides)
+    return config
+
+
+def test_expected_shapes_reproduce_the_spec_worked_examples():
+    from mmsdk.plugins.backends.tensorrt_llm.validate import ValidationReport, validate_config
+    from mmsdk.plugins.backends.tensorrt_llm.validate_tensors import expected_tensors
+
+    report = ValidationReport(Path("."), "checkpoint")
+    assert validate_config(_spec_config(), report) and report.ok
+    t1 = expected_tensors(_spec_config(mapping={"world_size": 1, "tp_size": 1, "pp_size": 1}), 0, 0)
+    layer = "transformer.layers.0."
+    assert t1[layer + "attention.qkv.weight"] == ((6144, 4096), "I8")
+    assert t1[layer + "attention.qkv.weights_scaling_factor"] == ((12288, 32), "F16")
+    assert t1[layer + "attention.qkv.prequant_scaling_factor"] == ((4096,), "F16")
+    assert t1[layer + "attention.dense.weight"] == ((2048, 4096), "I8")
+    assert t1[layer + "mlp.fc.weight"] == ((5504, 4096), "I8") == t1[layer + "mlp.gate.weight"]
+    assert t1[layer + "mlp.proj.weight"] == ((2048, 11008), "I8")
+    assert t1[layer + "mlp.proj.weights_scaling_factor"] == ((4096, 86), "F16")
+    assert t1[layer + "attention.kv_cache_scaling_factor"] == ((1,), "F32")
+    fp16 = _spec_config(quantization={"quant_algo": None, "kv_cache_quant_algo": None})
+    t2 = expected_tensors(fp16, 1, 0)
+    assert t2[layer + "attention.qkv.weight"] == ((6144, 4096), "F16")
+    assert t2[layer + "attention.dense.weight"] == ((4096, 2048), "F16")
+    assert t2["lm_head.weight"] == ((16032, 4096), "F16")
+    assert t2["transformer.vocab_embedding.weight"] == ((32064, 4096), "F16")
+    qwen = dict(architecture="Qwen2VLForConditionalGeneration", vocab_size=152064, hidden_size=3584,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                quantization={"quant_algo": None, "kv_cache_quant_algo": None})
+    q2 = expected_tensors(_spec_config(**qwen), 0, 0)
+    assert q2[layer + "attention.qkv.weight"] == ((2304, 3584), "F16") and q2[layer + "attention.qkv.bias"][0] == (2304,)
+    assert q2["lm_head.weight"][0] == (76032, 3584) and layer + "attention.dense.bias" not in q2
+    q4 = expected_tensors(_spec_config(**qwen, mapping={"world_size": 4, "tp_size": 4, "pp_size": 1}), 0, 0)
+    assert q4[layer + "attention.qkv.weight"][0] == (1152, 3584)
+    bad = ValidationReport(Path("."), "checkpoint")
+    validate_config(_spec_config(**qwen, mapping={"world_size": 8, "tp_size": 8, "pp_size": 1}), bad)
+    assert "num_attention_heads 28 is not divisible by tp_size 8" in bad.summary()
+    trap = ValidationReport(Path("."), "checkpoint")
+    from mmsdk.plugins.backends.tensorrt_llm.validate_tensors import _check_int4_widths
+
+    _check_int4_widths(_spec_config(mapping={"world_size": 4, "tp_size": 4, "pp_size": 1}), trap)
+    assert "mlp.fc: INT4 widths out=11008" in trap.summary()  # 11008 / 512 = 21.5: TensorRT-LLM would pad

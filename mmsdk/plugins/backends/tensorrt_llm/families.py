@@ -30,11 +30,11 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("LlavaForConditionalGeneration", "LlamaForCausalLM", "llava", target_b=False),
         Family("LlavaNextForConditionalGeneration", "LlamaForCausalLM", "llava_next", target_b=True,
-               runner_note="TensorRT-LLM's C++ multimodal session does not support LLaVA-NeXT; use run.py's "
-                           "Python session."),
+               runner_note="run.py's end-to-end C++ session (--session cpp) does not support LLaVA-NeXT; keep "
+                           "the default session (cpp_llm_only) or --session python."),
         Family("Qwen2VLForConditionalGeneration", "Qwen2VLForConditionalGeneration", "qwen2_vl", target_b=True,
                qwen_type="qwen2_vl", position_embedding_type="mrope",
-               runner_note="TensorRT-LLM's runner supports Qwen2-VL in its cpp_llm_only session only."),
+               runner_note="run.py runs Qwen2-VL in its default cpp_llm_only session only."),
         Family("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration", "qwen2_5_vl",
                target_b=True, qwen_type="qwen2_vl", position_embedding_type="mrope",
                runner_note="TensorRT-LLM's multimodal builder and runner have no qwen2_5_vl vision type: the "
