@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.tensorrt_llm.vision_inputs import QwenVisionGeometry, block_mask, rotary_pos_emb
 
 __all__ = ["VISION_DIR", "export_vision", "qwen_geometry"]
@@ -125,13 +126,13 @@ def _export_llava(model: nn.Module, adapter: Any, path: Path, model_type: str) -
     keep_cls = getattr(cfg, "vision_feature_select_strategy", "default") == "full"
     wrapper = _LlavaVision(tower, projector, cfg.vision_feature_layer, keep_cls).eval()
     size = cfg.vision_config.image_size
-    dummy = torch.zeros(1, 3, size, size)
+    dummy = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         tokens, hidden = wrapper(dummy).shape[1:]
-    _onnx_export(wrapper, (dummy,), path, ["input"], ["encoder_output"],
-                 {"input": {0: "batch"}, "encoder_output": {0: "batch"}})
+    error = _onnx_export(wrapper, (dummy,), path, ["input"], ["encoder_output"],
+                         {"input": {0: "batch"}, "encoder_output": {0: "batch"}})
     return {"inputs": {"input": [-1, 3, size, size]}, "outputs": {"encoder_output": [-1, tokens, hidden]},
-            "output_shape": [-1, tokens, hidden], "tokens_per_tile": tokens}
+            "output_shape": [-1, tokens, hidden], "tokens_per_tile": tokens, "max_abs_error_vs_torch": error}
 
 
 def _export_qwen(model: nn.Module, adapter: Any, path: Path, model_type: str) -> dict[str, Any]:
@@ -152,7 +153,8 @@ def _export_qwen(model: nn.Module, adapter: Any, path: Path, model_type: str) ->
     grid = torch.tensor([[1, side, side]])
     hw = side * side
     width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
-    args: tuple[torch.Tensor, ...] = (torch.zeros(hw, width), rotary_pos_emb(grid, geo), block_mask([hw]))
+    pixels = torch.randn(hw, width, generator=torch.Generator().manual_seed(0))
+    args: tuple[torch.Tensor, ...] = (pixels, rotary_pos_emb(grid, geo), block_mask([hw]))
     names = ["input", "rotary_pos_emb", "attention_mask"]
     axes: dict[str, dict[int, str]] = {"input": {0: "hw"}, "rotary_pos_emb": {0: "hw"},
                                        "attention_mask": {1: "hw", 2: "hw"}, "encoder_output": {0: "tokens"}}
@@ -162,19 +164,50 @@ def _export_qwen(model: nn.Module, adapter: Any, path: Path, model_type: str) ->
         axes["window_attention_mask"] = {1: "hw", 2: "hw"}
     with torch.no_grad():
         hidden = wrapper(*args).shape[-1]
-    _onnx_export(wrapper, args, path, names, ["encoder_output"], axes)
+    error = _onnx_export(wrapper, args, path, names, ["encoder_output"], axes)
     inputs = {"input": [-1, width], "rotary_pos_emb": [-1, geo.head_dim // 2], "attention_mask": [1, -1, -1]}
     if windowed:
         inputs["window_attention_mask"] = [1, -1, -1]
     return {"inputs": inputs, "outputs": {"encoder_output": [-1, hidden]}, "output_shape": [-1, hidden],
-            "input_width": width, "rotary_dim": geo.head_dim // 2}
+            "input_width": width, "rotary_dim": geo.head_dim // 2, "max_abs_error_vs_torch": error}
 
 
 def _onnx_export(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str],
-                 outputs: list[str], axes: dict[str, dict[int, str]]) -> None:
-    # The TorchScript exporter is what TensorRT-LLM's builder uses (opset 17, dynamic_axes); it is also
-    # ~10x faster than the dynamo exporter on these graphs.
+                 outputs: list[str], axes: dict[str, dict[int, str]]) -> float:
+    """Export, then run the graph once with ONNX Runtime; return its max error against torch."""
+    # The TorchScript exporter is what TensorRT-LLM's builder uses (opset 17, dynamic_axes), and it is
+    # ~10x faster than the dynamo exporter on these graphs; dynamo is the fallback.
+    errors = []
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), opset_version=OPSET, input_names=inputs, output_names=outputs,
-                          dynamic_axes=axes, dynamo=False)
+        for dynamo in (False, True):
+            try:
+                torch.onnx.export(module, args, str(path), opset_version=OPSET, input_names=inputs,
+                                  output_names=outputs, dynamic_axes=axes, dynamo=dynamo)
+                break
+            except Exception as err:
+                errors.append(f"{'dynamo' if dynamo else 'torchscript'}: {type(err).__name__}: {str(err)[:300]}")
+        else:
+            raise ExportError(
+                "the vision tower + projector could not be exported to ONNX: " + " | ".join(errors),
+                fix="check that the passes applied to the vision tower are traceable, or export to 'torch'.",
+            )
+        expected = module(*args)
+    return _self_check(path, inputs, args, expected)
+
+
+def _self_check(path: Path, inputs: list[str], args: tuple[torch.Tensor, ...], expected: torch.Tensor) -> float:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {name: arg.numpy() for name, arg in zip(inputs, args, strict=True)})[0]
+    error = float((torch.from_numpy(got) - expected).abs().max())
+    if error > 1e-3 * max(1.0, float(expected.abs().max())):
+        raise ExportError(
+            f"the exported vision graph does not reproduce the torch vision path (max difference {error:.3g}).",
+            fix="a pass changed the vision tower in a way the exporter did not trace faithfully; export to 'torch', "
+            "or report the pass and model.",
+        )
+    return error
