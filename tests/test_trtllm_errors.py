@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import Field
-from trtllm_fakes import fake_session
+from trtllm_fakes import calibration_samples, fake_session
 
 import mmsdk
 from mmsdk import Optimizer
@@ -25,7 +25,8 @@ def _export_error(opt, tmp_path, match, **options):
 def test_int4_kv_names_int8_and_fp8(tmp_path):
     session = fake_session()
     loaded = session.models.get("tiny:llava").build()
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(calibration_samples())
+    opt.apply("int4-kv")
     message = _export_error(opt, tmp_path, "no INT4 KV cache")
     assert "'int8-kv'" in message and "'fp8-kv'" in message
     # the documented opt-in: an 8-bit cache scaled from the same calibrated ranges
@@ -52,7 +53,8 @@ def test_llava_15_is_not_on_the_pytorch_backend(session, tiny, tmp_path):
 def test_int8_kv_needs_the_checkpoint_target(tmp_path):
     session = fake_session()
     loaded = session.models.get("tiny:qwen2-vl").build()
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int8-kv")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(calibration_samples())
+    opt.apply("int8-kv")
     message = _export_error(opt, tmp_path, "no INT8 KV cache", target="hf")
     assert "fp8-kv" in message
     auto = opt.export("tensorrt-llm", tmp_path / "auto", trtllm_version="1.2.0")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from trtllm_fakes import fake_session
+from trtllm_fakes import calibration_samples, fake_session, int4_config
 
 import mmsdk
 from mmsdk import Optimizer
@@ -48,7 +48,8 @@ def test_int4_and_fp8_kv_export_reloads_and_folds_awq_scales(name, tmp_path):
     session = fake_session()
     loaded = session.models.get(name).build()
     inputs = tiny_inputs(loaded.processor)
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("fake-int4", "fp8-kv")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(calibration_samples())
+    opt.apply(int4_config(session), "fp8-kv")
     with torch.no_grad():
         reference = opt.model(**inputs).logits
     opt.export("tensorrt-llm", tmp_path / "out", target="B")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from trtllm_fakes import fake_session
+from trtllm_fakes import calibration_samples, fake_session, int4_config
 
 from mmsdk import Optimizer
 from mmsdk.cli.validate import add_parser, run
@@ -22,8 +22,8 @@ def checkpoint(tmp_path_factory) -> Path:
     session = fake_session()
     loaded = session.models.get("tiny:qwen2-vl-tp").build()
     path = tmp_path_factory.mktemp("ckpt") / "out"
-    Optimizer(loaded.model, loaded.processor, session=session).apply("fake-int4", "int8-kv").export(
-        "tensorrt-llm", path, target="checkpoint", tp_size=4)
+    opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(calibration_samples())
+    opt.apply(int4_config(session), "int8-kv").export("tensorrt-llm", path, target="checkpoint", tp_size=4)
     return path
 
 
@@ -32,8 +32,8 @@ def hf_folder(tmp_path_factory) -> Path:
     session = fake_session()
     loaded = session.models.get("tiny:qwen2-vl-tp").build()
     path = tmp_path_factory.mktemp("hf") / "out"
-    Optimizer(loaded.model, loaded.processor, session=session).apply("fake-int4", "fp8-kv").export(
-        "tensorrt-llm", path, target="hf")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(calibration_samples())
+    opt.apply(int4_config(session), "fp8-kv").export("tensorrt-llm", path, target="hf")
     return path
 
 
@@ -187,7 +187,8 @@ def test_expected_shapes_reproduce_the_spec_worked_examples():
                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
                 quantization={"quant_algo": None, "kv_cache_quant_algo": None})
     q2 = expected_tensors(_spec_config(**qwen), 0, 0)
-    assert q2[layer + "attention.qkv.weight"] == ((2304, 3584), "F16") and q2[layer + "attention.qkv.bias"][0] == (2304,)
+    assert q2[layer + "attention.qkv.weight"] == ((2304, 3584), "F16")
+    assert q2[layer + "attention.qkv.bias"][0] == (2304,)
     assert q2["lm_head.weight"][0] == (76032, 3584) and layer + "attention.dense.bias" not in q2
     q4 = expected_tensors(_spec_config(**qwen, mapping={"world_size": 4, "tp_size": 4, "pp_size": 1}), 0, 0)
     assert q4[layer + "attention.qkv.weight"][0] == (1152, 3584)

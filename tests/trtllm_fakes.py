@@ -110,3 +110,17 @@ def fake_session() -> Any:
     builtin = Session.create(autoload=False, disabled=())
     missing = tuple(n for n in ("int8-kv", "fp8-kv", "int4-kv") if n not in builtin.passes.names())
     return Session.create(autoload=False, disabled=(), extra=[FakeQuantPlugin(missing)])
+
+
+def int4_config(session: Any, group_size: int = 64) -> Any:
+    """The INT4 pass to use: mmsdk's ``int4-weight`` (AWQ) where registered, else the stand-in."""
+    if "int4-weight" in session.passes.names():
+        return session.passes.get("int4-weight").config_cls(method="awq", group_size=group_size)
+    return FakeInt4Config(group_size=group_size)
+
+
+def calibration_samples(count: int = 4) -> list[tuple[Any, str]]:
+    """(image, question) pairs for opt.calibrate(); the stand-ins ignore them, mmsdk's passes use them."""
+    from mmsdk.testing import sample_image
+
+    return [(sample_image(i), "what digit is this ?") for i in range(count)]
