@@ -69,7 +69,7 @@ def test_int4_and_fp8_kv_export_reloads_and_folds_awq_scales(name, tmp_path):
     assert config["quantization_config"]["quant_method"] == "modelopt" and config["dtype"] == "float16"
     with torch.no_grad():
         reloaded = mmsdk.load(tmp_path / "out", session=session)(**inputs).logits
-    # measured 7.2e-4 .. 1.0e-3: the AWQ scale now sits in the norms (q/k/v, gate/up) in float16
+    # measured 6.7e-4 .. 1.0e-3: the AWQ scale now sits in the norms (q/k/v, gate/up) in float16
     assert (reloaded - reference).abs().max().item() < 5e-3
 
 
