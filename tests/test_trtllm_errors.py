@@ -111,26 +111,39 @@ def test_target_and_version_rules():
 
 
 class _PruneConfig(PassConfig):
-    strategy: str = Field("threshold")
+    strategy: str = Field("visionzip")
 
 
-def _prune_session():
+class _VitPruneConfig(PassConfig):
+    heads: int = Field(1)
+
+
+def _vision_pass_session():
     from mmsdk.core.session import Session
 
-    spec = PassSpec(name="token-prune", config_cls=_PruneConfig, apply=lambda m, c, x: {}, summary="stand-in")
+    prune = PassSpec(name="token-prune", config_cls=_PruneConfig, apply=lambda m, c, x: {}, summary="stand-in")
+    vit = PassSpec(name="vit-prune-standin", config_cls=_VitPruneConfig, apply=lambda m, c, x: {}, summary="stand-in")
     plugin = type("P", (), {"__name__": "prune", "mmsdk_register_encoders": mmsdk.hookimpl(
-        lambda register: register(spec))})
+        lambda register: (register(prune), register(vit)))})
     return Session.create(autoload=False, disabled=(), extra=[plugin])
 
 
-def test_vision_passes_the_runtime_cannot_express(tmp_path):
-    session = _prune_session()
+@pytest.mark.parametrize("strategy", ["visionzip", "fastv"])
+def test_token_pruning_is_refused_with_the_reason(strategy, tmp_path):
+    session = _vision_pass_session()
     loaded = session.models.get("tiny:qwen2-vl").build()
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(_PruneConfig(strategy="fixed"))
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(_PruneConfig(strategy=strategy))
+    for target in ("checkpoint", "hf"):
+        message = _export_error(opt, tmp_path, f"strategy '{strategy}'", target=target)
+        assert "original positions" in message and "ONNX Runtime" in message
+
+
+def test_vision_tower_passes_need_the_checkpoint_target(tmp_path):
+    session = _vision_pass_session()
+    loaded = session.models.get("tiny:qwen2-vl").build()
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("vit-prune-standin")
     _export_error(opt, tmp_path, "runs its own vision code", target="hf")
-    opt.export("tensorrt-llm", tmp_path / "fixed", target="checkpoint")  # a fixed count fits the engine
-    dynamic = Optimizer(loaded.model, loaded.processor, session=session).apply(_PruneConfig())
-    _export_error(dynamic, tmp_path, "depends on the image", target="checkpoint")
+    opt.export("tensorrt-llm", tmp_path / "ckpt", target="checkpoint")  # the vision ONNX keeps the change
 
 
 def test_a_module_nobody_lowers_is_named(session, tiny, tmp_path):

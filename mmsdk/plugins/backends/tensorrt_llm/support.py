@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.tensorrt_llm.families import FAMILIES, REFUSED, Family, family_for
@@ -12,10 +12,16 @@ if TYPE_CHECKING:
 
 __all__ = ["VISION_TOKEN_PASSES", "check_passes", "family_of"]
 
-# Passes that change how many visual tokens reach the language model.
-VISION_TOKEN_PASSES = frozenset({"token-prune", "token-merge"})
-# Config values that make the kept-token count depend on the image (not expressible in an engine profile).
-_DYNAMIC_HINTS = ("threshold", "dynamic", "adaptive")
+# Passes that shorten the visual-token sequence inside the language model's forward, keeping each kept
+# token at its original position -> why TensorRT-LLM cannot run that (per strategy where it differs).
+VISION_TOKEN_PASSES: dict[str, str] = {
+    "token-prune": "its kept image tokens keep their original positions (gaps in the sequence) and, with "
+                   "strategy 'fastv', are dropped inside the decoder after layer K; TensorRT-LLM numbers the "
+                   "prompt contiguously (M-RoPE positions from the full image grid) and runs every token "
+                   "through every layer",
+    "token-merge": "its merged image tokens keep their original positions (gaps in the sequence), while "
+                   "TensorRT-LLM numbers the prompt contiguously (M-RoPE positions from the full image grid)",
+}
 
 
 def family_of(context: ExportContext) -> Family:
@@ -35,6 +41,13 @@ def family_of(context: ExportContext) -> Family:
 def check_passes(context: ExportContext, target: str) -> None:
     """Refuse passes the chosen target cannot express (int4-kv is refused earlier, with the KV algorithm)."""
     for result in context.results:
+        if result.name in VISION_TOKEN_PASSES:
+            strategy = result.config_dict().get("strategy")
+            raise ExportError(
+                f"pass {result.name!r}{f' (strategy {strategy!r})' if strategy else ''} cannot be expressed in "
+                f"TensorRT-LLM: {VISION_TOKEN_PASSES[result.name]}.",
+                fix=f"export to ONNX Runtime, whose runner reproduces {result.name!r}, or export without it.",
+            )
         if target == "hf" and result.kind in ("encoder", "projector"):
             raise ExportError(
                 f"pass {result.name!r} changes the vision tower or the visual tokens, but TensorRT-LLM's PyTorch "
@@ -42,21 +55,3 @@ def check_passes(context: ExportContext, target: str) -> None:
                 fix="export target='checkpoint' (the vision part becomes an ONNX graph that keeps the pass), or "
                 f"export to ONNX Runtime, or drop {result.name!r} for this export.",
             )
-        if result.name in VISION_TOKEN_PASSES and _is_dynamic(result.config_dict()):
-            raise ExportError(
-                f"pass {result.name!r} keeps a number of visual tokens that depends on the image; TensorRT-LLM's "
-                "vision engine and prompt table need a fixed count per image.",
-                fix=f"configure {result.name!r} with a fixed keep ratio or token count, or export to ONNX Runtime, "
-                "whose runner accepts a variable count.",
-            )
-
-
-def _is_dynamic(config: dict[str, Any]) -> bool:
-    for key, value in config.items():
-        if value in (None, False, 0):
-            continue
-        if any(hint in key.lower() for hint in _DYNAMIC_HINTS):
-            return True
-        if isinstance(value, str) and any(hint in value.lower() for hint in _DYNAMIC_HINTS):
-            return True
-    return False
