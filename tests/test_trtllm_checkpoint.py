@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from trtllm_fakes import calibration_samples, fake_session, int4_config
 
 import mmsdk
 from mmsdk import Optimizer
 from mmsdk.core.errors import ExportError
 from mmsdk.plugins.backends.tensorrt_llm.validate import validate
 from mmsdk.testing import tiny_inputs
+from tests.trtllm_fakes import calibration_samples, fake_session, int4_config
 
 ODD_MODELS = ("tiny:llava", "tiny:llava-next", "tiny:qwen2-vl", "tiny:qwen2.5-vl")
 TP_MODELS = ("tiny:llava-tp", "tiny:llava-next-tp", "tiny:qwen2-vl-tp", "tiny:qwen2.5-vl-tp")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from pydantic import Field
-from trtllm_fakes import calibration_samples, fake_session
 
 import mmsdk
 from mmsdk import Optimizer
@@ -13,6 +12,7 @@ from mmsdk.core.errors import ConfigError, ExportError
 from mmsdk.core.passes import PassSpec
 from mmsdk.plugins.backends.tensorrt_llm.families import FAMILIES
 from mmsdk.plugins.backends.tensorrt_llm.options import TensorRTLLMOptions, resolve_target
+from tests.trtllm_fakes import calibration_samples, fake_session
 
 
 def _export_error(opt, tmp_path, match, **options):

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from trtllm_fakes import calibration_samples, fake_session, int4_config
 
 import mmsdk
 from mmsdk import Optimizer
 from mmsdk.plugins.backends.tensorrt_llm.validate import validate
 from mmsdk.testing import tiny_inputs
+from tests.trtllm_fakes import calibration_samples, fake_session, int4_config
 
 HF_MODELS = ("tiny:llava-next", "tiny:qwen2-vl", "tiny:qwen2.5-vl")
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from trtllm_fakes import calibration_samples, fake_session, int4_config
 
 from mmsdk import Optimizer
 from mmsdk.cli.validate import add_parser, run
 from mmsdk.plugins.backends.tensorrt_llm.validate import validate
+from tests.trtllm_fakes import calibration_samples, fake_session, int4_config
 
 
 @pytest.fixture(scope="module")
