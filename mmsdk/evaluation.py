@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     from mmsdk.core.adapter import ModelAdapter
     from mmsdk.core.datasets import VQAExample
 
-__all__ = ["AccuracyResult", "GroupAccuracy", "vqa_accuracy", "normalize_answer"]
+__all__ = ["AccuracyResult", "GroupAccuracy", "normalize_answer", "vqa_accuracy"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,10 @@ class AccuracyResult:
             "accuracy": self.accuracy,
             "correct": self.correct,
             "count": self.count,
-            "groups": {name: {"accuracy": g.accuracy, "correct": g.correct, "count": g.count}
-                       for name, g in self.groups.items()},
+            "groups": {
+                name: {"accuracy": g.accuracy, "correct": g.correct, "count": g.count}
+                for name, g in self.groups.items()
+            },
         }
 
 
@@ -73,7 +76,8 @@ def vqa_accuracy(
     correct = 0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
-        for example, answer in zip(chunk, _generate_answers(model, processor, adapter, chunk, max_new_tokens)):
+        answers = _generate_answers(model, processor, adapter, chunk, max_new_tokens)
+        for example, answer in zip(chunk, answers, strict=True):
             hit = int(normalize_answer(answer) == normalize_answer(example.answer))
             correct += hit
             counts = tally.setdefault(group_by(example) if group_by else "all", [0, 0])

@@ -8,11 +8,21 @@ from pathlib import Path
 from mmsdk.core.errors import UnsupportedInputError
 from mmsdk.core.sources import LoadedModel, ModelSource
 
-__all__ = ["BUILTIN_MODELS", "builtin_folder", "load_builtin", "builtin_sources"]
+__all__ = ["BUILTIN_MODELS", "builtin_folder", "builtin_sources", "load_builtin"]
 
 # source name -> (folder under mmsdk/models/builtin, transformers class, what it is)
 BUILTIN_MODELS: dict[str, tuple[str, str, str]] = {
     "builtin:llava-digits": ("llava-digits", "LlavaForConditionalGeneration", "LLaVA (CLIP + MLP projector + Llama)"),
+    "builtin:qwen2-vl-digits": (
+        "qwen2-vl-digits",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2-VL (ViT + 2x2 patch merger + Qwen2 decoder, M-RoPE)",
+    ),
+    "builtin:idefics-digits": (
+        "idefics-digits",
+        "IdeficsForVisionText2Text",
+        "IDEFICS (CLIP + gated cross-attention into a Llama-style decoder)",
+    ),
 }
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from mmsdk.core.datasets import DatasetSource, VQAExample
 from mmsdk.core.errors import UnknownNameError
@@ -26,17 +27,17 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
+    "DIGIT_WORDS",
     "IMAGE_SIZE",
     "SPLITS",
     "TEMPLATES",
     "VOCABULARY",
-    "DIGIT_WORDS",
+    "build_tokenizer",
+    "dataset_source",
     "digit_images",
     "load_split",
     "questions_for",
     "template_of",
-    "build_tokenizer",
-    "dataset_source",
 ]
 
 IMAGE_SIZE = 48  # the embedded digit models' image size (8 source pixels x 6)

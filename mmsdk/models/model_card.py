@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,7 @@ if TYPE_CHECKING:
     from mmsdk.evaluation import AccuracyResult
     from mmsdk.models.training import TrainSettings, TrainStats
 
-__all__ = ["CardFacts", "machine_summary", "render_card", "component_sizes", "command_line"]
+__all__ = ["CardFacts", "component_sizes", "load_average", "machine_summary", "render_card"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,14 @@ def machine_summary() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "os": platform.platform(),
+        # Other work on the machine slows training; the load says how busy it was.
+        "load_average_1min": load_average(),
     }
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none)."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _cpu_name() -> str:
@@ -94,7 +100,8 @@ def render_card(facts: CardFacts) -> str:
         f"  {s.warmup} warm-up steps then cosine decay to 10%; batch {s.batch_size}; seed {s.seed}",
         f"- steps: {facts.stats.steps} ({facts.stats.examples_seen:,} examples seen); "
         f"final loss (mean of last 50 steps): {facts.stats.final_loss:.4f}",
-        f"- training time: {facts.stats.seconds:.1f} s",
+        f"- training time: {facts.stats.seconds:.1f} s wall clock, {facts.stats.cpu_seconds:.1f} s CPU time "
+        f"({facts.machine.get('torch_threads')} torch thread(s); wall time grows with other work on the machine)",
         "- machine: " + ", ".join(f"{k} {v}" for k, v in facts.machine.items()),
         "",
         "## Held-out accuracy",
@@ -116,8 +123,3 @@ def render_card(facts: CardFacts) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def command_line() -> str:
-    """The command that started this process, as one would type it."""
-    return " ".join(["python -m mmsdk.models.train_digits", *sys.argv[1:]])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,10 +30,15 @@ class TrainSettings:
 
 @dataclass(frozen=True)
 class TrainStats:
-    """What a training run did: steps, wall time and the mean loss of its last 50 steps."""
+    """What a training run did: steps, wall and CPU time, and the mean loss of its last 50 steps.
+
+    ``cpu_seconds`` is the process's CPU time; with one thread it is what the run takes on an idle
+    core, however busy the machine was.
+    """
 
     steps: int
     seconds: float
+    cpu_seconds: float
     final_loss: float
     examples_seen: int
 
@@ -74,7 +80,7 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, settings))
     model.train()
     losses: list[float] = []
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for step in range(settings.steps):
         picks = torch.randint(len(examples), (settings.batch_size,), generator=generator).tolist()
         loss = model(**answer_batch(processor, [examples[i] for i in picks])).loss
@@ -88,4 +94,5 @@ def train(
             log(f"step {step + 1}/{settings.steps} loss {sum(losses[-100:]) / len(losses[-100:]):.4f}")
     model.eval()
     tail = losses[-50:] or [float("nan")]
-    return TrainStats(settings.steps, time.perf_counter() - start, sum(tail) / len(tail), settings.steps * settings.batch_size)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return TrainStats(settings.steps, seconds, cpu_seconds, sum(tail) / len(tail), settings.steps * settings.batch_size)
