@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,14 +93,28 @@ def _generate_answers(
 ) -> list[str]:
     import torch
 
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is not None and hasattr(tokenizer, "padding_side"):
-        tokenizer.padding_side = "left"  # batched decoder-only generation needs prompts flush right
     prompts = [adapter.format_prompt(ex.question, processor) for ex in chunk]
-    inputs = processor(images=[ex.image for ex in chunk], text=prompts, return_tensors="pt", padding=True)
+    with _left_padding(processor):
+        inputs = processor(images=[ex.image for ex in chunk], text=prompts, return_tensors="pt", padding=True)
     device = next(model.parameters()).device
     inputs = {key: value.to(device) if hasattr(value, "to") else value for key, value in inputs.items()}
     with torch.inference_mode():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     new_tokens = output[:, inputs["input_ids"].shape[1] :]
     return processor.batch_decode(new_tokens, skip_special_tokens=True)
+
+
+@contextmanager
+def _left_padding(processor: Any) -> Iterator[None]:
+    # Batched generation needs every prompt to end at the last column; Hugging Face tokenizers
+    # often pad on the right by default. mmsdk's processors always pad on the left.
+    tokenizer = getattr(processor, "tokenizer", None)
+    side = getattr(tokenizer, "padding_side", None)
+    if side is None:
+        yield
+        return
+    tokenizer.padding_side = "left"
+    try:
+        yield
+    finally:
+        tokenizer.padding_side = side

@@ -64,6 +64,17 @@ def test_normalize_answer_takes_the_first_word() -> None:
     assert normalize_answer("") == ""
 
 
+def test_left_padding_is_restored_on_hugging_face_style_tokenizers() -> None:
+    from types import SimpleNamespace
+
+    from mmsdk.evaluation import _left_padding
+
+    processor = SimpleNamespace(tokenizer=SimpleNamespace(padding_side="right"))
+    with _left_padding(processor):
+        assert processor.tokenizer.padding_side == "left"
+    assert processor.tokenizer.padding_side == "right"
+
+
 # built-in model -> (adapter that must claim it, image tokens per image)
 EXPECTED = {
     "builtin:llava-digits": ("llava", 64),
