@@ -14,7 +14,7 @@ import torch
 
 from mmsdk.core.sources import LoadedModel
 from mmsdk.models import digits
-from mmsdk.models.family_processors import IdeficsProcessor, LlavaProcessor, MllamaProcessor, QwenVLProcessor
+from mmsdk.models.family_processors import IdeficsProcessor, LlavaProcessor, QwenVLProcessor
 from mmsdk.models.tokenizer import WordTokenizer
 
 __all__ = ["FAMILIES", "build_untrained", "image_tokens"]
@@ -141,36 +141,10 @@ def build_idefics(seed: int = 0) -> LoadedModel:
     return LoadedModel(_set_generation_ids(model, tok), IdeficsProcessor(tok, digits.IMAGE_SIZE, 6), "idefics-digits")
 
 
-def build_mllama(seed: int = 0) -> LoadedModel:
-    """MllamaForConditionalGeneration: 48 px / 6 px patches, one tile, layer 1 of 3 is cross-attention."""
-    from transformers import MllamaConfig, MllamaForConditionalGeneration
-
-    tok = digits.build_tokenizer("<|image|>")
-    text = _text_dims(tok, num_hidden_layers=3, cross_attention_layers=[1])
-    vision = dict(
-        hidden_size=64,
-        attention_heads=4,
-        num_hidden_layers=2,
-        num_global_layers=1,
-        intermediate_layers_indices=[0],
-        vision_output_dim=128,
-        image_size=digits.IMAGE_SIZE,
-        patch_size=6,
-        intermediate_size=192,
-        max_num_tiles=1,
-        supported_aspect_ratios=[[1, 1]],
-    )
-    config = MllamaConfig(text_config=text, vision_config=vision, image_token_index=tok.token_id("<|image|>"))
-    model = _seeded(lambda: MllamaForConditionalGeneration(config), seed)
-    processor = MllamaProcessor(tok, digits.IMAGE_SIZE, 6, max_num_tiles=1)
-    return LoadedModel(_set_generation_ids(model, tok), processor, "mllama-digits")
-
-
 FAMILIES: dict[str, Callable[[int], LoadedModel]] = {
     "llava": build_llava,
     "qwen2-vl": build_qwen2_vl,
     "idefics": build_idefics,
-    "mllama": build_mllama,
 }
 
 
