@@ -37,6 +37,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.qkv_fuse": "mmsdk.plugins.attention.qkv_fuse",
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
     "mmsdk.onnxruntime": "mmsdk.plugins.backends.onnxruntime",
+    "mmsdk.tensorrt_llm": "mmsdk.plugins.backends.tensorrt_llm.backend",
 }
 # Plugins the rest of mmsdk cannot work without; MMSDK_DISABLE_PLUGINS refuses them.
 ESSENTIAL_PLUGINS = frozenset({"mmsdk.torch"})
