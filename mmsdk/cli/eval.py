@@ -49,8 +49,10 @@ def _print(report: Any) -> None:
     rows = [(name, f"{g['accuracy']:.1%}", f"{int(g['correct'])}/{int(g['count'])}") for name, g in report.groups.items()]
     if len(rows) > 1:
         print_table("per question type", ("questions", "accuracy", "correct"), rows)
+    from rich.markup import escape
+
     passes = ", ".join(report.passes) or "none"
     console().print(
-        f"[bold]{report.target}[/bold] ({report.runs_on}, passes: {passes}) on {report.task}: "
+        f"[bold]{escape(report.target)}[/bold] ({report.runs_on}, passes: {passes}) on {escape(report.task)}: "
         f"[bold]{report.accuracy:.1%}[/bold] ({report.correct}/{report.count}) in {report.seconds:.1f} s"
     )

@@ -91,7 +91,9 @@ def _print(profile: Any, files: Any) -> None:
     print_table(f"{profile.model} on {profile.device}: memory after each pass", rows[0], rows[1:])
     rows = stage_rows(profile)
     print_table("stages (peak total includes weights; activation excludes weights and KV cache)", rows[0], rows[1:])
+    from rich.markup import escape
+
     out = console()
-    out.print(f"wrote {', '.join(p.name for p in files)} to {files[0].parent}")
+    out.print(escape(f"wrote {', '.join(p.name for p in files)} to {files[0].parent}"))
     for note in files.skipped:
-        out.print(f"[yellow]not written[/yellow]: {note}")
+        out.print(f"[yellow]not written[/yellow]: {escape(note)}")
