@@ -7,8 +7,8 @@ On CPU the numbers come from exact tensor accounting; on CUDA the allocator's pe
 
 from __future__ import annotations
 
-from mmsdk.profiling.measure import ProfileSample, measure_run, resolve_device
+from mmsdk.profiling.measure import ProfileSample, measure_run, resolve_device, resolve_sample
 from mmsdk.profiling.results import STAGES, ModuleMemory, Profile, RunMemory, StageMemory
 
 __all__ = ["STAGES", "ModuleMemory", "Profile", "ProfileSample", "RunMemory", "StageMemory", "measure_run",
-           "resolve_device"]
+           "resolve_device", "resolve_sample"]
