@@ -15,9 +15,10 @@ saved in the folder.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mmsdk.core.errors import ConfigError, UnsupportedInputError
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from mmsdk.core.session import Session
     from mmsdk.evaluation import AccuracyResult
 
-__all__ = ["EvalReport", "evaluate", "score_examples", "is_export_folder"]
+__all__ = ["EvalReport", "evaluate", "is_export_folder", "score_examples"]
 
 CHUNK = 64  # examples scored per progress step
 
@@ -180,7 +181,7 @@ def _score_chunk(model: Any, processor: Any, adapter: ModelAdapter, chunk: Seque
                             group_by=group_by)
     answers = _runtime_answers(model, processor, adapter, chunk, max_new_tokens)
     tally: dict[str, list[int]] = {}
-    for example, answer in zip(chunk, answers):
+    for example, answer in zip(chunk, answers, strict=True):
         hit = int(normalize_answer(answer) == normalize_answer(example.answer))
         counts = tally.setdefault(group_by(example), [0, 0])
         counts[0] += hit
@@ -217,5 +218,5 @@ def _runtime_answers(runtime: Any, processor: Any, adapter: ModelAdapter, chunk:
     prompt = inputs["input_ids"]
     ids = [list(map(int, row)) for row in output]
     prompt_rows = [list(map(int, row)) for row in prompt]
-    new = [row[len(p):] if row[: len(p)] == p else row for row, p in zip(ids, prompt_rows)]
+    new = [row[len(p):] if row[: len(p)] == p else row for row, p in zip(ids, prompt_rows, strict=True)]
     return processor.batch_decode(new, skip_special_tokens=True)

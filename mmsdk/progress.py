@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
-__all__ = ["progress", "track", "progress_enabled", "PROGRESS_ENV"]
+__all__ = ["PROGRESS_ENV", "progress", "progress_enabled", "track"]
 
 PROGRESS_ENV = "MMSDK_PROGRESS"
 T = TypeVar("T")

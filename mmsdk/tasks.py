@@ -9,9 +9,10 @@ also score their own benchmark from a JSON Lines file, one ``{"image": ..., "que
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mmsdk.core.datasets import VQAExample
 from mmsdk.core.errors import UnknownNameError, UnsupportedInputError
@@ -20,8 +21,16 @@ from mmsdk.core.registry import suggest
 if TYPE_CHECKING:
     from mmsdk.core.session import Session
 
-__all__ = ["Task", "TASK_SUFFIX", "EVAL_SPLIT", "known_tasks", "get_task", "read_examples", "read_image",
-           "check_examples"]
+__all__ = [
+    "EVAL_SPLIT",
+    "TASK_SUFFIX",
+    "Task",
+    "check_examples",
+    "get_task",
+    "known_tasks",
+    "read_examples",
+    "read_image",
+]
 
 TASK_SUFFIX = "-vqa"
 EVAL_SPLIT = "test"
@@ -115,6 +124,7 @@ def read_image(path: Path) -> Any:
     try:
         from PIL import Image
     except ImportError as err:
-        raise UnsupportedInputError(f"reading {path} needs Pillow.", fix="pip install pillow, or use .npy images.") from err
+        raise UnsupportedInputError(f"reading {path} needs Pillow.",
+                                    fix="pip install pillow, or save images as .npy arrays.") from err
     with Image.open(path) as image:
         return np.asarray(image.convert("RGB"))

@@ -10,10 +10,11 @@ use the same helper for their own stages. Without the package nothing is importe
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
-__all__ = ["span", "enabled", "TRACER_NAME"]
+__all__ = ["TRACER_NAME", "enabled", "span"]
 
 TRACER_NAME = "mmsdk"
 
@@ -39,8 +40,9 @@ def span(name: str, /, **attributes: Any) -> Iterator[Any]:
     if not enabled():
         yield None
         return
-    from mmsdk import __version__
     from opentelemetry import trace
+
+    from mmsdk import __version__
 
     tracer = trace.get_tracer(TRACER_NAME, __version__)
     clean = {key: _attribute(value) for key, value in attributes.items() if value is not None}

@@ -19,9 +19,10 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 BEGIN = "<!-- BEGIN scripts/quality_report.py: generated, do not edit by hand -->"
 END = "<!-- END scripts/quality_report.py -->"

@@ -6,8 +6,7 @@ import importlib.util
 
 import pytest
 
-from mmsdk import Optimizer
-from mmsdk import telemetry
+from mmsdk import Optimizer, telemetry
 from mmsdk.progress import progress, progress_enabled, track
 
 

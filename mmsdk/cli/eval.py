@@ -13,7 +13,8 @@ from mmsdk.cli._common import add_model_arguments, console, print_table, split_l
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("eval", help="accuracy on held-out questions (torch model or exported folder)")
     add_model_arguments(parser)
-    parser.add_argument("--task", default="digits-vqa", help="task to score (default digits-vqa; a dataset's test split)")
+    parser.add_argument("--task", default="digits-vqa",
+                        help="task to score (default digits-vqa: a registered dataset's test split)")
     parser.add_argument("--data", type=Path, default=None, metavar="FILE.jsonl",
                         help='your own examples instead of --task: {"image", "question", "answer"} per line')
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="score only the first N examples")
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(report: Any) -> None:
-    rows = [(name, f"{g['accuracy']:.1%}", f"{int(g['correct'])}/{int(g['count'])}") for name, g in report.groups.items()]
+    rows = [(name, f"{g['accuracy']:.1%}", f"{int(g['correct'])}/{int(g['count'])}")
+            for name, g in report.groups.items()]
     if len(rows) > 1:
         print_table("per question type", ("questions", "accuracy", "correct"), rows)
     from rich.markup import escape

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from mmsdk.cli._common import add_model_arguments, console, print_table, split_list
 from mmsdk.core.errors import UnsupportedInputError

@@ -14,7 +14,7 @@ from mmsdk.profiling.results import STAGES
 if TYPE_CHECKING:
     from mmsdk.profiling.results import ModuleMemory, Profile, RunMemory
 
-__all__ = ["write_charts", "top_modules", "CHART_FILES"]
+__all__ = ["CHART_FILES", "top_modules", "write_charts"]
 
 CHART_FILES = ("waterfall.png", "timeline.png", "modules.png")
 _MIB = 2**20
@@ -57,7 +57,7 @@ def _waterfall(profile: Profile) -> Any:
     ):
         mib = [v / _MIB for v in values]
         axes.bar(x, mib, bottom=bottom, color=colour, label=name, width=0.6)
-        bottom = [b + m for b, m in zip(bottom, mib)]
+        bottom = [b + m for b, m in zip(bottom, mib, strict=True)]
     axes.plot(list(x), [r.peak_bytes / _MIB for r in profile.runs], "k_", markersize=28, mew=2,
               label="measured peak total")
     axes.set_xticks(list(x), labels, rotation=15, ha="right")

@@ -17,7 +17,7 @@ from mmsdk.core.memory import format_bytes
 if TYPE_CHECKING:
     from mmsdk.profiling.results import ModuleMemory, RunMemory
 
-__all__ = ["module_dot", "write_graph", "GRAPH_FILE"]
+__all__ = ["GRAPH_FILE", "module_dot", "write_graph"]
 
 GRAPH_FILE = "modules.dot"
 _LEVELS = 9  # Graphviz's sequential "reds9" colour scheme

@@ -7,13 +7,14 @@ through its attributes, lists, tuples and dicts is counted once per storage.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from mmsdk.core.memory import tensor_bytes
 
-__all__ = ["cache_tensors", "cache_bytes", "cache_of"]
+__all__ = ["cache_bytes", "cache_of", "cache_tensors"]
 
 _MAX_DEPTH = 6
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from mmsdk.core.adapter import ModelAdapter
     from mmsdk.core.session import Session
 
-__all__ = ["ProfileSample", "measure_run", "resolve_device", "resolve_sample", "TIMELINE_POINTS", "DEFAULT_QUESTION"]
+__all__ = ["DEFAULT_QUESTION", "TIMELINE_POINTS", "ProfileSample", "measure_run", "resolve_device", "resolve_sample"]
 
 DEFAULT_QUESTION = "what digit is this ?"
 
@@ -149,8 +149,10 @@ def _summarise(model: nn.Module, adapter: ModelAdapter, recorder: Recorder, weig
     if cuda:
         import torch
 
+        # tensor_accounting_peak: the same peak from the accounting (bytes on the device before the run
+        # + the most live bytes it allocated); the gap to max_allocated is allocator rounding and workspaces.
         allocator = {"allocated_before": allocated_before, "max_allocated": max(recorder.cuda_peaks.values()),
-                     "reserved": torch.cuda.memory_reserved()}
+                     "reserved": torch.cuda.memory_reserved(), "tensor_accounting_peak": allocated_before + peak_live}
     return RunMemory(
         label=info["label"], passes=tuple(info["passes"]), device=info["device"],
         method="cuda-allocator+tensor-accounting" if cuda else "tensor-accounting",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from mmsdk.core.errors import BackendUnavailableError
 from mmsdk.core.fileio import atomic_output_dir
@@ -12,7 +13,7 @@ from mmsdk.core.fileio import atomic_output_dir
 if TYPE_CHECKING:
     from mmsdk.profiling.results import Profile
 
-__all__ = ["write_profile", "ProfileFiles"]
+__all__ = ["ProfileFiles", "write_profile"]
 
 
 class ProfileFiles(list):

@@ -8,9 +8,10 @@ log, the per-module peaks and (on CUDA) the allocator's peak per stage segment.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from mmsdk.profiling.kv import cache_bytes, cache_tensors
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from mmsdk.core.memory import format_bytes
 
-__all__ = ["STAGES", "StageMemory", "ModuleMemory", "RunMemory", "Profile"]
+__all__ = ["STAGES", "ModuleMemory", "Profile", "RunMemory", "StageMemory"]
 
 # The stages of one generation, in the order they happen; "other" is generate()'s own loop.
 STAGES = ("vision_encode", "projector", "prefill", "decode", "other")
@@ -128,7 +128,7 @@ class Profile:
 
 def _grid(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def waterfall_rows(profile: Profile) -> list[tuple[str, ...]]:
