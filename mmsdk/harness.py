@@ -5,11 +5,12 @@ scored with :func:`mmsdk.evaluation.vqa_accuracy`. An exported folder is verifie
 the backend that wrote it: the ``torch`` backend gives the module back; any other backend returns a
 runtime object, scored through the runtime protocol below.
 
-Runtime protocol (what a backend's ``load`` must return to be scored): either
-``answer(images, questions, max_new_tokens=N) -> list[str]``, or a Hugging Face style
-``generate(**processor_inputs, max_new_tokens=N, do_sample=False)`` returning token ids (with or
-without the prompt in front). The processor is the runtime's ``processor`` attribute, else the one
-saved in the folder.
+Runtime protocol (what a backend's ``load`` must return to be scored), tried in this order:
+``generate(images, prompts, max_new_tokens=N)`` returning the new token ids of each prompt (the ONNX
+Runtime pipeline); ``answer(image, prompt, max_new_tokens=N) -> str``; or a Hugging Face style
+``generate(**processor_inputs, max_new_tokens=N, do_sample=False)`` returning ids with or without the
+prompt in front. Prompts are already formatted with the family's image placeholder. The processor is
+the runtime's ``processor`` attribute, else the one saved in the folder.
 """
 
 from __future__ import annotations
@@ -203,20 +204,31 @@ def _template_of(example: VQAExample) -> str:
 
 def _runtime_answers(runtime: Any, processor: Any, adapter: ModelAdapter, chunk: Sequence[VQAExample],
                      max_new_tokens: int) -> list[str]:
-    images, questions = [ex.image for ex in chunk], [ex.question for ex in chunk]
+    import inspect
+
+    images = [ex.image for ex in chunk]
+    prompts = [adapter.format_prompt(ex.question, processor) for ex in chunk]
+    generate = getattr(runtime, "generate", None)
+    if generate is not None and processor is not None and "images" in inspect.signature(generate).parameters:
+        return _decode_new(generate(images, prompts, max_new_tokens=max_new_tokens), None, processor)
     if hasattr(runtime, "answer"):
-        return list(runtime.answer(images, questions, max_new_tokens=max_new_tokens))
-    if not hasattr(runtime, "generate") or processor is None:
+        return [runtime.answer(image, prompt, max_new_tokens=max_new_tokens) for image, prompt in
+                zip(images, prompts, strict=True)]
+    if generate is None or processor is None:
         raise UnsupportedInputError(
-            f"the loaded {type(runtime).__name__} can be scored only if it has answer(images, questions) or "
-            "generate(**inputs) and a processor.",
+            f"the loaded {type(runtime).__name__} can be scored only if it has generate(images, prompts), "
+            "answer(image, prompt) or a Hugging Face style generate(**inputs), and a processor.",
             fix="load the folder with a backend whose runtime follows the protocol in mmsdk/harness.py.",
         )
-    inputs = processor(images=images, text=[adapter.format_prompt(q, processor) for q in questions],
-                       return_tensors="pt")
-    output = runtime.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    prompt = inputs["input_ids"]
-    ids = [list(map(int, row)) for row in output]
-    prompt_rows = [list(map(int, row)) for row in prompt]
-    new = [row[len(p):] if row[: len(p)] == p else row for row, p in zip(ids, prompt_rows, strict=True)]
-    return processor.batch_decode(new, skip_special_tokens=True)
+    inputs = processor(images=images, text=prompts, return_tensors="pt")
+    output = generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return _decode_new(output, inputs["input_ids"], processor)
+
+
+def _decode_new(output: Any, prompt: Any, processor: Any) -> list[str]:
+    """Decode generated ids, dropping the prompt ids when a row starts with them."""
+    rows = [list(map(int, row)) for row in output]
+    if prompt is not None:
+        prompt_rows = [list(map(int, row)) for row in prompt]
+        rows = [row[len(p):] if row[: len(p)] == p else row for row, p in zip(rows, prompt_rows, strict=True)]
+    return processor.batch_decode(rows, skip_special_tokens=True)

@@ -29,8 +29,9 @@ def _stub_examples(count: int = 6) -> list[VQAExample]:
 class FakeRuntime:
     """Answers 'yes' to every question: right on even-indexed stub examples, wrong on odd ones."""
 
-    def answer(self, images: list[Any], questions: list[str], max_new_tokens: int = 3) -> list[str]:
-        return ["Yes." for _ in questions]
+    def answer(self, image: Any, prompt: str, max_new_tokens: int = 3) -> str:
+        assert "<image>" in prompt  # prompts arrive formatted for the family
+        return "Yes."
 
 
 class FakeOptions(BackendOptions):
