@@ -86,14 +86,19 @@ def _cuda_snapshot(device: str) -> Iterator[dict[str, bytes]]:
 
 
 def _print(profile: Any, files: Any) -> None:
-    from mmsdk.profiling.results import stage_rows, waterfall_rows
+    import sys
 
-    rows = waterfall_rows(profile)
-    print_table(f"{profile.model} on {profile.device}: memory after each pass", rows[0], rows[1:])
-    rows = stage_rows(profile)
-    print_table("stages (peak total includes weights; activation excludes weights and KV cache)", rows[0], rows[1:])
     from rich.markup import escape
 
+    from mmsdk.profiling.results import stage_rows, waterfall_rows
+
+    if sys.stdout.isatty():
+        rows = waterfall_rows(profile)
+        print_table(f"{profile.model} on {profile.device}: memory after each pass", rows[0], rows[1:])
+        rows = stage_rows(profile)
+        print_table("stages (peak total includes weights; activation excludes weights and KV cache)", rows[0], rows[1:])
+    else:  # logs and pipes get the plain table, never cut to 80 columns
+        print(f"{profile.model} on {profile.device}: memory after each pass\n{profile.table()}")
     out = console()
     out.print(escape(f"wrote {', '.join(p.name for p in files)} to {files[0].parent}"))
     for note in files.skipped:
