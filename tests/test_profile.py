@@ -69,8 +69,11 @@ def _independent_weight_bytes(model: nn.Module) -> int:
 
 def test_accountant_counts_allocations_minus_frees():
     peaks = []
-    accountant = TensorAccountant(lambda _delta, _serial: peaks.append(accountant.live))
+    weight = torch.ones(500)  # made before: a view of it (weight.t() in a forward) is no allocation
+    accountant = TensorAccountant(lambda _delta, _serial: peaks.append(accountant.live), preexisting=[weight])
     with accountant:
+        weight_view = weight[None, :]
+        assert accountant.live == 0
         a = torch.ones(1000)  # 4000 bytes
         b = a * 2  # +4000
         view = b.view(10, 100)  # a view: no new storage
@@ -80,7 +83,7 @@ def test_accountant_counts_allocations_minus_frees():
         assert accountant.live == 4000
         c = torch.empty(250, dtype=torch.float64)  # +2000
     assert max(peaks) == 8000 and accountant.live == 6000
-    del a, c
+    del a, c, weight_view
     assert accountant.live == 0
 
 

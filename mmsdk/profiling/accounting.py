@@ -52,14 +52,17 @@ def storages_of(values: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
 class TensorAccountant(TorchDispatchMode):
     """Counts bytes of storages created while active; ``live`` falls as they are freed.
 
-    Storages existing before the mode was entered (weights, inputs) are never counted. ``serial_of``
-    maps a live storage to the serial it got when it appeared, so callers can classify storages
-    later (for instance as KV cache) and replay the event log.
+    Storages created before the mode was entered are not counted when they are passed in
+    ``preexisting`` (weights and inputs: an op that returns a view of a weight, such as ``weight.t()``,
+    must not count the weight as a new allocation). ``serial_of`` maps a live storage to the serial it
+    got when it appeared, so callers can classify storages later (for instance as KV cache) and
+    replay the event log.
     """
 
-    def __init__(self, on_change: ChangeCallback) -> None:
+    def __init__(self, on_change: ChangeCallback, preexisting: Iterable[Any] = ()) -> None:
         super().__init__()
         self.on_change = on_change
+        self._preexisting = {s.data_ptr() for s in storages_of(preexisting) if s.data_ptr()}
         self.live = 0
         self._refs: dict[int, tuple[weakref.ref, int, int]] = {}  # id(storage) -> (ref, serial, bytes)
         self._next_serial = 0
@@ -73,7 +76,7 @@ class TensorAccountant(TorchDispatchMode):
     def _track(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         known = self._refs.get(key)
-        if known is not None and known[0]() is storage:
+        if (known is not None and known[0]() is storage) or storage.data_ptr() in self._preexisting:
             return
         nbytes = storage.nbytes()
         serial = self._next_serial

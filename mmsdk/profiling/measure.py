@@ -93,7 +93,7 @@ def measure_run(
         torch.cuda.reset_peak_memory_stats()
     allocated_before = torch.cuda.memory_allocated() if cuda else 0
     recorder = Recorder(cuda=cuda)
-    accountant = TensorAccountant(recorder.on_change)
+    accountant = TensorAccountant(recorder.on_change, preexisting=[*_held_tensors(model), *inputs.values()])
     recorder.accountant = accountant
     started = time.perf_counter()
     with span("mmsdk.profile.run", label=label, device=device), torch.inference_mode():
@@ -108,6 +108,17 @@ def measure_run(
     return _summarise(model, adapter, recorder, weights, label=label, passes=passes, device=device,
                       prompt=prompt, new=int(output.shape[1] - prompt), seconds=seconds, answer=answer,
                       allocated_before=allocated_before)
+
+
+def _held_tensors(model: nn.Module) -> list[Any]:
+    """Tensors the model holds before generating: parameters, buffers and plain tensor attributes
+    (packed weights or scales a pass keeps outside the state dict)."""
+    from mmsdk.profiling.kv import cache_tensors
+
+    held: list[Any] = []
+    for module in model.modules():
+        held += cache_tensors(vars(module))  # _parameters, _buffers and any tensor attribute
+    return held
 
 
 def _inputs(model: nn.Module, processor: Any, adapter: ModelAdapter, sample: ProfileSample, device: str) -> dict:
