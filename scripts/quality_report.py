@@ -89,23 +89,30 @@ def measure(session: Any, model_name: str, passes: tuple[str, ...], examples: Se
                time.perf_counter() - start)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.3f}"
+def _bytes(n: int) -> str:
+    from mmsdk.core.memory import format_bytes
+
+    return format_bytes(n)
+
+
+def _reason(text: str, limit: int = 140) -> str:
+    text = text.replace("|", "/").replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def model_table(rows: Sequence[Row]) -> list[str]:
     """Markdown table of one model's rows (the first row is the unoptimized baseline)."""
     base = rows[0]
-    lines = ["| passes | accuracy | vs. unoptimized | weights MiB | KV MiB | peak MiB | peak saved |",
+    lines = ["| passes | accuracy | vs. unoptimized | weights | KV cache | peak | peak saved |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         if row.skipped:
-            lines.append(f"| {row.label} | n/a | | | | | refused: {row.skipped.replace('|', '/')} |")
+            lines.append(f"| {row.label} | n/a | | | | | refused: {_reason(row.skipped)} |")
             continue
         delta = f"{(row.accuracy - base.accuracy) * 100:+.1f} pt" if row is not base else ""
         saved = f"{(1 - row.peak_bytes / base.peak_bytes) * 100:.1f}%" if row is not base else ""
-        lines.append(f"| {row.label} | {row.accuracy:.1%} | {delta} | {_mib(row.weights_bytes)} | "
-                     f"{_mib(row.kv_bytes)} | {_mib(row.peak_bytes)} | {saved} |")
+        lines.append(f"| {row.label} | {row.accuracy:.1%} | {delta} | {_bytes(row.weights_bytes)} | "
+                     f"{_bytes(row.kv_bytes)} | {_bytes(row.peak_bytes)} | {saved} |")
     return lines
 
 
@@ -147,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "quality.md")
     parser.add_argument("--json", type=Path, default=ROOT / "docs" / "quality-report.json")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # run from a checkout without installing mmsdk
 
     from mmsdk.core.session import Session
     from mmsdk.profiling import resolve_sample
