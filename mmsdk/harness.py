@@ -9,7 +9,8 @@ Runtime protocol (what a backend's ``load`` must return to be scored), tried in 
 ``generate(images, prompts, max_new_tokens=N)`` returning the new token ids of each prompt (the ONNX
 Runtime pipeline); ``answer(image, prompt, max_new_tokens=N) -> str``; or a Hugging Face style
 ``generate(**processor_inputs, max_new_tokens=N, do_sample=False)`` returning ids with or without the
-prompt in front. Prompts are already formatted with the family's image placeholder. The processor is
+prompt in front; or, for reference implementations, ``logits(inputs) -> [1, L, vocab]`` (greedy by
+running the whole sequence again for each token). Prompts are already formatted with the family's image placeholder. The processor is
 the runtime's ``processor`` attribute, else the one saved in the folder.
 """
 
@@ -214,6 +215,9 @@ def _runtime_answers(runtime: Any, processor: Any, adapter: ModelAdapter, chunk:
     if hasattr(runtime, "answer"):
         return [runtime.answer(image, prompt, max_new_tokens=max_new_tokens) for image, prompt in
                 zip(images, prompts, strict=True)]
+    if generate is None and hasattr(runtime, "logits") and processor is not None:
+        return [_greedy_by_logits(runtime, processor, image, prompt, max_new_tokens)
+                for image, prompt in zip(images, prompts, strict=True)]
     if generate is None or processor is None:
         raise UnsupportedInputError(
             f"the loaded {type(runtime).__name__} can be scored only if it has generate(images, prompts), "
@@ -223,6 +227,26 @@ def _runtime_answers(runtime: Any, processor: Any, adapter: ModelAdapter, chunk:
     inputs = processor(images=images, text=prompts, return_tensors="pt")
     output = generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return _decode_new(output, inputs["input_ids"], processor)
+
+
+def _greedy_by_logits(runtime: Any, processor: Any, image: Any, prompt: str, max_new_tokens: int) -> str:
+    """Greedy answer from a runtime that only computes ``logits(inputs) -> [1, L, vocab]`` (a reference
+    implementation): the whole sequence is run again for each new token, so keep it to short answers."""
+    import torch
+
+    inputs = dict(processor(images=[image], text=[prompt], return_tensors="pt"))
+    length = inputs["input_ids"].shape[1]
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(runtime.logits(inputs)[0, -1].argmax())
+        new.append(token)
+        # Per-token inputs grow by one: the token for input_ids, 1 for masks, 0 for type ids.
+        for key, value in list(inputs.items()):
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
+                fill = token if key == "input_ids" else int(key.endswith("mask"))
+                inputs[key] = torch.cat([value, value.new_full((1, 1), fill)], dim=1)
+        length += 1
+    return processor.batch_decode([new], skip_special_tokens=True)[0]
 
 
 def _decode_new(output: Any, prompt: Any, processor: Any) -> list[str]:
