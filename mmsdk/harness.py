@@ -10,8 +10,9 @@ Runtime protocol (what a backend's ``load`` must return to be scored), tried in 
 Runtime pipeline); ``answer(image, prompt, max_new_tokens=N) -> str``; or a Hugging Face style
 ``generate(**processor_inputs, max_new_tokens=N, do_sample=False)`` returning ids with or without the
 prompt in front; or, for reference implementations, ``logits(inputs) -> [1, L, vocab]`` (greedy by
-running the whole sequence again for each token). Prompts are already formatted with the family's image placeholder. The processor is
-the runtime's ``processor`` attribute, else the one saved in the folder.
+running the whole sequence again for each token). Prompts are already formatted with the family's
+image placeholder. The processor is the runtime's ``processor`` attribute, else the one saved in the
+folder.
 """
 
 from __future__ import annotations
