@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+import torch
 
 import mmsdk
 from mmsdk import DatasetSource, Optimizer, Session, VQAExample
@@ -32,6 +33,22 @@ class FakeRuntime:
     def answer(self, image: Any, prompt: str, max_new_tokens: int = 3) -> str:
         assert "<image>" in prompt  # prompts arrive formatted for the family
         return "Yes."
+
+
+class LogitsRuntime:
+    """A reference-style runtime: only logits(inputs), always preferring the token 'yes'."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.lengths: list[int] = []
+
+    def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = inputs["input_ids"]
+        assert inputs["attention_mask"].shape == ids.shape and ids.shape[0] == 1
+        self.lengths.append(ids.shape[1])
+        out = torch.zeros(1, ids.shape[1], 101)
+        out[0, -1, self.processor.tokenizer.token_id("yes")] = 1.0
+        return out
 
 
 class FakeOptions(BackendOptions):
@@ -88,6 +105,16 @@ def test_exported_runtime_is_scored_through_its_loader(eval_session, tmp_path):
     assert (report.correct, report.count) == (3, 6) and report.accuracy == 0.5  # 'Yes.' normalises to 'yes'
     with pytest.raises(ConfigError, match="exported folder"):
         evaluate(tmp_path / "export", "stub-vqa", apply=["qkv-fuse"], session=eval_session)
+
+
+def test_logits_only_runtime_is_decoded_greedily(eval_session, tmp_path, monkeypatch):
+    loaded = eval_session.models.get("tiny:llava").build()
+    Optimizer(loaded.model, loaded.processor, session=eval_session).export("fake-runtime", tmp_path / "export")
+    monkeypatch.setattr(FakeBackend, "load", lambda self, path, manifest, **o: runtime)
+    runtime = LogitsRuntime(loaded.processor)
+    report = evaluate(tmp_path / "export", "stub-vqa", session=eval_session, max_new_tokens=2)
+    assert (report.correct, report.count) == (3, 6)
+    assert runtime.lengths[1] == runtime.lengths[0] + 1  # the chosen token was appended before the next step
 
 
 def test_torch_export_scores_like_the_optimized_model(eval_session, tmp_path):
