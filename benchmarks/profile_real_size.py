@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("profile_real_size.json"))
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script")
+    parser.add_argument("--apply", default="", help="passes to profile as a waterfall after the check, e.g. a,b")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         "top_modules": [(m.name, m.weights_bytes, m.activation_peak_bytes) for m in
                         sorted(run.modules, key=lambda m: m.activation_peak_bytes, reverse=True)[:8]],
     }
+    passes = [name for name in args.apply.split(",") if name]
+    if passes:
+        record["waterfall"] = waterfall(model, processor, passes, sample, args.device)
     args.out.write_text(json.dumps(record, indent=1))
     gib = 2**30
     print(f"weights   profiled {run.weights_bytes / gib:.4f} GiB   counted {(params + buffers) / gib:.4f} GiB")
@@ -97,7 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     for stage in run.stages:
         print(f"  {stage.name:14s} peak {stage.peak_bytes / gib:8.4f} GiB  activation "
               f"{stage.activation_bytes / 2**20:9.1f} MiB  {stage.seconds * 1000:8.1f} ms  x{stage.calls}")
+    for row in record.get("waterfall", []):
+        print(f"{row['label']:16s} weights {row['weights'] / gib:.4f} GiB  KV {row['kv'] / 2**20:8.2f} MiB  "
+              f"activation {row['activation'] / 2**20:8.1f} MiB  peak {row['peak'] / gib:.4f} GiB")
     return 0
+
+
+def waterfall(model, processor, passes: list[str], sample, device: str) -> list[dict]:
+    """Apply ``passes`` through the Optimizer (calibrating on 8 random images if one needs data)."""
+    import numpy as np
+
+    from mmsdk.core.optimizer import Optimizer
+
+    opt = Optimizer(model, processor).apply(*passes)
+    if any(opt.session.passes.get(name).needs_calibration for name in passes):
+        rng = np.random.RandomState(1)
+        opt.calibrate([((rng.rand(336, 336, 3) * 255).astype(np.uint8), "what digit is this ?") for _ in range(8)])
+    profile = opt.profile(sample, device=device, modules=False)
+    return [{"label": r.label, "weights": r.weights_bytes, "kv": r.kv_bytes, "activation": r.peak_activation_bytes,
+             "peak": r.peak_bytes, "allocator": r.allocator,
+             "stages": {s.name: [s.peak_bytes, s.activation_bytes, round(s.seconds, 4)] for s in r.stages}}
+            for r in profile.runs]
 
 
 if __name__ == "__main__":
