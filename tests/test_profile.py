@@ -122,6 +122,31 @@ def test_waterfall_agrees_with_independent_counts(plugin_session):
     assert before.peak_bytes >= before.weights_bytes + before.kv_bytes
     assert {s.name for s in before.stages} >= {"vision_encode", "projector", "prefill", "decode"}
     assert before.stage("decode").calls == SAMPLE.max_new_tokens - 1
+    assert before.weights_after_bytes == before.weights_bytes  # nothing built lazily
+
+
+def test_weights_built_while_generating_are_flagged(session):
+    class LazyCopy(nn.Module):
+        """Keeps a copy of its weight the first time it runs, as a lazily packed kernel layout would."""
+
+        def __init__(self, linear: nn.Linear) -> None:
+            super().__init__()
+            self.linear = linear
+            self.register_buffer("packed", None, persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.packed is None:
+                self.packed = self.linear.weight.detach().clone()
+            return self.linear(x)
+
+    loaded = session.models.get("tiny:llava").build()
+    loaded.model.lm_head = LazyCopy(loaded.model.lm_head)
+    run = measure_run(loaded.model, loaded.processor, session.adapt(loaded.model), SAMPLE, modules=False)
+    assert run.weights_after_bytes - run.weights_bytes == 101 * 48 * 4  # the lm_head copy
+    from mmsdk.profiling.results import Profile, waterfall_table
+
+    table = waterfall_table(Profile("m", "llava", "cpu", "q", (run,)))
+    assert "weights grew from" in table
 
 
 @pytest.mark.parametrize("name", ["tiny:qwen2-vl", "tiny:mllama", "tiny:idefics"])

@@ -90,11 +90,13 @@ def _print(profile: Any, files: Any) -> None:
 
     from rich.markup import escape
 
-    from mmsdk.profiling.results import stage_rows, waterfall_rows
+    from mmsdk.profiling.results import stage_rows, waterfall_notes, waterfall_rows
 
     if sys.stdout.isatty():
         rows = waterfall_rows(profile)
         print_table(f"{profile.model} on {profile.device}: memory after each pass", rows[0], rows[1:])
+        for note in waterfall_notes(profile):
+            console().print(escape(note))
         rows = stage_rows(profile)
         print_table("stages (peak total includes weights; activation excludes weights and KV cache)", rows[0], rows[1:])
     else:  # logs and pipes get the plain table, never cut to 80 columns

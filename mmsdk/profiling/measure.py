@@ -106,6 +106,7 @@ def measure_run(
     prompt = inputs["input_ids"].shape[1]
     answer = processor.batch_decode(output[:, prompt:], skip_special_tokens=True)[0] if processor else ""
     return _summarise(model, adapter, recorder, weights, label=label, passes=passes, device=device,
+                      weights_after=module_bytes(model),
                       prompt=prompt, new=int(output.shape[1] - prompt), seconds=seconds, answer=answer,
                       allocated_before=allocated_before)
 
@@ -175,7 +176,7 @@ def _summarise(model: nn.Module, adapter: ModelAdapter, recorder: Recorder, weig
         prompt_tokens=info["prompt"], new_tokens=info["new"], seconds=info["seconds"],
         stages=stages, modules=_modules(model, recorder),
         components=component_bytes(adapter.components(model)),
-        timeline=timeline, allocator=allocator, answer=info["answer"],
+        timeline=timeline, allocator=allocator, answer=info["answer"], weights_after_bytes=info["weights_after"],
     )
 
 

@@ -71,6 +71,7 @@ class RunMemory:
     timeline: tuple[tuple[float, int, str], ...] = ()  # (seconds since start, total bytes, stage)
     allocator: dict[str, int] = field(default_factory=dict)  # CUDA allocator statistics, when on CUDA
     answer: str = ""
+    weights_after_bytes: int = 0  # parameters + buffers after generating (more: a pass builds weights lazily)
 
     def stage(self, name: str) -> StageMemory | None:
         """The stage called ``name``, or None if the run had none (a model without a projector)."""
@@ -153,9 +154,20 @@ def stage_rows(profile: Profile) -> list[tuple[str, ...]]:
     return rows
 
 
+def waterfall_notes(profile: Profile) -> list[str]:
+    """Warnings worth a line under the table (weights that grew while generating)."""
+    return [
+        f"note: {run.label}: weights grew from {format_bytes(run.weights_bytes)} to "
+        f"{format_bytes(run.weights_after_bytes)} while generating (a module built weights lazily; the growth "
+        "counts as activation in this step)"
+        for run in profile.runs
+        if run.weights_after_bytes > run.weights_bytes
+    ]
+
+
 def waterfall_table(profile: Profile) -> str:
-    """Plain-text waterfall table."""
-    return _grid(waterfall_rows(profile))
+    """Plain-text waterfall table (with notes)."""
+    return "\n".join([_grid(waterfall_rows(profile)), *waterfall_notes(profile)])
 
 
 def stage_table(profile: Profile) -> str:
