@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,6 +21,8 @@ from mmsdk.tasks import get_task, known_tasks, read_examples
 from mmsdk.testing import sample_image
 
 QUESTIONS = ("what digit is this ?", "is it even ?", "is it odd ?")
+# Scoring uses mmsdk.evaluation (vqa_accuracy, normalize_answer), which ships with the digits dataset.
+scores = pytest.mark.skipif(importlib.util.find_spec("mmsdk.evaluation") is None, reason="no mmsdk.evaluation")
 
 
 def _stub_examples(count: int = 6) -> list[VQAExample]:
@@ -97,6 +100,7 @@ def test_every_dataset_with_a_test_split_is_a_task(eval_session):
         get_task("stub-vq", eval_session)
 
 
+@scores
 def test_exported_runtime_is_scored_through_its_loader(eval_session, tmp_path):
     loaded = eval_session.models.get("tiny:llava").build()
     Optimizer(loaded.model, loaded.processor, session=eval_session).export("fake-runtime", tmp_path / "export")
@@ -107,6 +111,7 @@ def test_exported_runtime_is_scored_through_its_loader(eval_session, tmp_path):
         evaluate(tmp_path / "export", "stub-vqa", apply=["qkv-fuse"], session=eval_session)
 
 
+@scores
 def test_logits_only_runtime_is_decoded_greedily(eval_session, tmp_path, monkeypatch):
     loaded = eval_session.models.get("tiny:llava").build()
     Optimizer(loaded.model, loaded.processor, session=eval_session).export("fake-runtime", tmp_path / "export")
@@ -117,6 +122,7 @@ def test_logits_only_runtime_is_decoded_greedily(eval_session, tmp_path, monkeyp
     assert runtime.lengths[1] == runtime.lengths[0] + 1  # the chosen token was appended before the next step
 
 
+@scores
 def test_torch_export_scores_like_the_optimized_model(eval_session, tmp_path):
     loaded = eval_session.models.get("tiny:qwen2-vl").build()
     opt = Optimizer(loaded.model, loaded.processor, session=eval_session).apply("qkv-fuse")
@@ -145,6 +151,7 @@ def test_user_dataset_file_and_missing_answers(tmp_path):
         evaluate("tiny:llava", examples=[VQAExample(sample_image(0, 30), "is it even ?", None)])
 
 
+@scores
 def test_cli_eval_reports_and_gates_on_min_accuracy(tmp_path, capsys):
     np.save(tmp_path / "img.npy", sample_image(0, 30))
     (tmp_path / "data.jsonl").write_text(json.dumps({"image": "img.npy", "question": "is it even ?", "answer": "yes"}))

@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from mmsdk import VQAExample
 from mmsdk.profiling import ProfileSample
 from mmsdk.testing import sample_image
@@ -21,6 +23,7 @@ def _script():
     return module
 
 
+@pytest.mark.skipif(importlib.util.find_spec("mmsdk.evaluation") is None, reason="no mmsdk.evaluation")
 def test_rows_and_markdown_for_registered_passes(session):
     report = _script()
     configs = report.configurations(session)
