@@ -69,7 +69,9 @@ def _waterfall(profile: Profile) -> Any:
 
 
 def _stage_spans(run: RunMemory) -> list[tuple[float, float, str]]:
-    """(start, end, stage) bands; each lasts until the next one starts, so the bands tile the run."""
+    """(start, end, stage) bands: the recorded stage changes, else guessed from the timeline's points."""
+    if run.stage_spans:
+        return list(run.stage_spans)
     starts: list[tuple[float, str]] = []
     for t, _, stage in run.timeline:
         if not starts or starts[-1][1] != stage:

@@ -177,7 +177,16 @@ def _summarise(model: nn.Module, adapter: ModelAdapter, recorder: Recorder, weig
         stages=stages, modules=_modules(model, recorder),
         components=component_bytes(adapter.components(model)),
         timeline=timeline, allocator=allocator, answer=info["answer"], weights_after_bytes=info["weights_after"],
+        stage_spans=_spans(recorder),
     )
+
+
+def _spans(recorder: Recorder) -> tuple[tuple[float, float, str], ...]:
+    """(start, end, stage) from the recorded stage changes; each lasts until the next change."""
+    changes = [(0.0, "other"), *recorder.transitions]
+    end = time.perf_counter() - recorder.start
+    spans = [(t, changes[i + 1][0] if i + 1 < len(changes) else end, stage) for i, (t, stage) in enumerate(changes)]
+    return tuple(span for span in spans if span[1] > span[0])
 
 
 def _replay(recorder: Recorder, weights: int) -> tuple[dict[str, int], dict[str, int], int, int, tuple]:

@@ -47,6 +47,7 @@ class Recorder:
     module_allocated: dict[str, int] = field(default_factory=dict)
     kv_serials: set[int] = field(default_factory=set)
     kv_after_step: list[int] = field(default_factory=list)
+    transitions: list[tuple[float, str]] = field(default_factory=list)  # (seconds, stage now running)
     steps: int = 0
     live: int = 0
     accountant: TensorAccountant | None = None
@@ -68,6 +69,7 @@ class Recorder:
     def push_stage(self, name: str) -> None:
         self._close_segment()
         self.stage_stack.append(name)
+        self.transitions.append((time.perf_counter() - self.start, name))
         self.stage_calls[name] = self.stage_calls.get(name, 0) + 1
         if self.emit_spans:
             from mmsdk.telemetry import span
@@ -80,6 +82,7 @@ class Recorder:
         self._close_segment()
         if len(self.stage_stack) > 1:
             self.stage_stack.pop()
+            self.transitions.append((time.perf_counter() - self.start, self.stage_stack[-1]))
             if self._spans:
                 self._spans.pop().close()
 

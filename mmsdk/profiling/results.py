@@ -72,6 +72,7 @@ class RunMemory:
     allocator: dict[str, int] = field(default_factory=dict)  # CUDA allocator statistics, when on CUDA
     answer: str = ""
     weights_after_bytes: int = 0  # parameters + buffers after generating (more: a pass builds weights lazily)
+    stage_spans: tuple[tuple[float, float, str], ...] = ()  # (start, end, stage) in seconds, tiling the run
 
     def stage(self, name: str) -> StageMemory | None:
         """The stage called ``name``, or None if the run had none (a model without a projector)."""
