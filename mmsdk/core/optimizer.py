@@ -128,9 +128,7 @@ class Optimizer:
 
         target = resolve_device(device or next(self._model.parameters()).device.type)
         prompt = resolve_sample(sample, self.session, max_new_tokens)
-        for planned in self._pending:
-            if planned.spec.needs_calibration:
-                self._context().require_calibration(planned.name)
+        self._check_pending()
 
         def measure() -> Any:
             names = tuple(r.name for r in self.results)
@@ -169,10 +167,14 @@ class Optimizer:
             processor=self.processor,
         )
 
-    def _run_pending(self) -> None:
+    def _check_pending(self) -> None:
+        """Raise before any pass mutates if a pending pass needs calibration data and none was given."""
         for planned in self._pending:
             if planned.spec.needs_calibration:
-                self._context().require_calibration(planned.name)  # raises before any pass mutates
+                self._context().require_calibration(planned.name)
+
+    def _run_pending(self) -> None:
+        self._check_pending()
         while self._pending:
             self.results.append(self._run_one(self._pending.pop(0)))
 
