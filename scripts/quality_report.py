@@ -116,7 +116,7 @@ def model_table(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
-def render(rows: Sequence[Row], *, command: str, limit: int | None) -> str:
+def render(rows: Sequence[Row], *, command: str, limit: int | None, note: str = "") -> str:
     """The whole generated section, markers included."""
     import torch
     import transformers
@@ -130,7 +130,8 @@ def render(rows: Sequence[Row], *, command: str, limit: int | None) -> str:
            f"Accuracy: exact match on {'the first ' + str(limit) if limit else 'all'} held-out digits questions "
            "(`mmsdk eval --task digits-vqa`). Memory: one profiled greedy generation of 8 tokens "
            "(`mmsdk profile`): weights = parameters + buffers, KV = cache after decoding, peak = most bytes "
-           "live at once (weights included). Saved = peak relative to the unoptimized model.", ""]
+           "live at once (weights included). Saved = peak relative to the unoptimized model."
+           + (f" {note}" if note else ""), ""]
     for model in dict.fromkeys(row.model for row in rows):
         out += [f"### {model}", "", *model_table([r for r in rows if r.model == model]), ""]
     return "\n".join([*out, END]) + "\n"
@@ -153,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="score only the first N test questions")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "quality.md")
     parser.add_argument("--json", type=Path, default=ROOT / "docs" / "quality-report.json")
+    parser.add_argument("--note", default="", help="a sentence added to the header (e.g. which commits were measured)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing mmsdk
 
@@ -174,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{model:28s} {row.label:50s} {row.skipped or f'{row.accuracy:.1%}'}", flush=True)
             rows.append(row)
     command = "python scripts/quality_report.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    write_section(args.out, render(rows, command=command, limit=args.limit))
+    write_section(args.out, render(rows, command=command, limit=args.limit, note=args.note))
     args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     print(f"wrote {args.out} and {args.json}")
     return 0
