@@ -175,7 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = measure(session, model, passes, examples, sample)
             print(f"{model:28s} {row.label:50s} {row.skipped or f'{row.accuracy:.1%}'}", flush=True)
             rows.append(row)
-    command = "python scripts/quality_report.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--note" in given:  # the note is printed on its own; keep the command short
+        del given[given.index("--note") : given.index("--note") + 2]
+    command = " ".join(["python scripts/quality_report.py", *given])
     write_section(args.out, render(rows, command=command, limit=args.limit, note=args.note))
     args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     print(f"wrote {args.out} and {args.json}")
