@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -48,3 +50,12 @@ def test_section_replaces_only_itself(tmp_path):
     report.write_section(doc, f"{report.BEGIN}\nsecond\n{report.END}\n")
     text = doc.read_text()
     assert "keep me" in text and "second" in text and "first" not in text and text.count(report.BEGIN) == 1
+
+
+def test_config_steps_and_resume(session, tmp_path):
+    report = _script()
+    config = report.step_config(session, "qkv-fuse(vision_tower=true)")
+    assert config.vision_tower is True and report.step_name("qkv-fuse(vision_tower=true)") == "qkv-fuse"
+    done = report.Row("tiny:llava", ("qkv-fuse",), 0.5, 2, 10, 1, 20)
+    (tmp_path / "rows.json").write_text(json.dumps([dataclasses.asdict(done)]))
+    assert report._load_rows(tmp_path / "rows.json") == [done]
