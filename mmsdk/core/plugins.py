@@ -36,6 +36,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.flamingo": "mmsdk.plugins.adapters.flamingo",
     "mmsdk.qkv_fuse": "mmsdk.plugins.attention.qkv_fuse",
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
+    "mmsdk.tensorrt_llm": "mmsdk.plugins.backends.tensorrt_llm.backend",
 }
 # Plugins the rest of mmsdk cannot work without; MMSDK_DISABLE_PLUGINS refuses them.
 ESSENTIAL_PLUGINS = frozenset({"mmsdk.torch"})
