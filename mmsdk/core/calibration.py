@@ -37,7 +37,9 @@ class CalibrationSet:
         return len(self.samples)
 
     def __iter__(self) -> Iterator[CalibrationSample]:
-        return iter(self.samples)
+        from mmsdk.progress import track
+
+        return track(self.samples, f"calibrating on {self.name}")
 
     @classmethod
     def from_any(cls, source: Any, *, session: Session, limit: int | None = None) -> CalibrationSet:

@@ -52,11 +52,17 @@ def export(
     """Check, write into a staging folder, hash, write the manifest, then rename into ``path``."""
     from mmsdk import __version__
     from mmsdk.core.backend import ExportResult
+    from mmsdk.progress import progress
+    from mmsdk.telemetry import span
 
     backend = context.session.backends.get(backend_name)
     typed = make_config(backend.options_cls, options or {}, what=f"backend {backend_name!r}")
     backend.check(context, typed)
-    with atomic_output_dir(Path(path), overwrite=overwrite) as staging:
+    with (
+        span("mmsdk.export", backend=backend_name, path=str(path), passes=context.pass_names()),
+        progress(f"exporting for {backend_name}"),
+        atomic_output_dir(Path(path), overwrite=overwrite) as staging,
+    ):
         info = backend.export(context, typed, staging)
         manifest = Manifest(
             mmsdk_version=__version__,
