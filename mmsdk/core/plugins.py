@@ -36,6 +36,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.flamingo": "mmsdk.plugins.adapters.flamingo",
     "mmsdk.qkv_fuse": "mmsdk.plugins.attention.qkv_fuse",
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
+    "mmsdk.int4_weight": "mmsdk.plugins.quantizers.int4_weight",
 }
 # Plugins the rest of mmsdk cannot work without; MMSDK_DISABLE_PLUGINS refuses them.
 ESSENTIAL_PLUGINS = frozenset({"mmsdk.torch"})
