@@ -181,6 +181,8 @@ def to_tensorrt_llm(
         fmt = _trt_kv_format(fmt or kv.format or "int8", int4_fallback)
         layers = {}
         for layer in kv.layers:
+            if layer.kind == "recomputed":  # not a cache layer (IDEFICS), which TensorRT-LLM does not run
+                continue
             k_amax, v_amax = _per_tensor(layer.k_amax), _per_tensor(layer.v_amax)
             layers[layer.layer] = {
                 "kind": layer.kind,
