@@ -47,6 +47,7 @@ def search_scale(
     rows = rows.float()
     weights = [w.detach().float().to(rows.device) for w in weights]
     mean = abs_mean.float().to(rows.device).clamp(min=1e-8)
+    references = [rows @ w.T for w in weights]
     best: AWQChoice | None = None
     rtn_error = 0.0
     for step in range(grid):
@@ -55,8 +56,8 @@ def search_scale(
         scale = scale / (scale.max() * scale.min()).sqrt()
         scaled_rows = rows / scale
         error = sum(
-            float((rows @ w.T - scaled_rows @ _fake_quant(w * scale, block_size, symmetric).T).pow(2).sum())
-            for w in weights
+            float((ref - scaled_rows @ _fake_quant(w * scale, block_size, symmetric).T).pow(2).sum())
+            for w, ref in zip(weights, references)
         )
         if step == 0:
             rtn_error = error

@@ -127,7 +127,7 @@ def learn_ranges_ste(
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
     finally:
         for p, flag in frozen:
             p.requires_grad_(flag)

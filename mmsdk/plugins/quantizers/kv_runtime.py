@@ -90,6 +90,7 @@ class CrossKVMemo:
         self._key: tuple[Any, ...] | None = None
         self._packed: Packed | None = None
         self._dtype = torch.float32
+        self.computed = 0  # how many times the projection really ran (once per image set)
 
     @staticmethod
     def _key_of(x: torch.Tensor) -> tuple[Any, ...]:
@@ -100,6 +101,7 @@ class CrossKVMemo:
         # Holding the input keeps its storage alive, so an equal key can only mean the same data.
         if self._packed is None or key != self._key:
             y = self.original(x)
+            self.computed += 1
             b, t, _ = y.shape
             self._packed = self.codec.encode(y.reshape(b, t, -1, self.head_dim).transpose(1, 2))
             self._input, self._key, self._dtype = x, key, y.dtype

@@ -88,7 +88,8 @@ class StaticCodec:
             q = data.float()
         return (q * self._scale(data.device)).to(dtype)
 
-    def nbytes(self) -> int:
+    def constant_bytes(self) -> int:
+        """Bytes of the calibrated scales (per model, not per sequence: ONNX Runtime keeps them as initializers)."""
         return self.scale.numel() * 4
 
 
@@ -123,7 +124,7 @@ class DynamicCodec:
         out = q * packed.scale.float().unsqueeze(-1) + packed.low.float().unsqueeze(-1)  # type: ignore[union-attr]
         return out.flatten(-2).to(dtype)
 
-    def nbytes(self) -> int:
+    def constant_bytes(self) -> int:
         return 0
 
 
@@ -213,10 +214,15 @@ class QuantizedKVLayer(_layer_base()):  # type: ignore[misc]
         return self.cumulative_length
 
     def nbytes(self) -> int:
-        """Bytes this layer holds: packed codes, per-token scales and the full-precision window."""
+        """Bytes this layer holds for the sequence: packed codes, per-token scales and the full-precision window.
+
+        The calibrated static scales are per model, not per sequence (``constant_bytes``).
+        """
         total = sum(p.nbytes() for p in (self._k, self._v) if p is not None)
-        total += sum(t.numel() * t.element_size() for t in (self._rk, self._rv) if t is not None)
-        return total + self.key_codec.nbytes() + self.value_codec.nbytes()
+        return total + sum(t.numel() * t.element_size() for t in (self._rk, self._rv) if t is not None)
+
+    def constant_bytes(self) -> int:
+        return self.key_codec.constant_bytes() + self.value_codec.constant_bytes()
 
     def reset(self) -> None:
         self._k = self._v = None
