@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 if TYPE_CHECKING:
     from torch import nn
 
+    from mmsdk.core.recipes import Recipe
+
 __all__ = [
     "ModelAdapter",
     "KVLayout",
@@ -260,6 +262,10 @@ class ModelAdapter:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
             return processor.apply_chat_template(messages, add_generation_prompt=True)
         return self.default_prompt.format(image=self.image_placeholder, question=question)
+
+    def recipes(self, model: nn.Module) -> dict[str, Recipe]:
+        """This family's recommended builds by name (``default``, ``max-memory``, ``max-accuracy``...)."""
+        return {}
 
     def describe(self, model: nn.Module) -> dict[str, Any]:
         """A JSON-able summary of the model as this adapter sees it (used in manifests and reports)."""
