@@ -57,6 +57,9 @@ class KVRecord(_Record):
     method: Literal["minmax", "percentile", "ste"] = "minmax"
     key_granularity: Literal["channel", "tensor"] = "channel"
     value_granularity: Literal["channel", "tensor"] = "channel"
+    prefill_attention: Literal["quantized", "exact"] = Field(
+        "quantized", description="Whether torch attended a forward's own tokens quantized (as ORT GQA does) or exactly."
+    )
     num_kv_heads: int
     head_dim: int
     layers: list[KVLayerRecord] = Field(default_factory=list)

@@ -51,6 +51,11 @@ class KVCacheConfig(PassConfig):
     group_size: int | None = Field(None, ge=1, description="Dynamic: channels per scale group (default head_dim).")
     residual_length: int = Field(32, ge=0, description="Dynamic: recent tokens kept in full precision.")
     cross_attention: bool = Field(True, description="Also quantize cross-attention K/V (Flamingo family).")
+    prefill_attention: Literal["quantized", "exact"] = Field(
+        "quantized", description="quantized: attention reads K/V as stored from the first forward on (ONNX Runtime "
+        "GQA; what calibration sees); exact: a forward's own tokens are attended in full precision and read back "
+        "quantized from the next step (TensorRT-LLM's context phase, transformers' QuantizedCache).",
+    )
     max_rows: int = Field(2048, ge=16, description="Tokens sampled per layer for percentile ranges.")
 
 
@@ -127,7 +132,7 @@ def _state(model: nn.Module, adapter: Any, fmt: str, config: KVCacheConfig) -> A
         fmt=fmt, scales=config.scales, num_layers=layout.num_layers, head_dim=layout.head_dim,
         group_size=config.group_size or layout.head_dim, residual_length=config.residual_length,
         key_granularity=config.key_granularity, value_granularity=config.value_granularity,
-        cross_attention=config.cross_attention,
+        cross_attention=config.cross_attention, exact_prefill=config.prefill_attention == "exact",
     )
     state.layers = {i: LayerRanges(kind) for i, kind in _kinds(model, adapter).items()}
     return state
@@ -181,7 +186,7 @@ def _kv_record(state: Any, config: KVCacheConfig, heads: int) -> dict[str, Any]:
     return {
         "format": state.fmt, "scales": state.scales, "method": config.calibration,
         "key_granularity": config.key_granularity, "value_granularity": config.value_granularity,
-        "num_kv_heads": heads, "head_dim": state.head_dim,
+        "prefill_attention": config.prefill_attention, "num_kv_heads": heads, "head_dim": state.head_dim,
         "layers": [{"layer": i, "kind": r.kind, "k_amax": flat(r.k_amax), "v_amax": flat(r.v_amax)} for i, r in entries],
     }
 

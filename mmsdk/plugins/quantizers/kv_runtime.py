@@ -49,6 +49,7 @@ class KVQuantState:
     key_granularity: str = "channel"
     value_granularity: str = "channel"
     cross_attention: bool = True
+    exact_prefill: bool = False
     layers: dict[int, LayerRanges] = field(default_factory=dict)  # cache layers, by index
     recomputed: dict[int, LayerRanges] = field(default_factory=dict)  # cross blocks, by block index
     memos: list[CrossKVMemo] = field(default_factory=list)
@@ -71,7 +72,7 @@ class KVQuantState:
             return DynamicLayer()
         residual = self.residual_length if (self.scales == "dynamic" and ranges.kind == "self") else 0
         return QuantizedKVLayer(self.codec(ranges.k_amax, self.key_granularity),
-                                self.codec(ranges.v_amax, self.value_granularity), residual)
+                                self.codec(ranges.v_amax, self.value_granularity), residual, self.exact_prefill)
 
     def new_cache(self) -> Any:
         """An empty quantized cache for one generation (also clears the cross-attention memos)."""
@@ -83,9 +84,9 @@ class KVQuantState:
 class CrossKVMemo:
     """Stands in for a cross-attention K or V projection's forward: computes once per vision state, stores packed."""
 
-    def __init__(self, module: nn.Module, codec: Any, head_dim: int) -> None:
+    def __init__(self, module: nn.Module, codec: Any, head_dim: int, exact_first: bool = False) -> None:
         self.original = module.forward
-        self.codec, self.head_dim = codec, head_dim
+        self.codec, self.head_dim, self.exact_first = codec, head_dim, exact_first
         self._input: torch.Tensor | None = None
         self._key: tuple[Any, ...] | None = None
         self._packed: Packed | None = None
@@ -105,6 +106,8 @@ class CrossKVMemo:
             b, t, _ = y.shape
             self._packed = self.codec.encode(y.reshape(b, t, -1, self.head_dim).transpose(1, 2))
             self._input, self._key, self._dtype = x, key, y.dtype
+            if self.exact_first:
+                return y
         out = self.codec.decode(self._packed, self._dtype, self.head_dim)
         return out.transpose(1, 2).flatten(2)
 
@@ -143,7 +146,7 @@ def install(model: nn.Module, state: KVQuantState, adapter: Any) -> None:
         for attr, amax, granularity in ((block.projections.k, ranges.k_amax, state.key_granularity),
                                         (block.projections.v, ranges.v_amax, state.value_granularity)):
             projection = getattr(block.attention, attr)
-            memo = CrossKVMemo(projection, state.codec(amax, granularity), state.head_dim)
+            memo = CrossKVMemo(projection, state.codec(amax, granularity), state.head_dim, state.exact_prefill)
             projection.forward = memo
             state.memos.append(memo)
 

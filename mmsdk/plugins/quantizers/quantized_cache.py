@@ -7,13 +7,16 @@ Two scale modes:
   kept as ``q + 8`` two per byte (even channel in the low nibble), int8 ``clamp(rint(x/s), -128,
   127)``, fp8 e4m3 ``x/s``. Appending never re-quantizes old tokens.
 * ``dynamic`` (torch only): per token, per group of ``group_size`` channels, asymmetric
-  ``(x - min) / scale`` with fp16 scale and minimum (fp8: symmetric ``amax/448``), KIVI style;
+  ``x ~ q * scale + low`` with fp16 scale and low, refitted by least squares for the chosen codes
+  (fp8: symmetric ``amax/448``), KIVI style;
   the most recent ``residual_length`` tokens stay in full precision and older ones are quantized
   as they leave that window, each token exactly once.
 
 Attention reads a dequantized copy (this module stores packed; a kernel that reads packed K/V is a
-separate piece of work), and it reads it from the first forward on, prefill included, so torch,
-ONNX Runtime and the calibration loss all see the same numbers.
+separate piece of work). By default it reads it from the first forward on, prefill included, as
+ONNX Runtime's GroupQueryAttention does, so torch, ORT and the calibration loss see the same
+numbers. With ``exact_new`` the tokens of the current forward are attended in full precision and
+only earlier tokens are read back quantized (TensorRT-LLM's context phase, HF ``QuantizedCache``).
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ class StaticCodec:
 class DynamicCodec:
     """Per token and group of ``group`` channels: asymmetric int (fp16 scale + minimum) or symmetric fp8."""
 
-    def __init__(self, fmt: str, group: int) -> None:
-        self.fmt, self.group = fmt, group
+    def __init__(self, fmt: str, group: int, refits: int = 2) -> None:
+        self.fmt, self.group, self.refits = fmt, group, refits
         self.levels = {"int4": 15.0, "int8": 255.0}.get(fmt, 0.0)
 
     def encode(self, x: torch.Tensor) -> Packed:
@@ -107,12 +110,24 @@ class DynamicCodec:
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             data = (groups / scale.float().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)
             return Packed(data, scale)
-        low = groups.amin(-1).to(torch.float16)
-        scale = ((groups.amax(-1) - low.float()) / self.levels).to(torch.float16)
+        low, scale = groups.amin(-1, keepdim=True), (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True))
+        scale = (scale / self.levels).clamp(min=1e-8)
+        for _ in range(self.refits):
+            low, scale = self._refit(groups, low, scale)
+        low, scale = low.to(torch.float16), scale.to(torch.float16)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = ((groups - low.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round().clamp(0, self.levels)
+        q = ((groups - low.float()) / scale.float()).round().clamp(0, self.levels)
         q = q.flatten(-2).to(torch.uint8)
-        return Packed(pack_nibbles(_pad_even(q)) if self.fmt == "int4" else q, scale, low)
+        return Packed(pack_nibbles(_pad_even(q)) if self.fmt == "int4" else q, scale.squeeze(-1), low.squeeze(-1))
+
+    def _refit(self, groups: torch.Tensor, low: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Least-squares (minimum, scale) for the current codes: ``x ~ q * scale + low`` (HQQ's aim, closed form)."""
+        q = ((groups - low) / scale).round().clamp(0, self.levels)
+        q_mean, x_mean = q.mean(-1, keepdim=True), groups.mean(-1, keepdim=True)
+        spread = (q - q_mean).pow(2).sum(-1, keepdim=True)
+        fitted = ((q - q_mean) * (groups - x_mean)).sum(-1, keepdim=True) / spread.clamp(min=1e-12)
+        scale = torch.where(spread > 0, fitted, scale).clamp(min=1e-8)
+        return x_mean - scale * q_mean, scale
 
     def decode(self, packed: Packed, dtype: torch.dtype, dim: int) -> torch.Tensor:
         assert packed.scale is not None  # dynamic packs always carry scales
@@ -144,8 +159,9 @@ class QuantizedKVLayer(_layer_base()):  # type: ignore[misc]
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, key_codec: Any, value_codec: Any, residual_length: int = 0) -> None:
+    def __init__(self, key_codec: Any, value_codec: Any, residual_length: int = 0, exact_new: bool = False) -> None:
         self.key_codec, self.value_codec, self.residual_length = key_codec, value_codec, residual_length
+        self.exact_new = exact_new
         self._k: Packed | None = None
         self._v: Packed | None = None
         self._rk: torch.Tensor | None = None
@@ -191,6 +207,7 @@ class QuantizedKVLayer(_layer_base()):  # type: ignore[misc]
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        previous = (self.keys, self.values) if self.exact_new and self.cumulative_length else None
         self.cumulative_length += key_states.shape[-2]
         if self.residual_length <= 0:
             self._k = Packed.cat(self._k, self.key_codec.encode(key_states))
@@ -199,6 +216,10 @@ class QuantizedKVLayer(_layer_base()):  # type: ignore[misc]
             self._rk = key_states if self._rk is None else torch.cat([self._rk, key_states], dim=-2)
             self._rv = value_states if self._rv is None else torch.cat([self._rv, value_states], dim=-2)
             self._flush()
+        if self.exact_new:
+            if previous is None:
+                return key_states, value_states
+            return torch.cat([previous[0], key_states], dim=-2), torch.cat([previous[1], value_states], dim=-2)
         return self.keys, self.values  # type: ignore[return-value]
 
     def _flush(self) -> None:
