@@ -44,10 +44,12 @@ def _ort_rtn(weight: torch.Tensor, block: int, symmetric: bool) -> torch.Tensor:
 
     n, k = weight.shape
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["X", "W"], ["Y"], name="mm")], "g",
+        [helper.make_node("MatMul", ["X", "W"], ["Y"], name="mm")],
+        "g",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-        [numpy_helper.from_array(weight.T.float().contiguous().numpy(), "W")])
+        [numpy_helper.from_array(weight.T.float().contiguous().numpy(), "W")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block, is_symmetric=symmetric)
@@ -64,8 +66,9 @@ def _inputs(processor: Any, questions: list[tuple[Any, str]]) -> dict[str, torch
     return processor(images=[q[0] for q in questions], text=[processor.format_prompt(q[1]) for q in questions])
 
 
-def weight_section(model: torch.nn.Module, processor: Any, session: Session, calibration: list, evaluation: list,
-                   group: int) -> dict[str, Any]:
+def weight_section(
+    model: torch.nn.Module, processor: Any, session: Session, calibration: list, evaluation: list, group: int
+) -> dict[str, Any]:
     adapter = session.adapt(model)
     pad = dict(group_size=group, indivisible="pad")
     targets, _ = int4_targets(model, adapter, Int4WeightConfig(**pad))
@@ -111,9 +114,14 @@ def weight_section(model: torch.nn.Module, processor: Any, session: Session, cal
 def _forced_logits(model: torch.nn.Module, inputs: dict, sequence: torch.Tensor) -> torch.Tensor:
     start = inputs["input_ids"].shape[1]
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=sequence.shape[1] - start, do_sample=False,
-                             prefix_allowed_tokens_fn=lambda b, ids: [int(sequence[b, ids.shape[-1]])],
-                             return_dict_in_generate=True, output_logits=True)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=sequence.shape[1] - start,
+            do_sample=False,
+            prefix_allowed_tokens_fn=lambda b, ids: [int(sequence[b, ids.shape[-1]])],
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
     return torch.stack(out.logits, 1).float()
 
 
@@ -148,8 +156,16 @@ def _hf_layer_kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def kv_section(model: torch.nn.Module, processor: Any, session: Session, calibration: list, prompt: tuple,
-               steps: int, group: int, residual: int) -> dict[str, Any]:
+def kv_section(
+    model: torch.nn.Module,
+    processor: Any,
+    session: Session,
+    calibration: list,
+    prompt: tuple,
+    steps: int,
+    group: int,
+    residual: int,
+) -> dict[str, Any]:
     from transformers import DynamicCache, QuantizedCache
 
     model = copy.deepcopy(model).to(torch.bfloat16)
@@ -161,27 +177,55 @@ def kv_section(model: torch.nn.Module, processor: Any, session: Session, calibra
         model(**inputs, **{arg: fp}, use_cache=True)
     fp_k = [layer.keys.float() for layer in fp.layers]
     fp_v = [layer.values.float() for layer in fp.layers]
-    fp16_bytes = sum(k.numel() + v.numel() for k, v in zip(fp_k, fp_v)) * 2
+    fp16_bytes = sum(k.numel() + v.numel() for k, v in zip(fp_k, fp_v, strict=True)) * 2
     rows: dict[str, Any] = {}
 
-    def record(label: str, prefill_cache: Any, layer_kv: Any, nbytes: int, make_cache: Any,
-               generator: torch.nn.Module, count: Any) -> None:
-        ks, vs = zip(*(layer_kv(layer) for layer in prefill_cache.layers))
-        kv_sqnr = sqnr_db(torch.cat([k.flatten() for k in fp_k + fp_v]), torch.cat([t.float().flatten() for t in ks + vs]))
+    def record(
+        label: str,
+        prefill_cache: Any,
+        layer_kv: Any,
+        nbytes: int,
+        make_cache: Any,
+        generator: torch.nn.Module,
+        count: Any,
+    ) -> None:
+        ks, vs = zip(*(layer_kv(layer) for layer in prefill_cache.layers), strict=True)
+        kv_sqnr = sqnr_db(
+            torch.cat([k.flatten() for k in fp_k + fp_v]), torch.cat([t.float().flatten() for t in ks + vs])
+        )
         with torch.no_grad():
-            out = generator.generate(**inputs, max_new_tokens=steps, do_sample=False, return_dict_in_generate=True,
-                                 output_logits=True, **{arg: make_cache()})
+            out = generator.generate(
+                **inputs,
+                max_new_tokens=steps,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+                **{arg: make_cache()},
+            )
         logits = torch.stack(out.logits, 1).float()
         final = out.get("cache", out.get("past_key_values"))
-        rows[label] = {"kv_bytes_after_prefill": nbytes, "fraction_of_fp16": nbytes / fp16_bytes,
-                       "kv_bytes_after_decode": count(final),
-                       "kv_sqnr_db": kv_sqnr, "logits_sqnr_db": sqnr_db(_forced_logits(model, inputs, out.sequences), logits)}
+        rows[label] = {
+            "kv_bytes_after_prefill": nbytes,
+            "fraction_of_fp16": nbytes / fp16_bytes,
+            "kv_bytes_after_decode": count(final),
+            "kv_sqnr_db": kv_sqnr,
+            "logits_sqnr_db": sqnr_db(_forced_logits(model, inputs, out.sequences), logits),
+        }
 
     for backend in ("quanto", "hqq"):
         for axis in (0, -1 if backend == "quanto" else 1):
+
             def make(backend: str = backend, axis: int = axis) -> Any:
-                return QuantizedCache(backend=backend, config=model.config, nbits=4, axis_key=axis, axis_value=axis,
-                                      q_group_size=group, residual_length=residual)
+                return QuantizedCache(
+                    backend=backend,
+                    config=model.config,
+                    nbits=4,
+                    axis_key=axis,
+                    axis_value=axis,
+                    q_group_size=group,
+                    residual_length=residual,
+                )
+
             label = f"hf-{backend}-axis{axis}"
             try:
                 cache = make()
@@ -194,22 +238,36 @@ def kv_section(model: torch.nn.Module, processor: Any, session: Session, calibra
 
     calib = mmsdk.CalibrationSet.from_any(calibration, session=session)
     exact = dict(prefill_attention="exact")  # a forward's own tokens attended exactly, as QuantizedCache does
-    for label, config in (("mmsdk-int4-static", Int4KVConfig()),
-                          ("mmsdk-int4-static-ste", Int4KVConfig(calibration="ste", ste_steps=300)),
-                          ("mmsdk-int4-static-exact-prefill", Int4KVConfig(**exact)),
-                          ("mmsdk-int4-dynamic", Int4KVConfig(scales="dynamic", residual_length=residual)),
-                          ("mmsdk-int4-dynamic-window0", Int4KVConfig(scales="dynamic", residual_length=0)),
-                          ("mmsdk-int4-dynamic-window0-exact-prefill",
-                           Int4KVConfig(scales="dynamic", residual_length=0, **exact))):
+    for label, config in (
+        ("mmsdk-int4-static", Int4KVConfig()),
+        ("mmsdk-int4-static-ste", Int4KVConfig(calibration="ste", ste_steps=300)),
+        ("mmsdk-int4-static-exact-prefill", Int4KVConfig(**exact)),
+        ("mmsdk-int4-dynamic", Int4KVConfig(scales="dynamic", residual_length=residual)),
+        ("mmsdk-int4-dynamic-window0", Int4KVConfig(scales="dynamic", residual_length=0)),
+        ("mmsdk-int4-dynamic-window0-exact-prefill", Int4KVConfig(scales="dynamic", residual_length=0, **exact)),
+    ):
         m = Optimizer(copy.deepcopy(model), processor, session=session).calibrate(calib).apply(config).model
         state = m._mmsdk_kv
         cache = state.new_cache()
         with torch.no_grad():
             m(**inputs, **{arg: cache}, use_cache=True)
-        record(label, cache, lambda layer: (layer.keys, layer.values), kv_bytes(cache, m), state.new_cache, m,
-               lambda c, m=m: kv_bytes(c, m))
-    return {"prompt_tokens": int(inputs["input_ids"].shape[1]), "decode_steps": steps, "group_size": group,
-            "residual_length": residual, "fp16_bytes": fp16_bytes, "methods": rows}
+        record(
+            label,
+            cache,
+            lambda layer: (layer.keys, layer.values),
+            kv_bytes(cache, m),
+            state.new_cache,
+            m,
+            lambda c, m=m: kv_bytes(c, m),
+        )
+    return {
+        "prompt_tokens": int(inputs["input_ids"].shape[1]),
+        "decode_steps": steps,
+        "group_size": group,
+        "residual_length": residual,
+        "fp16_bytes": fp16_bytes,
+        "methods": rows,
+    }
 
 
 def accuracy(model: torch.nn.Module, processor: Any, examples: list, batch: int = 32) -> float:
@@ -220,8 +278,8 @@ def accuracy(model: torch.nn.Module, processor: Any, examples: list, batch: int 
         inputs = _inputs(processor, [(e.image, e.question) for e in chunk])
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        texts = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum((t.split() or [""])[0] == str(e.answer).split()[0] for t, e in zip(texts, chunk))
+        texts = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        correct += sum((t.split() or [""])[0] == str(e.answer).split()[0] for t, e in zip(texts, chunk, strict=True))
     return 100.0 * correct / len(examples)
 
 
@@ -241,8 +299,11 @@ def accuracy_section(name: str, session: Session, calibration: list, limit: int 
         if passes:
             model = Optimizer(model, loaded.processor, session=session).calibrate(calibration).apply(*passes).model
         results[label] = accuracy(model, loaded.processor, examples)
-    return {"examples": len(examples), "accuracy_pct": results,
-            "drop_points": {k: results["fp"] - v for k, v in results.items() if k != "fp"}}
+    return {
+        "examples": len(examples),
+        "accuracy_pct": results,
+        "drop_points": {k: results["fp"] - v for k, v in results.items() if k != "fp"},
+    }
 
 
 def _versions() -> dict[str, str]:
@@ -279,12 +340,25 @@ def main() -> None:
         evaluation = [(sample_image(600 + i), "what digit is this ?") for i in range(8)]
     calib = mmsdk.CalibrationSet.from_any(calibration, session=session)
     started = time.time()
-    report: dict[str, Any] = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
-                              "processor": platform.processor() or platform.machine(), "versions": _versions()}
+    report: dict[str, Any] = {
+        "model": args.model,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "versions": _versions(),
+    }
     report["weights"] = weight_section(loaded.model, loaded.processor, session, calib, evaluation, args.group)
-    report["kv_cache"] = kv_section(loaded.model, loaded.processor, session, calib, evaluation[0], steps=16,
-                                    group=loaded.model.config.get_text_config().hidden_size
-                                    // loaded.model.config.get_text_config().num_attention_heads, residual=16)
+    report["kv_cache"] = kv_section(
+        loaded.model,
+        loaded.processor,
+        session,
+        calib,
+        evaluation[0],
+        steps=16,
+        group=loaded.model.config.get_text_config().hidden_size
+        // loaded.model.config.get_text_config().num_attention_heads,
+        residual=16,
+    )
     if "digits" in session.datasets and args.model.startswith("builtin:"):
         report["accuracy"] = accuracy_section(args.model, session, calib, args.eval_limit, args.group)
     report["seconds"] = round(time.time() - started, 1)
@@ -296,23 +370,32 @@ def main() -> None:
 def _print_tables(report: dict[str, Any]) -> None:
     print(f"\n{report['model']}  ({report['versions']})")
     for label, v in report["weights"]["variants"].items():
-        print(f"\nweights int4 g{report['weights']['group_size']} {label}: method | mean rel. output error | logits SQNR dB")
+        print(
+            f"\nweights int4 g{report['weights']['group_size']} {label}: "
+            "method | mean rel. output error | logits SQNR dB"
+        )
         for method, err in v["mean_relative_output_error"].items():
             print(f"  {method:10s} | {err:.5f} | {v['logits_sqnr_db'][method]:.2f}")
     kv = report["kv_cache"]
-    print(f"\nKV cache ({kv['prompt_tokens']} prompt tokens, {kv['decode_steps']} steps, fp16 {kv['fp16_bytes']} B): "
-          "method | bytes after prefill | of fp16 | bytes after decode | K/V SQNR dB | logits SQNR dB")
+    print(
+        f"\nKV cache ({kv['prompt_tokens']} prompt tokens, {kv['decode_steps']} steps, fp16 {kv['fp16_bytes']} B): "
+        "method | bytes after prefill | of fp16 | bytes after decode | K/V SQNR dB | logits SQNR dB"
+    )
     for method, row in kv["methods"].items():
         if "error" in row:
             print(f"  {method:40s} | failed: {row['error']}")
             continue
-        print(f"  {method:40s} | {row['kv_bytes_after_prefill']:6d} | {row['fraction_of_fp16']:.3f} | "
-              f"{row['kv_bytes_after_decode']:6d} | "
-              f"{row['kv_sqnr_db']:.2f} | {row['logits_sqnr_db']:.2f}")
+        print(
+            f"  {method:40s} | {row['kv_bytes_after_prefill']:6d} | {row['fraction_of_fp16']:.3f} | "
+            f"{row['kv_bytes_after_decode']:6d} | "
+            f"{row['kv_sqnr_db']:.2f} | {row['logits_sqnr_db']:.2f}"
+        )
     if "accuracy" in report:
         acc = report["accuracy"]
-        print(f"\nheld-out accuracy ({acc['examples']} questions): " + ", ".join(
-            f"{k} {v:.2f}%" for k, v in acc["accuracy_pct"].items()))
+        print(
+            f"\nheld-out accuracy ({acc['examples']} questions): "
+            + ", ".join(f"{k} {v:.2f}%" for k, v in acc["accuracy_pct"].items())
+        )
     print(f"\n{report['seconds']} s")
 
 

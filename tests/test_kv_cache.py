@@ -1,4 +1,5 @@
-"""int4-kv / int8-kv / fp8-kv: generate() on every family, packed bytes, ORT's layout, cross-attention K/V, bad input."""
+"""int4-kv / int8-kv / fp8-kv: generate() on every family,
+packed bytes, ORT's layout, cross-attention K/V, bad input."""
 
 from __future__ import annotations
 
@@ -29,15 +30,22 @@ def _forced_reference(model: torch.nn.Module, inputs: dict, sequence: torch.Tens
         return [int(sequence[batch_id, ids.shape[-1]])]
 
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=sequence.shape[1] - start, do_sample=False,
-                             prefix_allowed_tokens_fn=allowed, return_dict_in_generate=True, output_logits=True)
+        out = model.generate(
+            **inputs,
+            max_new_tokens=sequence.shape[1] - start,
+            do_sample=False,
+            prefix_allowed_tokens_fn=allowed,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
     return torch.stack(out.logits, 1)
 
 
 def _generate(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, return_dict_in_generate=True,
-                             output_logits=True)
+        out = model.generate(
+            **inputs, max_new_tokens=STEPS, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
     cache = out.get("cache", out.get("past_key_values"))
     return out.sequences, torch.stack(out.logits, 1), cache
 
@@ -57,7 +65,7 @@ def test_int4_kv_static_generate_sqnr_and_bytes_on_every_family(name, session, t
     sequence, logits, cache = _generate(opt.model, inputs)
     assert all(isinstance(layer, QuantizedKVLayer) for layer in cache.layers)
     sqnr = sqnr_db(_forced_reference(reference_model, inputs, sequence), logits)
-    # measured, dB: llava 28.0, llava-next 30.0, qwen2-vl 27.6, qwen2.5-vl 29.2, idefics 26.7, mllama 22.1
+    # measured, dB: llava 27.5, llava-next 29.9, qwen2-vl 29.1, qwen2.5-vl 29.3, idefics 26.1, mllama 22.2
     assert sqnr > 18.0, sqnr
 
     from transformers import DynamicCache
@@ -73,18 +81,25 @@ def test_int4_kv_static_generate_sqnr_and_bytes_on_every_family(name, session, t
     assert (packed - memo) / fp16_bytes <= 0.30
 
 
-@pytest.mark.parametrize(("config", "limit", "floor"), [(Int8KVConfig(), 0.55, 40.0), (FP8KVConfig(), 0.55, 30.0),
-                                                         (Int4KVConfig(scales="dynamic", residual_length=4), 1.0, 24.0)])
+@pytest.mark.parametrize(
+    ("config", "limit", "floor"),
+    [
+        (Int8KVConfig(), 0.55, 36.0),
+        (FP8KVConfig(), 0.55, 32.0),
+        (Int4KVConfig(scales="dynamic", residual_length=4), 0.65, 26.0),
+    ],
+)
 def test_int8_fp8_and_dynamic_int4(config, limit, floor, session, tiny):
     loaded = tiny("tiny:llava")
     inputs = tiny_inputs(loaded.processor)
     reference_model = copy.deepcopy(loaded.model)
     opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(CALIBRATION).apply(config)
-    sequence, logits, cache = _generate(opt.model, inputs)
-    # measured, dB: int8 49.4, fp8 39.6, dynamic int4 (4-token window) 30.1
+    sequence, logits, _ = _generate(opt.model, inputs)
+    # measured, dB: int8 41.1, fp8 38.6, dynamic int4 (4-token window) 32.1
     assert sqnr_db(_forced_reference(reference_model, inputs, sequence), logits) > floor
     fp16_bytes = 2 * 2 * 16 * inputs["input_ids"].shape[1] * 2  # 2 layers x (K, V) x 16 channels x tokens x 2 B
-    # measured after prefill: int8/fp8 0.50; dynamic int4 0.51 (fp16 scale+minimum per 16 channels, fp32 4-token window)
+    # measured after prefill: int8/fp8 0.500; dynamic int4 0.585 (fp16 scale + minimum per 16 channels,
+    # fp32 4-token window)
     assert _prefill_bytes(opt.model, inputs, opt.model._mmsdk_kv.new_cache()) / fp16_bytes <= limit
 
 
@@ -107,11 +122,14 @@ def test_static_int4_codes_are_onnxruntime_gqa_codes():
     x = torch.randn(1, 2, 5, 16)
     scale = torch.rand(2, 16) * 0.3 + 0.05
     codes = StaticCodec("int4", scale).encode(x).data.numpy()
-    # ONNX Runtime 1.30 GQA int4 (specs/onnxruntime.md 2.2, Appendix A): q = clamp(rint(x/s), -8, 7) + 8, even channel low
+    # ONNX Runtime 1.30 GQA int4 (specs/onnxruntime.md 2.2, Appendix A): q = clamp(rint(x/s), -8, 7) + 8,
+    # even channel in the low nibble
     q = (np.clip(np.rint(x.numpy() / scale.numpy()[None, :, None, :]), -8, 7) + 8).astype(np.uint8)
     assert np.array_equal(codes, q[..., 0::2] | (q[..., 1::2] << 4))
     int8 = StaticCodec("int8", scale).encode(x).data.numpy()
-    assert np.array_equal(int8, np.clip(np.rint(x.numpy() / scale.numpy()[None, :, None, :]), -128, 127).astype(np.int8))
+    assert np.array_equal(
+        int8, np.clip(np.rint(x.numpy() / scale.numpy()[None, :, None, :]), -128, 127).astype(np.int8)
+    )
 
 
 def test_mllama_cross_kv_packed_in_the_cache_and_idefics_computed_once(session, tiny):
@@ -139,7 +157,7 @@ def test_ste_learns_ranges_with_weights_frozen(session, tiny):
     opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(CALIBRATION)
     opt.apply(Int4KVConfig(calibration="ste", ste_steps=24, ste_lr=0.05)).model  # noqa: B018
     ste = opt.results[0].records["ste"]
-    # measured: KL 3.1e-3 -> 1.6e-3 over 24 steps
+    # measured: KL 8.1e-5 -> 6.3e-5 over 24 steps
     assert ste["last_loss"] < ste["first_loss"]
     assert all(torch.equal(v, loaded.model.state_dict()[k]) for k, v in weights.items())
 

@@ -26,10 +26,18 @@ def _record(fmt: str | None = "int8", scales: str = "static") -> CalibrationReco
     cross = {"layer": 1, "kind": "cross", "k_amax": [8.96, 1.0, 1.0, 1.0], "v_amax": [4.48, 1.0, 1.0, 1.0]}
     kv = {"format": fmt, "scales": scales, "num_kv_heads": 2, "head_dim": 2, "layers": [layer, cross]}
     awq = {"group_size": 64, "symmetric": True, "prequant": {"model.layers.0.mlp.up_proj": [0.5, 2.0]}}
-    ranges = {"model.layers.0.mlp.up_proj": {"abs_max": 12.7, "minimum": -3.0, "maximum": 12.7,
-                                            "channel_abs_mean": [1.0, 2.0], "channel_abs_max": [12.7, 3.0]}}
-    return CalibrationRecord.model_validate({"calibration_set": "custom", "samples": 4, "ranges": ranges,
-                                             "kv_cache": kv, "awq": awq})
+    ranges = {
+        "model.layers.0.mlp.up_proj": {
+            "abs_max": 12.7,
+            "minimum": -3.0,
+            "maximum": 12.7,
+            "channel_abs_mean": [1.0, 2.0],
+            "channel_abs_max": [12.7, 3.0],
+        }
+    }
+    return CalibrationRecord.model_validate(
+        {"calibration_set": "custom", "samples": 4, "ranges": ranges, "kv_cache": kv, "awq": awq}
+    )
 
 
 def test_onnxruntime_scales_are_amax_over_7_and_127():
@@ -47,7 +55,9 @@ def test_tensorrt_llm_scales_are_per_layer_amax_over_127_and_448():
     trt = to_tensorrt_llm(_record("fp8"))
     assert trt["kv_cache_quant_algo"] == "FP8"
     assert trt["layers"][1]["kv_cache_scaling_factor"] == pytest.approx(0.02)  # max(k, v) = 8.96; 8.96 / 448
-    assert trt["layers"][0]["k_scale"] == pytest.approx(7.0 / 448) and trt["layers"][0]["v_scale"] == pytest.approx(2.54 / 448)
+    assert trt["layers"][0]["k_scale"] == pytest.approx(7.0 / 448) and trt["layers"][0]["v_scale"] == pytest.approx(
+        2.54 / 448
+    )
     assert to_tensorrt_llm(_record("int8"))["layers"][0]["kv_cache_scaling_factor"] == pytest.approx(7.0 / 127)
     assert trt["awq"]["pre_quant_scale"]["model.layers.0.mlp.up_proj"] == [0.5, 2.0]
     assert trt["awq"]["group_size"] == 64 and trt["awq"]["has_zero_point"] is False

@@ -16,7 +16,7 @@ import torch
 
 from mmsdk.plugins.quantizers.packing import dequantize_int4, padded_k, quantize_int4
 
-__all__ = ["AWQChoice", "search_scale", "search_clip", "output_error"]
+__all__ = ["AWQChoice", "output_error", "search_clip", "search_scale"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class AWQChoice:
     rtn_error: float
 
 
-def _fake_quant(weight: torch.Tensor, block_size: int, symmetric: bool, clip: torch.Tensor | None = None) -> torch.Tensor:
+def _fake_quant(
+    weight: torch.Tensor, block_size: int, symmetric: bool, clip: torch.Tensor | None = None
+) -> torch.Tensor:
     packed = quantize_int4(weight, block_size, symmetric=symmetric, clip=clip, scale_dtype=torch.float32)
     return dequantize_int4(packed, torch.float32)
 
@@ -40,7 +42,12 @@ def output_error(rows: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor)
 
 
 def search_scale(
-    weights: list[torch.Tensor], rows: torch.Tensor, abs_mean: torch.Tensor, *, block_size: int, symmetric: bool,
+    weights: list[torch.Tensor],
+    rows: torch.Tensor,
+    abs_mean: torch.Tensor,
+    *,
+    block_size: int,
+    symmetric: bool,
     grid: int = 20,
 ) -> AWQChoice:
     """The per-input-channel scale (shared by ``weights``) with the least output error on ``rows``."""
@@ -57,7 +64,7 @@ def search_scale(
         scaled_rows = rows / scale
         error = sum(
             float((ref - scaled_rows @ _fake_quant(w * scale, block_size, symmetric).T).pow(2).sum())
-            for w, ref in zip(weights, references)
+            for w, ref in zip(weights, references, strict=True)
         )
         if step == 0:
             rtn_error = error
@@ -68,8 +75,14 @@ def search_scale(
 
 
 def search_clip(
-    weight: torch.Tensor, rows: torch.Tensor, *, block_size: int, symmetric: bool, grid: int = 20,
-    max_shrink: float = 0.5, chunk: int = 256,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    block_size: int,
+    symmetric: bool,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    chunk: int = 256,
 ) -> torch.Tensor:
     """Per (row, group) range ratio in ``[1 - max_shrink, 1]`` minimising that group's output error."""
     weight = weight.detach().float()

@@ -12,19 +12,20 @@ range gives scale 1.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmsdk.core.errors import ExportError
 
 __all__ = [
+    "QMAX",
+    "AWQRecord",
+    "CalibrationRecord",
     "KVLayerRecord",
     "KVRecord",
     "LinearRangeRecord",
-    "AWQRecord",
-    "CalibrationRecord",
-    "QMAX",
     "scale_from_amax",
     "to_onnxruntime",
     "to_tensorrt_llm",
@@ -41,7 +42,9 @@ class _Record(BaseModel):
 class KVLayerRecord(_Record):
     """Ranges of one cache layer: per (KV head, channel), head-major, ``num_kv_heads * head_dim`` values."""
 
-    layer: int = Field(description="Cache layer index (decoder layer); for recomputed cross-attention, the block index.")
+    layer: int = Field(
+        description="Cache layer index (decoder layer); for recomputed cross-attention, the block index."
+    )
     kind: Literal["self", "cross", "recomputed"] = Field(
         description="self-attention; cross-attention K/V kept in the Cache (Mllama); or recomputed each step (IDEFICS)."
     )
@@ -90,7 +93,9 @@ class CalibrationRecord(_Record):
     schema_version: Literal[1] = 1
     calibration_set: str | None = None
     samples: int | None = None
-    ranges: dict[str, LinearRangeRecord] = Field(default_factory=dict, description="Linear-input ranges by module name.")
+    ranges: dict[str, LinearRangeRecord] = Field(
+        default_factory=dict, description="Linear-input ranges by module name."
+    )
     kv_ranges: KVRecord | None = Field(None, description="K/V ranges measured by ptq-align.")
     kv_cache: KVRecord | None = Field(None, description="K/V ranges the KV-cache pass quantizes with.")
     awq: AWQRecord | None = None
@@ -133,7 +138,9 @@ def to_onnxruntime(record: CalibrationRecord, fmt: KVFormat | None = None) -> di
     (MultiHeadAttention) has no quantized cache. Without K/V ranges only ``qdq`` is returned.
     """
     out: dict[str, Any] = {
-        "qdq": {name: {"scale": scale_from_amax(r.abs_max, "int8"), "zero_point": 0} for name, r in record.ranges.items()}
+        "qdq": {
+            name: {"scale": scale_from_amax(r.abs_max, "int8"), "zero_point": 0} for name, r in record.ranges.items()
+        }
     }
     kv = _kv_for_export(record, "ONNX Runtime")
     if kv is None:

@@ -19,8 +19,9 @@ import contextlib
 import hashlib
 import inspect
 import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,15 +33,15 @@ if TYPE_CHECKING:
     from mmsdk.core.calibration import CalibrationSet
 
 __all__ = [
-    "LinearInputStats",
-    "KVStats",
     "CalibrationStats",
-    "collect_statistics",
-    "calibration_inputs",
-    "vision_memo",
-    "cache_argument",
-    "progress",
+    "KVStats",
+    "LinearInputStats",
     "Reservoir",
+    "cache_argument",
+    "calibration_inputs",
+    "collect_statistics",
+    "progress",
+    "vision_memo",
 ]
 
 CACHE_KEY = "mmsdk.quantizers"
@@ -159,7 +160,7 @@ def calibration_inputs(calibration: CalibrationSet, adapter: ModelAdapter, proce
         prompts = calibration.prompts(adapter, processor)
         store[key] = [
             dict(processor(images=[sample.image], text=[prompt], return_tensors="pt"))
-            for sample, prompt in zip(calibration.samples, prompts)
+            for sample, prompt in zip(calibration.samples, prompts, strict=True)
         ]
     return store[key]
 
@@ -240,8 +241,13 @@ def _linear_hook(stats: dict[str, LinearInputStats], seen: dict[int, tuple[str, 
         if entry is None:
             width = rows.shape[-1]
             entry = stats[name] = LinearInputStats(
-                torch.zeros(width, dtype=torch.float64), torch.zeros(width), float("inf"), float("-inf"), 0,
-                Reservoir(max_rows, seed=len(stats)), group,
+                torch.zeros(width, dtype=torch.float64),
+                torch.zeros(width),
+                float("inf"),
+                float("-inf"),
+                0,
+                Reservoir(max_rows, seed=len(stats)),
+                group,
             )
         entry.abs_sum += rows.abs().sum(0).double().cpu()
         entry.abs_max = torch.maximum(entry.abs_max, rows.abs().amax(0).cpu())
@@ -254,7 +260,9 @@ def _linear_hook(stats: dict[str, LinearInputStats], seen: dict[int, tuple[str, 
 
 def _new_kv(kind: str, heads: int, head_dim: int, max_rows: int, seed: int) -> KVStats:
     zeros = torch.zeros(heads, head_dim)
-    return KVStats(kind, zeros.clone(), zeros.clone(), zeros.clone(), Reservoir(max_rows, seed), Reservoir(max_rows, seed + 1))
+    return KVStats(
+        kind, zeros.clone(), zeros.clone(), zeros.clone(), Reservoir(max_rows, seed), Reservoir(max_rows, seed + 1)
+    )
 
 
 def _recording_cache(stats: CalibrationStats, kinds: Mapping[int, str], max_rows: int) -> Any:
@@ -263,19 +271,24 @@ def _recording_cache(stats: CalibrationStats, kinds: Mapping[int, str], max_rows
     class RecordingCache(DynamicCache):
         """A DynamicCache that also folds every K/V update into the statistics."""
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             entry = stats.kv.get(layer_idx)
             if entry is None:
                 _, heads, _, head_dim = key_states.shape
-                entry = stats.kv[layer_idx] = _new_kv(kinds.get(layer_idx, "self"), heads, head_dim, max_rows, 2 * layer_idx)
+                entry = stats.kv[layer_idx] = _new_kv(
+                    kinds.get(layer_idx, "self"), heads, head_dim, max_rows, 2 * layer_idx
+                )
             entry.add(key_states, value_states)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return RecordingCache()
 
 
-def _recomputed_cross_hooks(model: nn.Module, adapter: ModelAdapter, stats: CalibrationStats, max_rows: int) -> list[Any]:
+def _recomputed_cross_hooks(
+    model: nn.Module, adapter: ModelAdapter, stats: CalibrationStats, max_rows: int
+) -> list[Any]:
     """Hooks reading K/V at the projections of cross-attention blocks whose K/V are not cached."""
     layout = adapter.kv_layout(model)
     handles = []
@@ -284,8 +297,14 @@ def _recomputed_cross_hooks(model: nn.Module, adapter: ModelAdapter, stats: Cali
             continue
         pending: dict[str, torch.Tensor] = {}
 
-        def hook(module: nn.Module, args: Any, output: torch.Tensor, role: str = "", index: int = index,
-                 pending: dict[str, torch.Tensor] = pending) -> None:
+        def hook(
+            module: nn.Module,
+            args: Any,
+            output: torch.Tensor,
+            role: str = "",
+            index: int = index,
+            pending: dict[str, torch.Tensor] = pending,
+        ) -> None:
             b, t, _ = output.shape
             pending[role] = output.detach().reshape(b, t, -1, layout.head_dim).transpose(1, 2)
             if len(pending) == 2:
@@ -315,7 +334,7 @@ def _check_kv_finite(stats: CalibrationStats) -> None:
         if not (torch.isfinite(entry.k_amax).all() and torch.isfinite(entry.v_amax).all()):
             raise CalibrationError(
                 f"keys/values of cache layer {index} hold NaN/inf values during calibration.",
-                fix="check the calibration samples and the model's dtype (fp16 overflow?) before quantizing the KV cache.",
+                fix="check the calibration samples and the model's dtype (fp16 overflow?) before quantizing.",
             )
 
 

@@ -43,7 +43,9 @@ class Int4Linear(nn.Module):
         self.block_size, self.symmetric = block_size, symmetric
         k_blocks = padded_k(in_features, block_size) // block_size
         empty = dict(device=device)
-        self.register_buffer("qweight", torch.zeros(out_features, k_blocks, block_size // 2, dtype=torch.uint8, **empty))
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, k_blocks, block_size // 2, dtype=torch.uint8, **empty)
+        )
         self.register_buffer("scales", torch.ones(out_features, k_blocks, dtype=dtype, **empty))
         zp_shape = (out_features, -(-k_blocks // 2))
         self.register_buffer("zero_points", None if symmetric else torch.zeros(zp_shape, dtype=torch.uint8, **empty))

@@ -13,7 +13,8 @@ holds its packed buffers and ``restore`` rebuilds empty ones on load.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -29,7 +30,7 @@ from mmsdk.plugins.quantizers.calibration_stats import CalibrationStats, collect
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 from mmsdk.plugins.quantizers.packing import padded_k
 
-__all__ = ["Int4WeightConfig", "apply_int4_weight", "restore_int4_weight", "int4_targets", "packed_linear_bytes"]
+__all__ = ["Int4WeightConfig", "apply_int4_weight", "int4_targets", "packed_linear_bytes", "restore_int4_weight"]
 
 COMPONENTS = ("vision_tower", "projector", "language_model", "lm_head")
 
@@ -37,8 +38,12 @@ COMPONENTS = ("vision_tower", "projector", "language_model", "lm_head")
 class Int4WeightConfig(PassConfig):
     """Weight-only INT4 of linear layers, group-wise along the input dimension."""
 
-    method: Literal["rtn", "awq"] = Field("rtn", description="rtn: round to nearest; awq: activation-aware scales (needs calibration).")
-    group_size: Literal[32, 64, 128] = Field(64, description="Weights per scale along K (TensorRT-LLM takes 64/128, ORT all three).")
+    method: Literal["rtn", "awq"] = Field(
+        "rtn", description="rtn: round to nearest; awq: activation-aware scales (needs calibration)."
+    )
+    group_size: Literal[32, 64, 128] = Field(
+        64, description="Weights per scale along K (TensorRT-LLM takes 64/128, ORT all three)."
+    )
     symmetric: bool = Field(True, description="Scale only (zero point 8); False adds a 4-bit zero point per group.")
     vision_tower: bool = Field(False, description="Quantize the vision encoder's linears too.")
     projector: bool = Field(False, description="Quantize the vision-to-language projector.")
@@ -46,7 +51,8 @@ class Int4WeightConfig(PassConfig):
     lm_head: bool = Field(False, description="Quantize the output projection.")
     exclude: tuple[str, ...] = Field((), description="fnmatch patterns of module names to keep in full precision.")
     indivisible: Literal["error", "pad", "skip"] = Field(
-        "error", description="A layer whose input size the group size does not divide: refuse, zero-pad K "
+        "error",
+        description="A layer whose input size the group size does not divide: refuse, zero-pad K "
         "(ONNX Runtime accepts it; TensorRT-LLM does not), or keep that layer in full precision.",
     )
     awq_grid: int = Field(20, ge=1, le=100, description="Scale exponents tried by AWQ's search.")
@@ -67,7 +73,9 @@ def _tied_to_embedding(model: nn.Module, module: nn.Module, context_adapter: Any
     return weight is not None and weight.data_ptr() == module.weight.data_ptr()
 
 
-def int4_targets(model: nn.Module, adapter: Any, config: Int4WeightConfig) -> tuple[dict[str, nn.Linear], dict[str, str]]:
+def int4_targets(
+    model: nn.Module, adapter: Any, config: Int4WeightConfig
+) -> tuple[dict[str, nn.Linear], dict[str, str]]:
     """(linears to quantize by name, linears left alone with the reason) for ``config``."""
     owner = adapter.component_map(model)
     chosen: dict[str, nn.Linear] = {}
@@ -150,16 +158,27 @@ def _awq_plan(stats: CalibrationStats, targets: Mapping[str, nn.Linear], config:
         if not names or entry.rows.rows is None:
             continue
         rows = entry.rows.rows
-        choice = search_scale([targets[n].weight for n in names], rows, entry.abs_mean, block_size=config.group_size,
-                              symmetric=config.symmetric, grid=config.awq_grid)
+        choice = search_scale(
+            [targets[n].weight for n in names],
+            rows,
+            entry.abs_mean,
+            block_size=config.group_size,
+            symmetric=config.symmetric,
+            grid=config.awq_grid,
+        )
         plan["ratios"][leader] = choice.ratio
         plan["errors"][leader] = {"awq": choice.error, "rtn": choice.rtn_error}
         for name in names:
             plan["scale"][name] = choice.scale
             if config.awq_clip:
                 weight = targets[name].weight.detach().float() * choice.scale.to(targets[name].weight.device)
-                plan["clip"][name] = search_clip(weight, rows / choice.scale, block_size=config.group_size,
-                                                 symmetric=config.symmetric, grid=config.awq_grid)
+                plan["clip"][name] = search_clip(
+                    weight,
+                    rows / choice.scale,
+                    block_size=config.group_size,
+                    symmetric=config.symmetric,
+                    grid=config.awq_grid,
+                )
     return plan
 
 
@@ -170,40 +189,82 @@ def apply_int4_weight(model: nn.Module, config: Int4WeightConfig, context: PassC
     calibration: dict[str, Any] = {}
     if config.method == "awq":
         calib = context.require_calibration("int4-weight")
-        stats = collect_statistics(model, context.adapter, calib, context.processor, linears=targets,
-                                   max_rows=config.awq_max_tokens, description="int4-weight: AWQ statistics")
+        stats = collect_statistics(
+            model,
+            context.adapter,
+            calib,
+            context.processor,
+            linears=targets,
+            max_rows=config.awq_max_tokens,
+            description="int4-weight: AWQ statistics",
+        )
         plan = _awq_plan(stats, targets, config)
         prequant = {n: (1.0 / s).tolist() for n, s in plan["scale"].items()}
-        calibration = {"calibration_set": calib.name, "samples": len(calib),
-                       "awq": {"group_size": config.group_size, "symmetric": config.symmetric,
-                               "prequant": prequant, "ratios": plan["ratios"]}}
+        calibration = {
+            "calibration_set": calib.name,
+            "samples": len(calib),
+            "awq": {
+                "group_size": config.group_size,
+                "symmetric": config.symmetric,
+                "prequant": prequant,
+                "ratios": plan["ratios"],
+            },
+        }
     quantized: dict[str, dict[str, Any]] = {}
     for name, linear in targets.items():
-        new = Int4Linear.from_linear(linear, block_size=config.group_size, symmetric=config.symmetric,
-                                     channel_scale=plan["scale"].get(name), clip=plan["clip"].get(name))
+        new = Int4Linear.from_linear(
+            linear,
+            block_size=config.group_size,
+            symmetric=config.symmetric,
+            channel_scale=plan["scale"].get(name),
+            clip=plan["clip"].get(name),
+        )
         _replace(model, name, new)
-        quantized[name] = {"in_features": linear.in_features, "out_features": linear.out_features,
-                           "bias": linear.bias is not None, "prequant": new.prequant is not None,
-                           "padded_to": padded_k(linear.in_features, config.group_size)}
+        quantized[name] = {
+            "in_features": linear.in_features,
+            "out_features": linear.out_features,
+            "bias": linear.bias is not None,
+            "prequant": new.prequant is not None,
+            "padded_to": padded_k(linear.in_features, config.group_size),
+        }
     records: dict[str, Any] = {"quantized": quantized, "skipped": skipped, "awq_errors": plan["errors"]}
     if calibration:
         records["calibration"] = calibration
     return records
 
 
-def restore_int4_weight(model: nn.Module, config: Int4WeightConfig, records: Mapping[str, Any],
-                        context: PassContext) -> None:
+def restore_int4_weight(
+    model: nn.Module, config: Int4WeightConfig, records: Mapping[str, Any], context: PassContext
+) -> None:
     """Put empty Int4Linear modules where the export had them, so the saved buffers load into them."""
     for name, info in records.get("quantized", {}).items():
         old = model.get_submodule(name)
-        _replace(model, name, Int4Linear(
-            info["in_features"], info["out_features"], block_size=config.group_size, symmetric=config.symmetric,
-            bias=info["bias"], prequant=info["prequant"], dtype=old.weight.dtype, device=old.weight.device,
-        ))
+        _replace(
+            model,
+            name,
+            Int4Linear(
+                info["in_features"],
+                info["out_features"],
+                block_size=config.group_size,
+                symmetric=config.symmetric,
+                bias=info["bias"],
+                prequant=info["prequant"],
+                dtype=old.weight.dtype,
+                device=old.weight.device,
+            ),
+        )
 
 
-def packed_linear_bytes(in_features: int, out_features: int, *, group_size: int, symmetric: bool, bias: bool,
-                        prequant: bool, element_bytes: int) -> int:
+def packed_linear_bytes(
+    in_features: int,
+    out_features: int,
+    *,
+    group_size: int,
+    symmetric: bool,
+    bias: bool,
+    prequant: bool,
+    element_bytes: int,
+) -> int:
     """Theoretical bytes of one packed INT4 linear: nibbles, scales, zero points, bias and AWQ prequant."""
     k_blocks = padded_k(in_features, group_size) // group_size
     total = out_features * k_blocks * group_size // 2 + out_features * k_blocks * element_bytes

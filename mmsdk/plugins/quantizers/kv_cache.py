@@ -14,7 +14,8 @@ are all stored packed; ``cross_attention=False`` keeps cross-attention K/V in fu
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -26,7 +27,7 @@ from mmsdk.core.errors import ConfigError, IncompatiblePassError
 from mmsdk.core.passes import CheckContext, PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 
-__all__ = ["KVCacheConfig", "Int4KVConfig", "Int8KVConfig", "FP8KVConfig", "KV_FORMATS"]
+__all__ = ["KV_FORMATS", "FP8KVConfig", "Int4KVConfig", "Int8KVConfig", "KVCacheConfig"]
 
 
 class KVCacheConfig(PassConfig):
@@ -52,7 +53,8 @@ class KVCacheConfig(PassConfig):
     residual_length: int = Field(32, ge=0, description="Dynamic: recent tokens kept in full precision.")
     cross_attention: bool = Field(True, description="Also quantize cross-attention K/V (Flamingo family).")
     prefill_attention: Literal["quantized", "exact"] = Field(
-        "quantized", description="quantized: attention reads K/V as stored from the first forward on (ONNX Runtime "
+        "quantized",
+        description="quantized: attention reads K/V as stored from the first forward on (ONNX Runtime "
         "GQA; what calibration sees); exact: a forward's own tokens are attended in full precision and read back "
         "quantized from the next step (TensorRT-LLM's context phase, transformers' QuantizedCache).",
     )
@@ -129,10 +131,16 @@ def _state(model: nn.Module, adapter: Any, fmt: str, config: KVCacheConfig) -> A
 
     layout = adapter.kv_layout(model)
     state = KVQuantState(
-        fmt=fmt, scales=config.scales, num_layers=layout.num_layers, head_dim=layout.head_dim,
-        group_size=config.group_size or layout.head_dim, residual_length=config.residual_length,
-        key_granularity=config.key_granularity, value_granularity=config.value_granularity,
-        cross_attention=config.cross_attention, exact_prefill=config.prefill_attention == "exact",
+        fmt=fmt,
+        scales=config.scales,
+        num_layers=layout.num_layers,
+        head_dim=layout.head_dim,
+        group_size=config.group_size or layout.head_dim,
+        residual_length=config.residual_length,
+        key_granularity=config.key_granularity,
+        value_granularity=config.value_granularity,
+        cross_attention=config.cross_attention,
+        exact_prefill=config.prefill_attention == "exact",
     )
     state.layers = {i: LayerRanges(kind) for i, kind in _kinds(model, adapter).items()}
     return state
@@ -148,7 +156,8 @@ def _aligned_ranges(context: PassContext, heads: int, head_dim: int) -> dict[int
     shape = (heads, head_dim)
     return {
         (entry["layer"] if entry["kind"] != "recomputed" else -1 - entry["layer"]): LayerRanges(
-            entry["kind"], torch.tensor(entry["k_amax"]).reshape(shape), torch.tensor(entry["v_amax"]).reshape(shape))
+            entry["kind"], torch.tensor(entry["k_amax"]).reshape(shape), torch.tensor(entry["v_amax"]).reshape(shape)
+        )
         for entry in record["layers"]
     }
 
@@ -162,9 +171,18 @@ def _calibrate(model: nn.Module, config: KVCacheConfig, context: PassContext, st
     ranges = _aligned_ranges(context, layout.num_kv_heads, layout.head_dim)
     method = "minmax" if config.calibration == "ste" else config.calibration
     if ranges is None:
-        stats = collect_statistics(model, context.adapter, calib, context.processor, kv=True, max_rows=config.max_rows,
-                                   description=f"{name}: K/V ranges")
-        ranges = {i: ranges_from_stats(s, method, config.percentile, config.rotary_envelope) for i, s in stats.kv.items()}
+        stats = collect_statistics(
+            model,
+            context.adapter,
+            calib,
+            context.processor,
+            kv=True,
+            max_rows=config.max_rows,
+            description=f"{name}: K/V ranges",
+        )
+        ranges = {
+            i: ranges_from_stats(s, method, config.percentile, config.rotary_envelope) for i, s in stats.kv.items()
+        }
     for index, layer_ranges in ranges.items():
         if index >= 0:
             state.layers[index] = layer_ranges
@@ -172,8 +190,9 @@ def _calibrate(model: nn.Module, config: KVCacheConfig, context: PassContext, st
             state.recomputed[-1 - index] = layer_ranges
     info: dict[str, Any] = {"calibration_set": calib.name, "samples": len(calib)}
     if config.calibration == "ste":
-        info["ste"] = learn_ranges_ste(model, context.adapter, calib, context.processor, state,
-                                       steps=config.ste_steps, lr=config.ste_lr)
+        info["ste"] = learn_ranges_ste(
+            model, context.adapter, calib, context.processor, state, steps=config.ste_steps, lr=config.ste_lr
+        )
     return info
 
 
@@ -184,10 +203,17 @@ def _kv_record(state: Any, config: KVCacheConfig, heads: int) -> dict[str, Any]:
     entries = [(i, r) for i, r in sorted(state.layers.items()) if r.k_amax is not None]
     entries += [(i, r) for i, r in sorted(state.recomputed.items()) if r.k_amax is not None]
     return {
-        "format": state.fmt, "scales": state.scales, "method": config.calibration,
-        "key_granularity": config.key_granularity, "value_granularity": config.value_granularity,
-        "prefill_attention": config.prefill_attention, "num_kv_heads": heads, "head_dim": state.head_dim,
-        "layers": [{"layer": i, "kind": r.kind, "k_amax": flat(r.k_amax), "v_amax": flat(r.v_amax)} for i, r in entries],
+        "format": state.fmt,
+        "scales": state.scales,
+        "method": config.calibration,
+        "key_granularity": config.key_granularity,
+        "value_granularity": config.value_granularity,
+        "prefill_attention": config.prefill_attention,
+        "num_kv_heads": heads,
+        "head_dim": state.head_dim,
+        "layers": [
+            {"layer": i, "kind": r.kind, "k_amax": flat(r.k_amax), "v_amax": flat(r.v_amax)} for i, r in entries
+        ],
     }
 
 
@@ -217,8 +243,11 @@ def _restore(fmt: str) -> Any:
         kv = (records.get("calibration") or {}).get("kv_cache") or {}
         shape = (kv.get("num_kv_heads", 1), state.head_dim)
         for entry in kv.get("layers", []):
-            ranges = LayerRanges(entry["kind"], torch.tensor(entry["k_amax"]).reshape(shape),
-                                 torch.tensor(entry["v_amax"]).reshape(shape))
+            ranges = LayerRanges(
+                entry["kind"],
+                torch.tensor(entry["k_amax"]).reshape(shape),
+                torch.tensor(entry["v_amax"]).reshape(shape),
+            )
             target = state.recomputed if entry["kind"] == "recomputed" else state.layers
             target[entry["layer"]] = ranges
         install(model, state, context.adapter)
@@ -234,7 +263,15 @@ def mmsdk_register_quantizers(register: Registrar[PassSpec]) -> None:
         "fp8-kv": "float8 e4m3 KV cache (TensorRT-LLM FP8, ONNX Runtime GQA on CUDA)",
     }
     for name, (fmt, config_cls) in KV_FORMATS.items():
-        register(PassSpec(
-            name=name, config_cls=config_cls, apply=_apply(name, fmt), summary=summaries[name], check=_check(name),
-            restore=_restore(fmt), exclusive_group="kv-cache", needs_calibration=_wants_calibration,
-        ))
+        register(
+            PassSpec(
+                name=name,
+                config_cls=config_cls,
+                apply=_apply(name, fmt),
+                summary=summaries[name],
+                check=_check(name),
+                restore=_restore(fmt),
+                exclusive_group="kv-cache",
+                needs_calibration=_wants_calibration,
+            )
+        )

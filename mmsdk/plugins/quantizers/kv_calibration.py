@@ -15,14 +15,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mmsdk.plugins.quantizers.calibration_stats import KVStats, cache_argument, calibration_inputs, progress, vision_memo
+from mmsdk.plugins.quantizers.calibration_stats import (
+    KVStats,
+    cache_argument,
+    calibration_inputs,
+    progress,
+    vision_memo,
+)
 from mmsdk.plugins.quantizers.kv_runtime import QMAX, KVQuantState, LayerRanges
 
 if TYPE_CHECKING:
     from mmsdk.core.adapter import ModelAdapter
     from mmsdk.core.calibration import CalibrationSet
 
-__all__ = ["ranges_from_stats", "learn_ranges_ste"]
+__all__ = ["learn_ranges_ste", "ranges_from_stats"]
 
 
 def _percentile(rows: torch.Tensor | None, fallback: torch.Tensor, q: float) -> torch.Tensor:
@@ -70,13 +76,16 @@ def _fake_quant_cache(params: dict[int, tuple[nn.Parameter, nn.Parameter]], fmt:
     class FakeQuantCache(DynamicCache):
         """Returns fake-quantized K/V (differentiable in the ranges) while caching the originals."""
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
             if layer_idx not in params:
                 return keys, values
             log_k, log_v = params[layer_idx]
-            return _fake_quant(keys.float(), log_k, fmt).to(keys.dtype), _fake_quant(values.float(), log_v, fmt).to(values.dtype)
+            return _fake_quant(keys.float(), log_k, fmt).to(keys.dtype), _fake_quant(values.float(), log_v, fmt).to(
+                values.dtype
+            )
 
     return FakeQuantCache()
 
@@ -100,8 +109,15 @@ def _init_params(state: KVQuantState) -> dict[int, tuple[nn.Parameter, nn.Parame
 
 
 def learn_ranges_ste(
-    model: nn.Module, adapter: ModelAdapter, calibration: CalibrationSet, processor: Any, state: KVQuantState, *,
-    steps: int, lr: float, positions: int = 8,
+    model: nn.Module,
+    adapter: ModelAdapter,
+    calibration: CalibrationSet,
+    processor: Any,
+    state: KVQuantState,
+    *,
+    steps: int,
+    lr: float,
+    positions: int = 8,
 ) -> dict[str, float]:
     """Refine ``state.layers``' ranges in place by STE; returns the loss before and after."""
     from transformers import DynamicCache
@@ -122,8 +138,9 @@ def learn_ranges_ste(
             for step in progress(range(steps), "int4-kv: learning ranges (STE)", total=steps):
                 index = step % len(batches)
                 logits = _last_logits(model, batches[index], positions, _fake_quant_cache(params, state.fmt))
-                loss = torch.nn.functional.kl_div(torch.log_softmax(logits, -1), targets[index], log_target=True,
-                                                  reduction="batchmean")
+                loss = torch.nn.functional.kl_div(
+                    torch.log_softmax(logits, -1), targets[index], log_target=True, reduction="batchmean"
+                )
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

@@ -21,7 +21,7 @@ from torch import nn
 
 from mmsdk.plugins.quantizers.quantized_cache import DynamicCodec, Packed, QuantizedKVLayer, StaticCodec, make_cache
 
-__all__ = ["LayerRanges", "KVQuantState", "CrossKVMemo", "install", "installed_state", "kv_bytes"]
+__all__ = ["CrossKVMemo", "KVQuantState", "LayerRanges", "install", "installed_state", "kv_bytes"]
 
 ATTRIBUTE = "_mmsdk_kv"
 QMAX = {"int4": 7.0, "int8": 127.0, "fp8": 448.0}
@@ -71,8 +71,12 @@ class KVQuantState:
         if ranges.kind == "cross" and not self.cross_attention:
             return DynamicLayer()
         residual = self.residual_length if (self.scales == "dynamic" and ranges.kind == "self") else 0
-        return QuantizedKVLayer(self.codec(ranges.k_amax, self.key_granularity),
-                                self.codec(ranges.v_amax, self.value_granularity), residual, self.exact_prefill)
+        return QuantizedKVLayer(
+            self.codec(ranges.k_amax, self.key_granularity),
+            self.codec(ranges.v_amax, self.value_granularity),
+            residual,
+            self.exact_prefill,
+        )
 
     def new_cache(self) -> Any:
         """An empty quantized cache for one generation (also clears the cross-attention memos)."""
@@ -143,8 +147,10 @@ def install(model: nn.Module, state: KVQuantState, adapter: Any) -> None:
         if block.kv_cached:
             continue
         ranges = state.recomputed.get(index, LayerRanges("recomputed"))
-        for attr, amax, granularity in ((block.projections.k, ranges.k_amax, state.key_granularity),
-                                        (block.projections.v, ranges.v_amax, state.value_granularity)):
+        for attr, amax, granularity in (
+            (block.projections.k, ranges.k_amax, state.key_granularity),
+            (block.projections.v, ranges.v_amax, state.value_granularity),
+        ):
             projection = getattr(block.attention, attr)
             memo = CrossKVMemo(projection, state.codec(amax, granularity), state.head_dim, state.exact_prefill)
             projection.forward = memo

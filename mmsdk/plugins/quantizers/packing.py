@@ -22,13 +22,13 @@ import torch
 
 __all__ = [
     "PackedInt4",
-    "pack_nibbles",
-    "unpack_nibbles",
-    "quantize_int4",
     "dequantize_int4",
     "group_absmax",
-    "to_tinygemm",
+    "pack_nibbles",
     "padded_k",
+    "quantize_int4",
+    "to_tinygemm",
+    "unpack_nibbles",
 ]
 
 

@@ -45,7 +45,8 @@ def _linears(model: nn.Module, adapter: Any, which: str) -> dict[str, nn.Module]
         return {}
     owner = adapter.component_map(model)
     return {
-        name: module for name, module in model.named_modules()
+        name: module
+        for name, module in model.named_modules()
         if isinstance(module, (nn.Linear, Int4Linear)) and (which == "all" or owner.get(name) == "language_model")
     }
 
@@ -57,11 +58,22 @@ def _kv_section(stats: Any, config: PTQAlignConfig, adapter: Any, model: nn.Modu
     layers = []
     for index in sorted(stats.kv, key=lambda i: (i < 0, abs(i))):
         ranges = ranges_from_stats(stats.kv[index], config.method, config.percentile, config.rotary_envelope)
-        layers.append({"layer": index if index >= 0 else -1 - index, "kind": ranges.kind,
-                       "k_amax": [float(v) for v in ranges.k_amax.reshape(-1)],
-                       "v_amax": [float(v) for v in ranges.v_amax.reshape(-1)]})
-    return {"format": None, "scales": "static", "method": config.method, "num_kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim, "layers": layers}
+        layers.append(
+            {
+                "layer": index if index >= 0 else -1 - index,
+                "kind": ranges.kind,
+                "k_amax": [float(v) for v in ranges.k_amax.reshape(-1)],
+                "v_amax": [float(v) for v in ranges.v_amax.reshape(-1)],
+            }
+        )
+    return {
+        "format": None,
+        "scales": "static",
+        "method": config.method,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "layers": layers,
+    }
 
 
 def apply_ptq_align(model: nn.Module, config: PTQAlignConfig, context: PassContext) -> dict[str, Any]:
@@ -70,11 +82,24 @@ def apply_ptq_align(model: nn.Module, config: PTQAlignConfig, context: PassConte
 
     calib = context.require_calibration("ptq-align")
     linears = _linears(model, context.adapter, config.linears)
-    stats = collect_statistics(model, context.adapter, calib, context.processor, linears=linears, kv=config.kv,
-                               max_rows=config.max_rows, description="ptq-align: measuring ranges")
+    stats = collect_statistics(
+        model,
+        context.adapter,
+        calib,
+        context.processor,
+        linears=linears,
+        kv=config.kv,
+        max_rows=config.max_rows,
+        description="ptq-align: measuring ranges",
+    )
     ranges = {
-        name: {"abs_max": float(s.abs_max.max()), "minimum": s.minimum, "maximum": s.maximum,
-               "channel_abs_mean": [float(v) for v in s.abs_mean], "channel_abs_max": [float(v) for v in s.abs_max]}
+        name: {
+            "abs_max": float(s.abs_max.max()),
+            "minimum": s.minimum,
+            "maximum": s.maximum,
+            "channel_abs_mean": [float(v) for v in s.abs_mean],
+            "channel_abs_max": [float(v) for v in s.abs_max],
+        }
         for name, s in stats.linears.items()
     }
     calibration: dict[str, Any] = {"calibration_set": calib.name, "samples": len(calib), "ranges": ranges}

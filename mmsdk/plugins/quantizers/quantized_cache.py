@@ -21,14 +21,15 @@ only earlier tokens are read back quantized (TensorRT-LLM's context phase, HF ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from mmsdk.plugins.quantizers.packing import pack_nibbles, unpack_nibbles
 
-__all__ = ["Packed", "StaticCodec", "DynamicCodec", "QuantizedKVLayer", "make_cache", "cache_bytes"]
+__all__ = ["DynamicCodec", "Packed", "QuantizedKVLayer", "StaticCodec", "cache_bytes", "make_cache"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -53,8 +54,10 @@ class Packed:
     def cat(first: Packed | None, second: Packed) -> Packed:
         if first is None:
             return second
-        parts = [torch.cat([a, b], dim=2) if a is not None else None for a, b in
-                 zip((first.data, first.scale, first.low), (second.data, second.scale, second.low))]
+        parts = [
+            torch.cat([a, b], dim=2) if a is not None else None
+            for a, b in zip((first.data, first.scale, first.low), (second.data, second.scale, second.low), strict=True)
+        ]
         return Packed(parts[0], parts[1], parts[2])
 
 
@@ -203,8 +206,9 @@ class QuantizedKVLayer(_layer_base()):  # type: ignore[misc]
         self.head_dim = key_states.shape[-1]
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         previous = (self.keys, self.values) if self.exact_new and self.cumulative_length else None
@@ -270,7 +274,10 @@ class QuantizedKVLayer(_layer_base()):  # type: ignore[misc]
         drop = -tokens_to_remove
         in_window = 0 if self._rk is None else min(drop, self._rk.shape[-2])
         if in_window:
-            self._rk, self._rv = self._rk[..., : self._rk.shape[-2] - in_window, :], self._rv[..., : self._rv.shape[-2] - in_window, :]
+            self._rk, self._rv = (
+                self._rk[..., : self._rk.shape[-2] - in_window, :],
+                self._rv[..., : self._rv.shape[-2] - in_window, :],
+            )
         rest = drop - in_window
         if rest and self._k is not None:
             keep = self._k.data.shape[2] - rest
