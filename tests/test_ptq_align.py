@@ -157,3 +157,102 @@ def test_wrong_modality_and_non_finite_calibration_data_are_refused(session, tin
     with pytest.raises(CalibrationError, match="NaN/inf"):
         opt.calibrate([(image, "what digit is this ?")])
     assert opt.calibration is None
+
+
+@pytest.mark.parametrize(("fmt", "bits", "granularity"), [("int4", 4, "channel"), ("int8", 8, "tensor")])
+def test_onnxruntime_gqa_stores_the_same_codes_as_the_torch_cache(fmt, bits, granularity):
+    """The exported scales make ORT's GroupQueryAttention write byte-identical K/V to mmsdk's torch cache."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mmsdk.plugins.quantizers.kv_runtime import KVQuantState, LayerRanges
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    q, k, v = (
+        torch.randn(1, tokens, heads * dim),
+        torch.randn(1, tokens, kv_heads * dim),
+        torch.randn(1, tokens, kv_heads * dim),
+    )
+    k_bnsh, v_bnsh = (t.reshape(1, tokens, kv_heads, dim).transpose(1, 2) for t in (k, v))
+    k_amax, v_amax = k_bnsh.abs().amax(dim=(0, 2)), v_bnsh.abs().amax(dim=(0, 2))  # [kv_heads, dim]
+    layer = {"layer": 0, "kind": "self", "k_amax": k_amax.flatten().tolist(), "v_amax": v_amax.flatten().tolist()}
+    record = CalibrationRecord.model_validate(
+        {
+            "kv_cache": {
+                "format": fmt,
+                "num_kv_heads": kv_heads,
+                "head_dim": dim,
+                "layers": [layer],
+                "key_granularity": granularity,
+                "value_granularity": granularity,
+            }
+        }
+    )
+    scales = to_onnxruntime(record)
+    quant = scales["k_quant_type"]
+    cache_type = TensorProto.UINT8 if bits == 4 else TensorProto.INT8
+    last = dim // 2 if bits == 4 else dim
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["q", "k", "v", "pk", "pv", "seqlens", "total", "", "", "", "", "", "ks", "vs"],
+        ["out", "present_k", "present_v"],
+        domain="com.microsoft",
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        k_quant_type=quant,
+        v_quant_type=quant,
+        kv_cache_bit_width=bits,
+    )
+    floats = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, "s", w])
+        for n, w in (("q", heads * dim), ("k", kv_heads * dim), ("v", kv_heads * dim))
+    ]
+    caches = [helper.make_tensor_value_info(n, cache_type, [1, kv_heads, "p", last]) for n in ("pk", "pv")]
+    lengths = [
+        helper.make_tensor_value_info("seqlens", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total", TensorProto.INT32, []),
+    ]
+    outs = [
+        helper.make_tensor_value_info(n, t, None)
+        for n, t in (("out", TensorProto.FLOAT), ("present_k", cache_type), ("present_v", cache_type))
+    ]
+    inits = [
+        numpy_helper.from_array(np.asarray(scales["k_scale"][0], np.float32), "ks"),
+        numpy_helper.from_array(np.asarray(scales["v_scale"][0], np.float32), "vs"),
+    ]
+    graph = helper.make_graph([node], "g", floats + caches + lengths, outs, inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = 10
+    empty = np.zeros((1, kv_heads, 0, last), np.uint8 if bits == 4 else np.int8)
+    feeds = {
+        "q": q.numpy(),
+        "k": k.numpy(),
+        "v": v.numpy(),
+        "pk": empty,
+        "pv": empty,
+        "seqlens": np.array([tokens - 1], np.int32),
+        "total": np.array(tokens, np.int32),
+    }
+    _, present_k, present_v = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )
+
+    state = KVQuantState(
+        fmt=fmt,
+        scales="static",
+        num_layers=1,
+        head_dim=dim,
+        group_size=dim,
+        residual_length=0,
+        key_granularity=granularity,
+        value_granularity=granularity,
+        layers={0: LayerRanges("self", k_amax, v_amax)},
+    )
+    cache_layer = state.layer(0)
+    cache_layer.update(k_bnsh, v_bnsh)
+    # measured: byte-identical (0 differing codes) for int4 per channel and int8 per tensor
+    assert np.array_equal(cache_layer._k.data.numpy(), present_k)
+    assert np.array_equal(cache_layer._v.data.numpy(), present_v)
