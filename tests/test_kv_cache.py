@@ -208,3 +208,16 @@ def test_bad_input_is_refused_and_the_model_untouched(session, tiny):
     Optimizer(model, session=session).apply(Int4KVConfig(scales="dynamic")).model  # noqa: B018
     with pytest.raises(IncompatiblePassError, match="already quantized"):
         Optimizer(model, session=session).apply("fp8-kv")
+
+
+def test_idefics_cross_kv_memo_survives_a_later_int4_weight(session, tiny):
+    from mmsdk.plugins.quantizers.int4_linear import Int4Linear
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    loaded = tiny("tiny:idefics")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate(CALIBRATION)
+    model = opt.apply("int4-kv", Int4WeightConfig(group_size=32, indivisible="pad")).model
+    projection = model.model.gated_cross_attn_layers[0].cross_attn.k_proj
+    assert isinstance(projection, Int4Linear) and projection.forward is model._mmsdk_kv.memos[0]
+    _generate(model, tiny_inputs(loaded.processor))
+    assert all(m.computed == 1 for m in model._mmsdk_kv.memos)

@@ -146,7 +146,11 @@ def check_int4_weight(ctx: CheckContext) -> None:
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
+    parent = model.get_submodule(parent_name) if parent_name else model
+    override = getattr(parent, attr).__dict__.get("forward")  # a KV pass memoising cross-attention K/V here
+    setattr(parent, attr, module)
+    if override is not None and hasattr(override, "rebind"):
+        override.rebind(module)
 
 
 def _awq_plan(stats: CalibrationStats, targets: Mapping[str, nn.Linear], config: Int4WeightConfig) -> dict[str, Any]:

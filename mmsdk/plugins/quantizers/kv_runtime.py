@@ -118,6 +118,12 @@ class CrossKVMemo:
     def clear(self) -> None:
         self._input = self._key = self._packed = None
 
+    def rebind(self, module: nn.Module) -> None:
+        """Move onto ``module``, which replaced the projection (a weight quantizer swapped the layer)."""
+        self.original = module.forward
+        module.forward = self
+        self.clear()
+
     def nbytes(self) -> int:
         return 0 if self._packed is None else self._packed.nbytes()
 
