@@ -270,17 +270,11 @@ def kv_section(
     }
 
 
-def accuracy(model: torch.nn.Module, processor: Any, examples: list, batch: int = 32) -> float:
-    """Share of questions whose greedy answer's first word equals the expected answer."""
-    correct = 0
-    for start in range(0, len(examples), batch):
-        chunk = examples[start : start + batch]
-        inputs = _inputs(processor, [(e.image, e.question) for e in chunk])
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-        texts = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum((t.split() or [""])[0] == str(e.answer).split()[0] for t, e in zip(texts, chunk, strict=True))
-    return 100.0 * correct / len(examples)
+def accuracy(model: torch.nn.Module, processor: Any, examples: list, session: Session) -> float:
+    """Held-out accuracy in percent, scored by the project's ``vqa_accuracy`` (first word of a greedy answer)."""
+    from mmsdk.evaluation import vqa_accuracy
+
+    return 100.0 * vqa_accuracy(model, processor, session.adapt(model), examples).accuracy
 
 
 def accuracy_section(name: str, session: Session, calibration: list, limit: int | None, group: int) -> dict[str, Any]:
@@ -298,7 +292,7 @@ def accuracy_section(name: str, session: Session, calibration: list, limit: int 
         model = loaded.model
         if passes:
             model = Optimizer(model, loaded.processor, session=session).calibrate(calibration).apply(*passes).model
-        results[label] = accuracy(model, loaded.processor, examples)
+        results[label] = accuracy(model, loaded.processor, examples, session)
     return {
         "examples": len(examples),
         "accuracy_pct": results,
@@ -327,6 +321,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--eval-limit", type=int, default=None)
     parser.add_argument("--out", default="benchmarks/results/quant_quality.json")
+    parser.add_argument("--sections", default="weights,kv,accuracy", help="comma-separated subset to run")
     args = parser.parse_args()
     torch.manual_seed(0)
     session = Session.create(autoload=False)
@@ -347,19 +342,22 @@ def main() -> None:
         "processor": platform.processor() or platform.machine(),
         "versions": _versions(),
     }
-    report["weights"] = weight_section(loaded.model, loaded.processor, session, calib, evaluation, args.group)
-    report["kv_cache"] = kv_section(
-        loaded.model,
-        loaded.processor,
-        session,
-        calib,
-        evaluation[0],
-        steps=16,
-        group=loaded.model.config.get_text_config().hidden_size
-        // loaded.model.config.get_text_config().num_attention_heads,
-        residual=16,
-    )
-    if "digits" in session.datasets and args.model.startswith("builtin:"):
+    sections = set(args.sections.split(","))
+    if "weights" in sections:
+        report["weights"] = weight_section(loaded.model, loaded.processor, session, calib, evaluation, args.group)
+    if "kv" in sections:
+        text = loaded.model.config.get_text_config()
+        report["kv_cache"] = kv_section(
+            loaded.model,
+            loaded.processor,
+            session,
+            calib,
+            evaluation[0],
+            steps=16,
+            group=text.hidden_size // text.num_attention_heads,
+            residual=16,
+        )
+    if "accuracy" in sections and "digits" in session.datasets and args.model.startswith("builtin:"):
         report["accuracy"] = accuracy_section(args.model, session, calib, args.eval_limit, args.group)
     report["seconds"] = round(time.time() - started, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -369,14 +367,21 @@ def main() -> None:
 
 def _print_tables(report: dict[str, Any]) -> None:
     print(f"\n{report['model']}  ({report['versions']})")
-    for label, v in report["weights"]["variants"].items():
-        print(
-            f"\nweights int4 g{report['weights']['group_size']} {label}: "
-            "method | mean rel. output error | logits SQNR dB"
-        )
+    for label, v in report.get("weights", {}).get("variants", {}).items():
+        group = report["weights"]["group_size"]
+        print(f"\nweights int4 g{group} {label}: method | mean rel. output error | logits SQNR dB")
         for method, err in v["mean_relative_output_error"].items():
             print(f"  {method:10s} | {err:.5f} | {v['logits_sqnr_db'][method]:.2f}")
-    kv = report["kv_cache"]
+    if "kv_cache" in report:
+        _print_kv(report["kv_cache"])
+    if "accuracy" in report:
+        acc = report["accuracy"]
+        scores = ", ".join(f"{k} {v:.2f}%" for k, v in acc["accuracy_pct"].items())
+        print(f"\nheld-out accuracy ({acc['examples']} questions): {scores}")
+    print(f"\n{report['seconds']} s")
+
+
+def _print_kv(kv: dict[str, Any]) -> None:
     print(
         f"\nKV cache ({kv['prompt_tokens']} prompt tokens, {kv['decode_steps']} steps, fp16 {kv['fp16_bytes']} B): "
         "method | bytes after prefill | of fp16 | bytes after decode | K/V SQNR dB | logits SQNR dB"
@@ -387,16 +392,8 @@ def _print_tables(report: dict[str, Any]) -> None:
             continue
         print(
             f"  {method:40s} | {row['kv_bytes_after_prefill']:6d} | {row['fraction_of_fp16']:.3f} | "
-            f"{row['kv_bytes_after_decode']:6d} | "
-            f"{row['kv_sqnr_db']:.2f} | {row['logits_sqnr_db']:.2f}"
+            f"{row['kv_bytes_after_decode']:6d} | {row['kv_sqnr_db']:.2f} | {row['logits_sqnr_db']:.2f}"
         )
-    if "accuracy" in report:
-        acc = report["accuracy"]
-        print(
-            f"\nheld-out accuracy ({acc['examples']} questions): "
-            + ", ".join(f"{k} {v:.2f}%" for k, v in acc["accuracy_pct"].items())
-        )
-    print(f"\n{report['seconds']} s")
 
 
 if __name__ == "__main__":
