@@ -42,7 +42,7 @@ class Int4WeightConfig(PassConfig):
         "rtn", description="rtn: round to nearest; awq: activation-aware scales (needs calibration)."
     )
     group_size: Literal[32, 64, 128] = Field(
-        64, description="Weights per scale along K (TensorRT-LLM takes 64/128, ORT all three)."
+        32, description="Weights per scale along K (ORT takes all three, its CUDA kernels favour 32; TensorRT-LLM 64/128)."
     )
     symmetric: bool = Field(True, description="Scale only (zero point 8); False adds a 4-bit zero point per group.")
     vision_tower: bool = Field(False, description="Quantize the vision encoder's linears too.")
