@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from mmsdk.core.backend import ExportContext
 from mmsdk.core.calibration import CalibrationSet
-from mmsdk.core.exporting import default_output_path, export
+from mmsdk.core.exporting import default_output_path, export, merged_calibration
 from mmsdk.core.manifest import SourceModel
 from mmsdk.core.memory import MemoryReport, PassMemory, component_bytes, module_bytes
 from mmsdk.core.passes import PassContext, PassResult
@@ -153,7 +153,8 @@ class Optimizer:
         self.session.backends.get(backend)  # an unknown backend fails before any pass runs
         self._run_pending()
         target = Path(path) if path is not None else default_output_path(self.source.name)
-        return export(self.export_context(), backend, target, overwrite=overwrite, options=options)
+        context = self.export_context()
+        return export(context, backend, target, overwrite=overwrite, options=options, calibration=context.calibration)
 
     def export_context(self) -> ExportContext:
         """What backends see: the optimized model, its adapter and every pass result."""
@@ -165,18 +166,26 @@ class Optimizer:
             source=self.source,
             session=self.session,
             processor=self.processor,
+            calibration=merged_calibration(self.results),
         )
 
     def _check_pending(self) -> None:
         """Raise before any pass mutates if a pending pass needs calibration data and none was given."""
         for planned in self._pending:
-            if planned.spec.needs_calibration:
+            if planned.spec.wants_calibration(planned.config):
+                self._default_calibration()
                 self._context().require_calibration(planned.name)
 
     def _run_pending(self) -> None:
         self._check_pending()
         while self._pending:
             self.results.append(self._run_one(self._pending.pop(0)))
+
+    def _default_calibration(self) -> None:
+        # mmsdk's embedded processors name the dataset their models calibrate on by default.
+        name = getattr(self.processor, "default_calibration", None)
+        if self.calibration is None and name and name in self.session.datasets:
+            self.calibrate(name)
 
     def _run_one(self, planned: PlannedPass) -> PassResult:
         from mmsdk.telemetry import span
