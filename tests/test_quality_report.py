@@ -30,7 +30,7 @@ def test_rows_and_markdown_for_registered_passes(session):
     report = _script()
     configs = report.configurations(session)
     assert configs[0] == () and ("qkv-fuse",) in configs
-    assert all(all(name in session.passes for name in c) for c in configs)  # unregistered combos are left out
+    assert all(all(report.step_name(step) in session.passes for step in c) for c in configs)  # unregistered left out
     examples = [VQAExample(sample_image(i, 30), "is it even ?", "yes") for i in range(2)]
     sample = ProfileSample(sample_image(0, 30), "is it even ?", 2)
     rows = [report.measure(session, "tiny:llava", passes, examples, sample) for passes in [(), ("qkv-fuse",)]]
