@@ -221,3 +221,17 @@ def test_idefics_cross_kv_memo_survives_a_later_int4_weight(session, tiny):
     assert isinstance(projection, Int4Linear) and projection.forward is model._mmsdk_kv.memos[0]
     _generate(model, tiny_inputs(loaded.processor))
     assert all(m.computed == 1 for m in model._mmsdk_kv.memos)
+
+
+@pytest.mark.parametrize("name", ["tiny:idefics", "tiny:mllama"])
+def test_generate_under_inference_mode(name, session, tiny):
+    # Inference tensors have no version counter; the cross K/V memo must not ask for one.
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
+    opt.calibrate([(sample_image(i), "what digit is this ?") for i in range(4)])
+    inputs = tiny_inputs(loaded.processor)
+    with torch.no_grad():
+        expected = opt.model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    with torch.inference_mode():
+        got = opt.model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mmsdk.core.errors import CalibrationError
+from mmsdk.plugins.tensor_keys import version_of
 
 if TYPE_CHECKING:
     from mmsdk.core.adapter import ModelAdapter
@@ -166,7 +167,7 @@ def calibration_inputs(calibration: CalibrationSet, adapter: ModelAdapter, proce
 
 
 def _fingerprint(module: nn.Module) -> tuple[Any, ...]:
-    return tuple((name, id(t), t._version) for name, t in module.state_dict(keep_vars=True).items())
+    return tuple((name, id(t), version_of(t)) for name, t in module.state_dict(keep_vars=True).items())
 
 
 def _digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:

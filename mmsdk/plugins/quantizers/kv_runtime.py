@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from mmsdk.plugins.quantizers.quantized_cache import DynamicCodec, Packed, QuantizedKVLayer, StaticCodec, make_cache
+from mmsdk.plugins.tensor_keys import storage_key
 
 __all__ = ["CrossKVMemo", "KVQuantState", "LayerRanges", "install", "installed_state", "kv_bytes"]
 
@@ -99,7 +100,7 @@ class CrossKVMemo:
 
     @staticmethod
     def _key_of(x: torch.Tensor) -> tuple[Any, ...]:
-        return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x._version)
+        return storage_key(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         key = self._key_of(x)
