@@ -37,6 +37,12 @@ _LAZY: dict[str, str] = {
     "ExportResult": "mmsdk.core.backend",
     "load_model": "mmsdk.core.sources",
     "QKVFuseConfig": "mmsdk.plugins.attention.qkv_fuse",
+    "Int4WeightConfig": "mmsdk.plugins.quantizers.int4_weight",
+    "Int4KVConfig": "mmsdk.plugins.quantizers.kv_cache",
+    "Int8KVConfig": "mmsdk.plugins.quantizers.kv_cache",
+    "FP8KVConfig": "mmsdk.plugins.quantizers.kv_cache",
+    "PTQAlignConfig": "mmsdk.plugins.quantizers.ptq_align",
+    "CalibrationRecord": "mmsdk.plugins.quantizers.calibration_record",
     "MmsdkError": "mmsdk.core.errors",
     "UnknownNameError": "mmsdk.core.errors",
     "DuplicateNameError": "mmsdk.core.errors",
@@ -99,3 +105,7 @@ if TYPE_CHECKING:
     from mmsdk.core.session import Session
     from mmsdk.core.sources import LoadedModel, ModelSource, load_model
     from mmsdk.plugins.attention.qkv_fuse import QKVFuseConfig
+    from mmsdk.plugins.quantizers.calibration_record import CalibrationRecord
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+    from mmsdk.plugins.quantizers.kv_cache import FP8KVConfig, Int4KVConfig, Int8KVConfig
+    from mmsdk.plugins.quantizers.ptq_align import PTQAlignConfig

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from mmsdk.core.adapter import ModelAdapter
     from mmsdk.core.datasets import VQAExample
 
-__all__ = ["AccuracyResult", "GroupAccuracy", "normalize_answer", "vqa_accuracy"]
+__all__ = ["AccuracyResult", "GroupAccuracy", "answer_questions", "normalize_answer", "vqa_accuracy"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,22 @@ def vqa_accuracy(
             counts[1] += 1
     groups = {name: GroupAccuracy(c, n) for name, (c, n) in sorted(tally.items())}
     return AccuracyResult(correct / len(examples) if examples else 0.0, correct, len(examples), groups)
+
+
+def answer_questions(
+    model: nn.Module,
+    processor: Any,
+    adapter: ModelAdapter,
+    examples: Sequence[VQAExample],
+    *,
+    batch_size: int = 32,
+    max_new_tokens: int = 3,
+) -> list[str]:
+    """The model's greedy answer (decoded text) to each example's question about its image."""
+    answers: list[str] = []
+    for start in range(0, len(examples), batch_size):
+        answers += _generate_answers(model, processor, adapter, examples[start : start + batch_size], max_new_tokens)
+    return answers
 
 
 def _generate_answers(

@@ -46,7 +46,16 @@ def load_builtin(name: str) -> LoadedModel:
             fix=f"reinstall mmsdk from a wheel, or rebuild them: python -m mmsdk.models.train_digits "
             f"--family {family} --out {folder}",
         )
-    model = getattr(transformers, BUILTIN_MODELS[name][1]).from_pretrained(folder).eval()
+    from transformers.utils import logging as hf_logging
+
+    # A few-MB model loads instantly; transformers' per-tensor progress bar would only clutter output.
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = getattr(transformers, BUILTIN_MODELS[name][1]).from_pretrained(folder).eval()
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     return LoadedModel(model=model, processor=VLProcessor.from_pretrained(folder), name=name)
 
 
