@@ -35,6 +35,8 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.qwen_vl": "mmsdk.plugins.adapters.qwen_vl",
     "mmsdk.flamingo": "mmsdk.plugins.adapters.flamingo",
     "mmsdk.qkv_fuse": "mmsdk.plugins.attention.qkv_fuse",
+    "mmsdk.token_prune": "mmsdk.plugins.encoders.token_prune",
+    "mmsdk.token_merge": "mmsdk.plugins.projectors.token_merge",
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
 }
 # Plugins the rest of mmsdk cannot work without; MMSDK_DISABLE_PLUGINS refuses them.
