@@ -37,6 +37,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.qkv_fuse": "mmsdk.plugins.attention.qkv_fuse",
     "mmsdk.token_prune": "mmsdk.plugins.encoders.token_prune",
     "mmsdk.token_merge": "mmsdk.plugins.projectors.token_merge",
+    "mmsdk.rmsnorm_rope": "mmsdk.plugins.attention.rmsnorm_rope",
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
 }
 # Plugins the rest of mmsdk cannot work without; MMSDK_DISABLE_PLUGINS refuses them.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotate_half", "rms_norm", "add_rms_norm", "rope_qk", "rms_norm_rope_qk", "mrope_cos_sin"]
+__all__ = ["rotate_half", "rms_norm", "add_rms_norm", "rope_qk", "rms_norm_rope_qk", "mrope_streams", "mrope_cos_sin"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,11 +54,16 @@ def rms_norm_rope_qk(
     return rope_qk(rms_norm(q, q_weight, eps[0]), rms_norm(k, k_weight, eps[1]), cos, sin)
 
 
-def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, section: list[int], scaling: float,
+def mrope_streams(section: list[int]) -> list[int]:
+    """Qwen2-VL's sectioned layout: frequency slot -> position stream (0 = T, 1 = H, 2 = W)."""
+    return [i % 3 for i, n in enumerate(section) for _ in range(n)]
+
+
+def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: list[int], scaling: float,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, L, 2 * sum(section)] for 3-D positions [3, B, L] with Qwen2-VL's sectioned layout."""
-    stream = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
-    picked = position_ids[stream.to(position_ids.device)]  # [slots, B, L]: each slot's own stream
+    """cos/sin [B, L, 2 * len(streams)] for 3-D positions [3, B, L]; ``streams[j]`` feeds frequency slot j."""
+    stream = torch.tensor(streams, dtype=torch.long, device=position_ids.device)
+    picked = position_ids[stream]  # [slots, B, L]: each slot's own stream
     freqs = picked.permute(1, 2, 0).float() * inv_freq.to(position_ids.device, torch.float32)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 import torch
 
 from mmsdk.core.errors import UnsupportedInputError
+from mmsdk.plugins._forward import add_forward_wrapper
 
 if TYPE_CHECKING:
     from torch import nn
@@ -325,15 +326,15 @@ def runtime_of(model: nn.Module, adapter: ModelAdapter) -> ModelRuntime:
         return existing
     runtime = ModelRuntime(model, adapter)
     object.__setattr__(model, RUNTIME_ATTR, runtime)
-    _wrap(model, "forward", runtime.model_forward)
+    add_forward_wrapper(model, runtime.model_forward)
     if runtime.encoder_call is not None:
-        _wrap(*runtime.encoder_call, runtime.encode_images)
+        _wrap_method(*runtime.encoder_call, runtime.encode_images)
     if runtime.inline:
-        _wrap(adapter.language_model(model), "forward", runtime.language_forward)
+        add_forward_wrapper(adapter.language_model(model), runtime.language_forward)
     return runtime
 
 
-def _wrap(owner: Any, name: str, handler: Callable[..., Any]) -> None:
+def _wrap_method(owner: Any, name: str, handler: Callable[..., Any]) -> None:
     """Replace ``owner.name`` (a bound method) by one calling ``handler(original, ...)``; same signature."""
     original = getattr(owner, name)
 

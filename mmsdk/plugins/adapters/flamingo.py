@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -20,6 +19,7 @@ from mmsdk.core.adapter import (
 )
 from mmsdk.core.registry import Registrar
 from mmsdk.plugins.adapters._common import clip_like_blocks
+from mmsdk.plugins._forward import add_forward_wrapper
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
 
 
@@ -156,11 +156,8 @@ class MllamaAdapter(ModelAdapter):
         # The text model gets states [B, tiles * P, H] and a mask expanded P columns per tile; every
         # column of a tile carries the same value, so the mask keeps the first kept(P) of each tile.
         per_tile = self.vision_tower(model).num_patches
-        text_model = self.language_model(model)
-        original = text_model.forward
 
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             states = kwargs.get("cross_attention_states")
             if states is not None:
                 batch, length, hidden = states.shape
@@ -173,7 +170,7 @@ class MllamaAdapter(ModelAdapter):
                 kwargs["cross_attention_mask"] = mask.reshape(*head, -1)
             return original(*args, **kwargs)
 
-        text_model.forward = forward
+        add_forward_wrapper(self.language_model(model), forward)
         return True
 
 

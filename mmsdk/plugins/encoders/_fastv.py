@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from mmsdk.kernels.norm_rope import rope_qk
+from mmsdk.plugins._forward import add_forward_wrapper
 from mmsdk.plugins._runtime import ModelRuntime, cache_of
 
 if TYPE_CHECKING:
@@ -160,16 +161,9 @@ def _gather_decode_mask(kwargs: dict[str, Any], keep: torch.Tensor, prefill_leng
 def install_fastv(model: nn.Module, adapter: ModelAdapter, runtime: ModelRuntime, layer: int,
                   kept: Callable[[int], int]) -> None:
     """Score at layer ``layer - 1``, prune from layer ``layer`` on."""
-    import functools
-
     state = _FastV(adapter, runtime, kept)
     layers = adapter.decoder_layers(model)
     attention = adapter.self_attention(layers[layer - 1])
     attention.register_forward_pre_hook(state.score, with_kwargs=True)
     for decoder_layer in layers[layer:]:
-        original = decoder_layer.forward
-
-        def forward(hidden: torch.Tensor, *args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            return state.layer_forward(_original, hidden, *args, **kwargs)
-
-        decoder_layer.forward = functools.wraps(original)(forward)
+        add_forward_wrapper(decoder_layer, state.layer_forward)
