@@ -36,8 +36,11 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.flamingo": "mmsdk.plugins.adapters.flamingo",
     "mmsdk.qkv_fuse": "mmsdk.plugins.attention.qkv_fuse",
     "mmsdk.token_prune": "mmsdk.plugins.encoders.token_prune",
+    "mmsdk.vit_prune": "mmsdk.plugins.encoders.vit_prune",
     "mmsdk.token_merge": "mmsdk.plugins.projectors.token_merge",
     "mmsdk.rmsnorm_rope": "mmsdk.plugins.attention.rmsnorm_rope",
+    "mmsdk.sparse_xattn": "mmsdk.plugins.attention.sparse_xattn",
+    "mmsdk.gated_xattn": "mmsdk.plugins.attention.gated_xattn",
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
 }
 # Plugins the rest of mmsdk cannot work without; MMSDK_DISABLE_PLUGINS refuses them.
