@@ -32,6 +32,8 @@ _LAZY: dict[str, str] = {
     "DatasetSource": "mmsdk.core.datasets",
     "VQAExample": "mmsdk.core.datasets",
     "CalibrationSet": "mmsdk.core.calibration",
+    "Recipe": "mmsdk.core.recipes",
+    "RecipeStep": "mmsdk.core.recipes",
     "ExportResult": "mmsdk.core.backend",
     "load_model": "mmsdk.core.sources",
     "QKVFuseConfig": "mmsdk.plugins.attention.qkv_fuse",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:
     from mmsdk.core.manifest import Manifest
     from mmsdk.core.optimizer import Optimizer
     from mmsdk.core.passes import CheckContext, PassContext, PassResult, PassSpec
+    from mmsdk.core.recipes import Recipe, RecipeStep
     from mmsdk.core.session import Session
     from mmsdk.core.sources import LoadedModel, ModelSource, load_model
     from mmsdk.plugins.attention.qkv_fuse import QKVFuseConfig

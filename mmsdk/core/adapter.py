@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from mmsdk.core.recipes import Recipe
+
 __all__ = [
     "ModelAdapter",
     "KVLayout",
@@ -342,6 +344,10 @@ class ModelAdapter:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
             return processor.apply_chat_template(messages, add_generation_prompt=True)
         return self.default_prompt.format(image=self.image_placeholder, question=question)
+
+    def recipes(self, model: nn.Module) -> dict[str, Recipe]:
+        """This family's recommended builds by name (``default``, ``max-memory``, ``max-accuracy``...)."""
+        return {}
 
     def describe(self, model: nn.Module) -> dict[str, Any]:
         """A JSON-able summary of the model as this adapter sees it (used in manifests and reports)."""

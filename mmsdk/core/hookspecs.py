@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from mmsdk.core.backend import Backend, LowerTarget
     from mmsdk.core.datasets import DatasetSource
     from mmsdk.core.passes import PassSpec
+    from mmsdk.core.recipes import Recipe
     from mmsdk.core.registry import Registrar
     from mmsdk.core.sources import ModelSource
 
@@ -90,6 +91,16 @@ def mmsdk_register_datasets(register: Registrar[DatasetSource]) -> None:
 
     Called once per Session. ``opt.calibrate("name")`` draws calibration samples from a dataset's
     calibration split and ``mmsdk eval --task name`` scores a model on its test split. Returns nothing.
+    """
+
+
+@hookspec
+def mmsdk_register_recipes(register: Registrar[Recipe]) -> None:
+    """Add named recipes (ordered passes with configs) with ``register(Recipe(...))``.
+
+    Called once per Session. ``apply("recipe:NAME")`` looks first at the model's adapter's own
+    recipes (``ModelAdapter.recipes``), then at these; a recipe whose ``family`` is set only applies
+    to models of that family. Returns nothing.
     """
 
 

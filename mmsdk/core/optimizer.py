@@ -15,6 +15,7 @@ from mmsdk.core.manifest import SourceModel
 from mmsdk.core.memory import MemoryReport, PassMemory, component_bytes, module_bytes
 from mmsdk.core.passes import PassContext, PassResult
 from mmsdk.core.planning import PlannedPass, plan_passes
+from mmsdk.core.recipes import RECIPE_PREFIX, Recipe, RecipeStep
 from mmsdk.core.session import Session
 
 if TYPE_CHECKING:
@@ -58,14 +59,28 @@ class Optimizer:
         self._pending: list[PlannedPass] = []
         self._baseline_bytes = module_bytes(model)
 
-    def apply(self, *passes: str | BaseModel) -> Optimizer:
-        """Validate ``passes`` (names or config objects) against the model and plan them; returns self."""
+    def apply(self, *passes: str | BaseModel | Recipe) -> Optimizer:
+        """Validate passes (names, config objects, ``"recipe:NAME"`` or Recipe objects) and plan them; returns self."""
+        items = [item for entry in passes for item in self._expand(entry)]
         earlier = [r.name for r in self.results] + [p.name for p in self._pending]
         planned = plan_passes(
-            self.session, self._model, self.adapter, passes, earlier=earlier, has_calibration=self.calibration is not None
+            self.session, self._model, self.adapter, items, earlier=earlier, has_calibration=self.calibration is not None
         )
         self._pending.extend(planned)
         return self
+
+    def _expand(self, entry: str | BaseModel | Recipe) -> list[str | BaseModel]:
+        if isinstance(entry, str) and entry.startswith(RECIPE_PREFIX):
+            entry = self.session.recipe(entry, self._model, self.adapter)
+        if isinstance(entry, Recipe):
+            return list(entry.configs(self.session))
+        return [entry]
+
+    def recipe(self, name: str = "custom") -> Recipe:
+        """The passes applied and planned so far, with their configs, as a Recipe you can save."""
+        done = [(r.name, r.config) for r in self.results] + [(p.name, p.config) for p in self._pending]
+        steps = tuple(RecipeStep(pass_name=n, config=c.model_dump(mode="json", exclude_defaults=True)) for n, c in done)
+        return Recipe(name=name, family=self.adapter.family, steps=steps)
 
     def calibrate(self, samples: Any, *, limit: int | None = None) -> Optimizer:
         """Use ``samples`` ((image, text) pairs, a Dataset, or a dataset name) for passes that need data."""

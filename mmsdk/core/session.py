@@ -13,7 +13,8 @@ from mmsdk.core.datasets import DatasetSource
 from mmsdk.core.errors import ConfigError, NoAdapterError, UnknownNameError
 from mmsdk.core.passes import PASS_KINDS, PassSpec
 from mmsdk.core.plugins import PluginOrigin, create_plugin_manager
-from mmsdk.core.registry import Registrar, Registry
+from mmsdk.core.recipes import RECIPE_PREFIX, Recipe
+from mmsdk.core.registry import Registrar, Registry, suggest
 from mmsdk.core.sources import ModelSource
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class Session:
         self.backends: Registry[Backend] = Registry("backend")
         self.models: Registry[ModelSource] = Registry("model")
         self.datasets: Registry[DatasetSource] = Registry("dataset")
+        self.recipes: Registry[Recipe] = Registry("recipe")
         self._collect()
 
     @classmethod
@@ -67,6 +69,7 @@ class Session:
         self._call_each(hooks.mmsdk_register_backends, self.backends)
         self._call_each(hooks.mmsdk_register_models, self.models)
         self._call_each(hooks.mmsdk_register_datasets, self.datasets)
+        self._call_each(hooks.mmsdk_register_recipes, self.recipes)
 
     def _call_each(self, hook: Any, registry: Registry[Any], prepare: Any = None) -> None:
         # Call every implementation with a registrar bound to its plugin, so provenance is exact.
@@ -110,10 +113,32 @@ class Session:
                     f"{type(item).__name__} is not the config of any registered pass.",
                     fix="install the plugin that defines it, or pass the pass name as a string.",
                 )
+            if len(matches) > 1:
+                names = ", ".join(spec.name for spec in matches)
+                raise ConfigError(
+                    f"{type(item).__name__} is the config of several passes ({names}), so it cannot say which to run.",
+                    fix="give each pass its own config class (a subclass is enough).",
+                )
             return matches[0], item
         raise ConfigError(
             f"apply() takes pass names or pass config objects, not {type(item).__name__}.",
             fix='write opt.apply("int4-kv") or opt.apply(SomePassConfig(...)).',
+        )
+
+    def recipe(self, name: str, model: nn.Module, adapter: ModelAdapter) -> Recipe:
+        """The recipe ``name`` for this model: the adapter's own first, then plugin recipes of its family."""
+        name = name.removeprefix(RECIPE_PREFIX)
+        own = adapter.recipes(model)
+        if name in own:
+            return own[name]
+        fitting = {r.name: r for r in self.recipes if r.family in (None, adapter.family)}
+        if name in fitting:
+            return fitting[name]
+        known = sorted({*own, *fitting})
+        raise UnknownNameError(
+            f"Unknown recipe {name!r} for a {adapter.name} model.{suggest(name, known)} "
+            f"Known recipes: {', '.join(known) or '(none)'}.",
+            fix="use one of them as apply('recipe:NAME'), or load your own with Recipe.from_file(path).",
         )
 
     def lower(self, module: nn.Module, target: LowerTarget) -> Any:
@@ -129,6 +154,7 @@ class Session:
             ("backend", self.backends),
             ("model", self.models),
             ("dataset", self.datasets),
+            ("recipe", self.recipes),
         ):
             for entry in registry.entries():
                 label = f"{entry.item.kind} pass" if kind == "pass" else kind

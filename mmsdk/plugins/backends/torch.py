@@ -55,7 +55,8 @@ class TorchBackend:
         safetensors.torch.save_model(model, str(staging / WEIGHTS), metadata={"format": "pt"})
         if context.processor is not None and hasattr(context.processor, "save_pretrained"):
             context.processor.save_pretrained(staging / PROCESSOR_DIR)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        # The embedding table keeps the model's working dtype whatever passes did to other weights.
+        dtype = str(context.adapter.embed_tokens(model).weight.dtype).removeprefix("torch.")
         return ExportInfo(
             details={"architecture": type(model).__name__, "dtype": dtype, "weights": WEIGHTS,
                      "exported_with": {"torch": torch.__version__, "transformers": transformers.__version__}},
@@ -68,7 +69,8 @@ class TorchBackend:
 
         session = options.pop("session")
         with_processor = bool(options.pop("with_processor", False))
-        model = _build_empty(path, manifest.details["architecture"])
+        dtype = getattr(torch, manifest.details.get("dtype", "float32"))
+        model = _build_empty(path, manifest.details["architecture"], dtype)
         adapter = session.adapt(model, manifest.source.adapter)
         context = PassContext(adapter=adapter, session=session)
         for record in manifest.passes:
@@ -78,7 +80,6 @@ class TorchBackend:
                 spec.restore(model, config, record.records, context)
             else:
                 spec.apply(model, config, context)
-        model.to(getattr(torch, manifest.details.get("dtype", "float32")))
         missing, unexpected = safetensors.torch.load_model(model, str(path / WEIGHTS), strict=False)
         if missing or unexpected:
             raise ArtifactIntegrityError(
@@ -94,7 +95,8 @@ class TorchBackend:
         return LoadedModel(model=model, processor=_load_processor(path / PROCESSOR_DIR), name=str(path))
 
 
-def _build_empty(path: Path, architecture: str) -> Any:
+def _build_empty(path: Path, architecture: str, dtype: Any) -> Any:
+    import torch
     import transformers
     from transformers import AutoConfig
 
@@ -105,7 +107,12 @@ def _build_empty(path: Path, architecture: str) -> Any:
             fix="install the transformers version recorded in manifest.json (details.exported_with).",
         )
     config = AutoConfig.from_pretrained(path)
-    return cls(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the saved dtype so passes restore mixed-precision modules as saved
+    try:
+        return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @mmsdk.hookimpl

@@ -1,0 +1,43 @@
+"""Helpers shared by CLI verbs: parsing pass lists, loading models, printing tables."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+__all__ = ["add_model_arguments", "split_list", "console", "print_table"]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    """MODEL plus --apply / --adapter, as every verb that optimizes takes them."""
+    parser.add_argument(
+        "model", nargs=None if model_required else "?", metavar="MODEL",
+        help="a local Hugging Face folder, builtin:NAME (trained, shipped) or tiny:FAMILY (random weights)",
+    )
+    parser.add_argument("--apply", default="", metavar="A,B", help="passes to apply, comma separated, in order")
+    parser.add_argument("--adapter", default=None, help="force an adapter instead of auto-detecting one")
+
+
+def split_list(text: str | None) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
+
+
+def console() -> Any:
+    """A rich console on stdout (plain text when stdout is not a terminal)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print a table with rich."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in header:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    console().print(table)
