@@ -66,7 +66,8 @@ def test_merge_after_prune_composes(session, tiny):
     loaded = tiny("tiny:llava")
     inputs = tiny_inputs(loaded.processor, QUESTIONS)
     before = count_prefill(loaded.model, inputs)
-    opt = Optimizer(loaded.model, session=session).apply(TokenPruneConfig(keep_ratio=0.6), TokenMergeConfig(keep_ratio=0.5))
+    opt = Optimizer(loaded.model, session=session)
+    opt.apply(TokenPruneConfig(keep_ratio=0.6), TokenMergeConfig(keep_ratio=0.5))
     after = count_prefill(opt.model, inputs)
     kept = kept_count(kept_count(25, 0.6, None), 0.5, None)  # 25 -> 15 pruned -> 8 merged
     assert after.layer_lengths[0] == before.layer_lengths[0] - (25 - kept)

@@ -18,8 +18,8 @@ from mmsdk.core.adapter import (
     VisionBlock,
 )
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins.adapters._common import clip_like_blocks
 from mmsdk.plugins._forward import add_forward_wrapper
+from mmsdk.plugins.adapters._common import clip_like_blocks
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
 
 

@@ -238,7 +238,7 @@ def _fuse_attention_rope(attention: nn.Module, adapter: ModelAdapter, config: RM
         return "none", "its forward applies no module-level RoPE function"
     function = body_function(attention)
     original = inspect.unwrap(function).__globals__.get(name)
-    head_dim = int(getattr(attention, "head_dim"))
+    head_dim = int(attention.head_dim)
     weight = next(attention.parameters())
     q, k, cos, sin = _rope_probe(attention, head_dim, weight)
     norms = adapter.qk_norm_names(attention) if config.qk_norm else None

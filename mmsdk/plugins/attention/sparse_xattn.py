@@ -196,7 +196,7 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
         "block_size": config.block_size,
         "density": config.density,
         "rule": "per text-query block: top ceil(density * visible) image-key blocks by mean-pooled q.k (head mean)",
-        "kernel": "FlexAttention block mask on CUDA, masked SDPA elsewhere" if config.backend == "auto" else config.backend,
+        "kernel": "FlexAttention on CUDA, masked SDPA elsewhere" if config.backend == "auto" else config.backend,
         "layout": "dynamic (computed per call); BlockSparseSpec.last_keep holds the last one",
     }
 

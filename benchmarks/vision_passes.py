@@ -1,0 +1,174 @@
+"""Accuracy, KV-cache bytes and prefill FLOPs of the vision and attention passes on the embedded digits models.
+
+    PYTHONPATH=. python benchmarks/vision_passes.py --limit 400 --markdown vision_passes.md
+
+For every trained embedded model (``builtin:*-digits``, or the ``--models`` given) and every
+configuration below, a fresh copy of the model gets the pass, answers the digits test questions
+(greedy, first word scored) and runs one prefill whose FLOPs (FlopCounterMode over the ops that
+ran) and KV-cache bytes (the tensors the returned cache holds) are counted. For sparse-xattn the
+share of text-to-image score entries a block-sparse kernel still computes is reported too; the
+masked-SDPA path that runs on CPU computes all of them, so its counted FLOPs do not drop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmsdk import Optimizer
+from mmsdk.core.errors import MmsdkError
+from mmsdk.core.flops import count_prefill
+from mmsdk.core.session import Session
+from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnConfig
+from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
+from mmsdk.plugins.encoders.vit_prune import ViTPruneConfig
+from mmsdk.plugins.projectors.token_merge import TokenMergeConfig
+
+CONFIGS: list[tuple[str, tuple[Any, ...]]] = [
+    ("baseline", ()),
+    ("token-prune visionzip keep 0.5", (TokenPruneConfig(keep_ratio=0.5),)),
+    ("token-prune visionzip keep 0.25", (TokenPruneConfig(keep_ratio=0.25),)),
+    ("token-prune fastv keep 0.5", (TokenPruneConfig(strategy="fastv", keep_ratio=0.5),)),
+    ("token-prune fastv keep 0.25", (TokenPruneConfig(strategy="fastv", keep_ratio=0.25),)),
+    ("token-merge keep 0.5", (TokenMergeConfig(keep_ratio=0.5),)),
+    ("token-merge keep 0.25", (TokenMergeConfig(keep_ratio=0.25),)),
+    ("sparse-xattn density 0.5", (SparseXAttnConfig(density=0.5, block_size=8),)),
+    ("sparse-xattn density 0.25", (SparseXAttnConfig(density=0.25, block_size=8),)),
+    ("vit-prune heads 0.25, mlp 0.25", (ViTPruneConfig(head_ratio=0.25, mlp_ratio=0.25),)),
+    ("gated-xattn", ("gated-xattn",)),
+    ("rmsnorm-rope-fusion", ("rmsnorm-rope-fusion",)),
+]
+
+
+@dataclass
+class Row:
+    model: str
+    config: str
+    accuracy: float | None
+    correct: int
+    count: int
+    flops: int | None
+    kv_bytes: int | None
+    kept_entries: float | None
+    note: str = ""
+
+
+def _accuracy(model: Any, processor: Any, adapter: Any, examples: list[Any]) -> tuple[int, int]:
+    try:
+        from mmsdk.evaluation import vqa_accuracy
+    except ImportError:  # older trees: score the first generated word directly
+        return _first_word_accuracy(model, processor, adapter, examples)
+    result = vqa_accuracy(model, processor, adapter, examples)
+    return result.correct, result.count
+
+
+def _first_word_accuracy(model: Any, processor: Any, adapter: Any, examples: list[Any]) -> tuple[int, int]:
+    import re
+
+    def first(text: str) -> str:
+        words = re.findall(r"[\w'-]+", text.lower())
+        return words[0] if words else ""
+
+    correct = 0
+    for start in range(0, len(examples), 32):
+        chunk = examples[start: start + 32]
+        inputs = processor(images=[e.image for e in chunk], text=[adapter.format_prompt(e.question, processor)
+                                                                  for e in chunk])
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        answers = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(first(a) == first(e.answer) for a, e in zip(answers, chunk, strict=True))
+    return correct, len(examples)
+
+
+def _entries(model: torch.nn.Module) -> float | None:
+    specs = [m for m in model.modules() if isinstance(m, BlockSparseSpec)]
+    total = sum(s.score_entries[0] for s in specs)
+    return sum(s.score_entries[1] for s in specs) / total if total else None
+
+
+def measure(session: Session, name: str, label: str, passes: tuple[Any, ...], examples: list[Any]) -> Row:
+    """One model x one configuration."""
+    model, processor = session.models.get(name).build()
+    opt = Optimizer(model, processor, session=session)
+    try:
+        if any(session.pass_spec(p)[0].needs_calibration for p in passes):
+            calibration = session.datasets.get("digits").load("calibration")[:64]
+            opt.calibrate([(e.image, e.question) for e in calibration])
+        opt.apply(*passes)
+        model = opt.model
+    except MmsdkError as err:
+        return Row(name, label, None, 0, 0, None, None, None, note=f"refused: {err.problem}")
+    first = examples[0]
+    prompt = processor(images=[first.image], text=[opt.adapter.format_prompt(first.question, processor)])
+    cost = count_prefill(model, prompt)
+    for spec in (m for m in model.modules() if isinstance(m, BlockSparseSpec)):
+        spec.score_entries[:] = [0, 0]
+    correct, count = _accuracy(model, processor, opt.adapter, examples)
+    return Row(name, label, correct / count, correct, count, cost.flops, cost.kv_bytes, _entries(model))
+
+
+def markdown(rows: list[Row]) -> str:
+    """A table per model: accuracy (and share of baseline), KV bytes and prefill FLOPs relative to baseline."""
+    lines = []
+    for name in dict.fromkeys(r.model for r in rows):
+        group = [r for r in rows if r.model == name]
+        base = group[0]
+        lines += [f"### {name}", "",
+                  "| configuration | accuracy | of baseline | KV bytes | KV vs base | prefill FLOPs | FLOPs vs base | "
+                  "text-to-image score entries kept |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in group:
+            if r.accuracy is None:
+                lines.append(f"| {r.config} | {r.note} | | | | | | |")
+                continue
+            kept = f"{r.kept_entries:.0%}" if r.kept_entries is not None else ""
+            kv, flops = f"{r.kv_bytes / base.kv_bytes:.0%}", f"{r.flops / base.flops:.0%}"
+            lines.append(
+                f"| {r.config} | {r.accuracy:.1%} ({r.correct}/{r.count}) | {r.accuracy / base.accuracy:.1%} | "
+                f"{r.kv_bytes} | {kv} | {r.flops:,} | {flops} | {kept} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", help="model names (default: every builtin:*-digits model)")
+    parser.add_argument("--dataset", default="digits")
+    parser.add_argument("--limit", type=int, default=400, help="test questions per configuration")
+    parser.add_argument("--markdown", help="also write the tables to this file")
+    parser.add_argument("--json", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    session = Session.create(autoload=False)
+    names = args.models or [n for n in session.models.names() if n.startswith("builtin:") and n.endswith("-digits")]
+    if not names:
+        print("no builtin:*-digits model is registered in this tree", file=sys.stderr)
+        return 1
+    dataset = session.datasets.get(args.dataset)
+    examples = dataset.load("test")[: args.limit]
+    rows = []
+    for name in names:
+        for label, passes in CONFIGS:
+            start = time.perf_counter()
+            rows.append(measure(session, name, label, passes, examples))
+            print(f"{name} | {label}: {rows[-1].accuracy} ({time.perf_counter() - start:.1f}s)", file=sys.stderr)
+    text = markdown(rows)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(text)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump([r.__dict__ for r in rows], handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
