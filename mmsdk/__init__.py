@@ -37,6 +37,12 @@ _LAZY: dict[str, str] = {
     "ExportResult": "mmsdk.core.backend",
     "load_model": "mmsdk.core.sources",
     "QKVFuseConfig": "mmsdk.plugins.attention.qkv_fuse",
+    "TokenPruneConfig": "mmsdk.plugins.encoders.token_prune",
+    "TokenMergeConfig": "mmsdk.plugins.projectors.token_merge",
+    "ViTPruneConfig": "mmsdk.plugins.encoders.vit_prune",
+    "SparseXAttnConfig": "mmsdk.plugins.attention.sparse_xattn",
+    "GatedXAttnConfig": "mmsdk.plugins.attention.gated_xattn",
+    "RMSNormRoPEFusionConfig": "mmsdk.plugins.attention.rmsnorm_rope",
     "MmsdkError": "mmsdk.core.errors",
     "UnknownNameError": "mmsdk.core.errors",
     "DuplicateNameError": "mmsdk.core.errors",
@@ -98,4 +104,10 @@ if TYPE_CHECKING:
     from mmsdk.core.recipes import Recipe, RecipeStep
     from mmsdk.core.session import Session
     from mmsdk.core.sources import LoadedModel, ModelSource, load_model
+    from mmsdk.plugins.attention.gated_xattn import GatedXAttnConfig
     from mmsdk.plugins.attention.qkv_fuse import QKVFuseConfig
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
+    from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
+    from mmsdk.plugins.encoders.vit_prune import ViTPruneConfig
+    from mmsdk.plugins.projectors.token_merge import TokenMergeConfig

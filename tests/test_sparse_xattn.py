@@ -15,7 +15,7 @@ from mmsdk.plugins.attention._block_sparse import block_layout, drop_mask, layou
 from mmsdk.plugins.attention._lowering import OnnxLowering
 from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnConfig, sparse_layouts
 from mmsdk.plugins.projectors.token_merge import TokenMergeConfig
-from mmsdk.testing import tiny_inputs
+from mmsdk.testing import sample_image, tiny_inputs
 
 QUESTIONS = ("what digit is this ?", "is it even odd yes no how many strokes ?")
 
@@ -110,12 +110,15 @@ def test_composes_with_token_merge(session, tiny):
 def test_lowering_records_and_export(session, tiny, tmp_path):
     loaded = tiny("tiny:idefics")
     inputs = tiny_inputs(loaded.processor, QUESTIONS)
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("sparse-xattn")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).calibrate([(sample_image(5), "is it even ?")])
+    opt.apply(SparseXAttnConfig(block_size=8))
     spec = opt.model.model.gated_cross_attn_layers[0].cross_attn.sparse_xattn
     lowering = session.lower(spec, LowerTarget("onnxruntime"))
     assert isinstance(lowering, OnnxLowering) and "SparseAttention" in lowering.note
     records = opt.results[0].records
-    assert records["density"] == 0.5 and records["block_size"] == 16 and "top" in records["rule"]
+    assert records["density"] == 0.5 and records["block_size"] == 8 and "top" in records["rule"]
+    layout = records["example_layout"]["layers"]["model.gated_cross_attn_layers.0.cross_attn.sparse_xattn"]
+    assert layout["block_row_indices"][0] == 0 and layout["block_col_indices"]  # CSR for SparseAttention
     with torch.no_grad():
         before = opt.model(**inputs).logits
     opt.export("torch", tmp_path / "out")

@@ -105,8 +105,7 @@ class ModelRuntime:
 
     def encode_images(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run the image encoder with every scorer watching; its scores replace the pending ones."""
-        bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
-        call_kwargs = {**bound.pop("kwargs", {}), **bound}
+        call_kwargs = _as_kwargs(original, args, kwargs)
         with ExitStack() as stack:
             # the lists fill while the tower runs, so reducers inside this call already see them
             self.pending_scores = [stack.enter_context(scorer.capture(call_kwargs)) for scorer in self.scorers]
@@ -123,11 +122,7 @@ class ModelRuntime:
 
     # --- the model's forward -----------------------------------------------------------------
     def model_forward(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if args:
-            raise UnsupportedInputError(
-                "the optimized model takes its inputs by keyword (input_ids=..., pixel_values=...).",
-                fix="call model(**processor(...)) or model.generate(**inputs).",
-            )
+        kwargs = _as_kwargs(original, args, kwargs) if args else kwargs
         if kwargs.get("labels") is not None and self.reducers:
             raise UnsupportedInputError(
                 "labels were given, but token pruning/merging changes the sequence length, so no loss can be computed.",
@@ -240,6 +235,13 @@ class _Plan:
     mask: torch.Tensor
     positions: torch.Tensor
     image_mask: torch.Tensor
+
+
+def _as_kwargs(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Positional and keyword arguments of a call to ``function``, all by name."""
+    bound = inspect.signature(function).bind_partial(*args, **kwargs).arguments
+    extra = bound.pop("kwargs", {})
+    return {**bound, **extra}
 
 
 def _two_d_mask(mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:

@@ -190,7 +190,7 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
         set_forward_body(attention, types.MethodType(rebind_global(function, "ALL_ATTENTION_FUNCTIONS", proxy),
                                                      attention))
     kind = targets[0][1] if targets else "self"
-    return {
+    records = {
         "layers": [names[id(a)] for a, _ in targets],
         "part": "cross-attention layers" if kind == "cross" else "text-query x image-key part of self-attention",
         "block_size": config.block_size,
@@ -199,6 +199,22 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
         "kernel": "FlexAttention on CUDA, masked SDPA elsewhere" if config.backend == "auto" else config.backend,
         "layout": "dynamic (computed per call); BlockSparseSpec.last_keep holds the last one",
     }
+    if context.calibration is not None and context.processor is not None:
+        records["example_layout"] = _example_layout(model, context)
+    return records
+
+
+def _example_layout(model: nn.Module, context: PassContext) -> dict[str, Any]:
+    """The layouts the first calibration prompt produces (CSR per layer), for exporters of a fixed layout."""
+    sample = context.calibration.samples[0]
+    processor = context.processor
+    inputs = processor(images=[sample.image], text=[context.adapter.format_prompt(sample.text, processor)])
+    with torch.no_grad():
+        model(**inputs)
+    layouts = sparse_layouts(model)
+    for spec in (m for m in model.modules() if isinstance(m, BlockSparseSpec)):
+        spec.score_entries[:] = [0, 0]
+    return {"prompt": sample.text, "layers": layouts}
 
 
 def _registry_of(function: Callable[..., Any]) -> Any:
