@@ -65,13 +65,9 @@ def cache_bytes(cache: Any) -> int:
 
 def _layer_lengths(cache: Any) -> tuple[int, ...]:
     layers = getattr(cache, "layers", None)
-    if layers is None:
+    if layers is None or not hasattr(cache, "get_seq_length"):
         return ()
-    lengths = []
-    for layer in layers:
-        keys = getattr(layer, "keys", None)
-        lengths.append(int(keys.shape[-2]) if keys is not None and keys.dim() >= 2 else 0)
-    return tuple(lengths)
+    return tuple(int(cache.get_seq_length(index)) for index in range(len(layers)))
 
 
 def _cpu_sdpa_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
@@ -93,7 +89,15 @@ def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[int, Any]:
 
 
 def count_prefill(model: nn.Module, inputs: Mapping[str, Any]) -> PrefillCost:
-    """Run one prefill (``use_cache=True``) and count its FLOPs and the cache it returns."""
-    flops, output = count_flops(model, **inputs, use_cache=True)
+    """Run one prefill and count its FLOPs and the cache it leaves.
+
+    Models that generate do it through ``generate(max_new_tokens=1)``: exactly one forward, with
+    the cache ``generate`` would use (a quantizer's cache included); others through ``forward``.
+    """
+    if hasattr(model, "generate"):
+        flops, output = count_flops(model.generate, **inputs, max_new_tokens=1, do_sample=False,
+                                    return_dict_in_generate=True)
+    else:
+        flops, output = count_flops(model, **inputs, use_cache=True)
     cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
     return PrefillCost(flops=flops, kv_bytes=cache_bytes(cache), layer_lengths=_layer_lengths(cache))
