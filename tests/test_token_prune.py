@@ -158,6 +158,8 @@ def test_bad_input_is_refused_and_leaves_the_model_untouched(session, tiny):
         Optimizer(llava.model, session=session).apply(TokenPruneConfig(strategy="fastv", layer=2))
     with pytest.raises(IncompatiblePassError, match="after token-merge"):
         Optimizer(llava.model, session=session).apply(TokenMergeConfig(), TokenPruneConfig())
+    with pytest.raises(IncompatiblePassError, match="sparse-xattn"):
+        Optimizer(llava.model, session=session).apply(TokenPruneConfig(strategy="fastv"), "sparse-xattn")
     for model in (loaded.model, llava.model):
         assert "_mmsdk_runtime" not in model.__dict__ and "forward" not in model.__dict__
 

@@ -105,6 +105,12 @@ def check_token_prune(ctx: CheckContext) -> None:
 
 
 def _check_fastv(ctx: CheckContext, config: TokenPruneConfig, inline: bool) -> None:
+    if "sparse-xattn" in (*ctx.before, *ctx.after):
+        raise IncompatiblePassError(
+            "token-prune strategy 'fastv' gives layers after K a different sequence than layers before it, and "
+            "sparse-xattn needs one image layout for every layer.",
+            fix='use strategy="visionzip" (or token-merge) together with sparse-xattn.',
+        )
     if not inline:
         raise IncompatiblePassError(
             f"token-prune strategy 'fastv' drops image tokens from the language model's sequence, but this "
