@@ -176,3 +176,17 @@ def test_torch_export_round_trip(session, tiny, tmp_path):
         again = reloaded(**inputs).logits
     assert torch.equal(again, pruned)
     assert opt.results[0].records["strategy"] == "visionzip"
+
+
+def test_deep_copying_an_optimized_model_is_refused_clearly(session, tiny):
+    import copy
+
+    from mmsdk.core.errors import UnsupportedInputError
+
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model, session=session).apply("token-prune")
+    baseline = copy.deepcopy(loaded.model)  # before the passes run: a plain copy
+    opt.model  # noqa: B018
+    with pytest.raises(UnsupportedInputError, match="deep-copy the model before"):
+        copy.deepcopy(loaded.model)
+    assert "forward" not in baseline.__dict__

@@ -34,9 +34,21 @@ def body_function(module: nn.Module) -> Callable[..., Any]:
     return body.__func__ if isinstance(body, types.MethodType) else body
 
 
+def _refuse_deepcopy(memo: Any) -> Any:
+    from mmsdk.core.errors import UnsupportedInputError
+
+    raise UnsupportedInputError(
+        "this module carries forward overrides installed by mmsdk passes, which refer to the original model, "
+        "so a deep copy would silently share their state.",
+        fix="deep-copy the model before the passes run (Optimizer runs them at .model/.export()), or export it "
+        "and load another copy with mmsdk.load(folder).",
+    )
+
+
 def _ensure_dispatch(module: nn.Module) -> None:
     if module.__dict__.get(_DISPATCH_ATTR):
         return
+    module.__dict__["__deepcopy__"] = _refuse_deepcopy  # copy.deepcopy looks it up on the instance
     if "forward" in module.__dict__:
         raise RuntimeError(f"{type(module).__name__}.forward was replaced outside mmsdk; cannot compose passes on it")
 
