@@ -164,3 +164,21 @@ def test_flex_code_path_matches_masked_sdpa_on_cpu():
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.25,
                                                                 enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # measured 3.6e-7
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl", "tiny:idefics"])
+def test_the_one_liner_with_int4_kv(name, session, tiny, tmp_path):
+    """``Optimizer(model).apply("int4-kv", "sparse-xattn").export(...)``, reloaded, generates the same."""
+    if "int4-kv" not in session.passes:
+        pytest.skip("int4-kv is provided by the quantizer plugin, not installed in this tree")
+    loaded = tiny(name)
+    inputs = tiny_inputs(loaded.processor, QUESTIONS)
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    if session.passes.get("int4-kv").needs_calibration:  # static KV scales come from calibration prompts
+        opt.calibrate([(sample_image(i), "what digit is this ?") for i in range(4)])
+    result = opt.apply("int4-kv", "sparse-xattn").export("torch", tmp_path / "out")
+    with torch.no_grad():
+        expected = opt.model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        reloaded = mmsdk.load(result.path, session=session)
+        assert torch.equal(reloaded.generate(**inputs, max_new_tokens=4, do_sample=False), expected)
+    assert [p.name for p in result.manifest.passes] == ["int4-kv", "sparse-xattn"]
