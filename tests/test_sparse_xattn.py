@@ -72,7 +72,7 @@ def test_full_density_is_exact_and_half_density_skips_half(name, session, tiny):
         opt.model.generate(**inputs, max_new_tokens=3, do_sample=False)  # decode steps: one-token query blocks
     specs = [m for m in opt.model.modules() if isinstance(m, BlockSparseSpec)]
     total, kept = specs[0].score_entries
-    assert 0.4 < kept / total < 0.7  # measured 0.57-0.66: ceil() keeps at least half of the blocks
+    assert 0.4 < kept / total < 0.7  # measured 0.56-0.65: ceil() keeps at least half of the blocks
     assert not torch.equal(sparse, reference)
     cross = bool(opt.adapter.cross_attention_blocks(opt.model))
     assert {s.kind for s in specs} == {"cross" if cross else "self"}
