@@ -46,7 +46,7 @@ def test_closed_gates_are_skipped_exactly(session, tiny):
         skipped = opt.model(**inputs).logits
     records = opt.results[0].records
     assert records["skipped"] == [1] and "tanh" in records["reasons"]["1"]
-    torch.testing.assert_close(skipped, reference, rtol=0, atol=1e-3)  # measured ~2e-5: the gates were ~0
+    torch.testing.assert_close(skipped, reference, rtol=0, atol=1e-4)  # measured 8.6e-7: the gates were ~0
     assert records["kv_cache"].startswith("native")
 
 
