@@ -29,6 +29,7 @@ from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnCon
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from mmsdk.plugins.encoders.vit_prune import ViTPruneConfig
 from mmsdk.plugins.projectors.token_merge import TokenMergeConfig
+from mmsdk.testing import sample_image
 
 CONFIGS: list[tuple[str, tuple[Any, ...]]] = [
     ("baseline", ()),
@@ -93,25 +94,31 @@ def _entries(model: torch.nn.Module) -> float | None:
     return sum(s.score_entries[1] for s in specs) / total if total else None
 
 
-def measure(session: Session, name: str, label: str, passes: tuple[Any, ...], examples: list[Any]) -> Row:
-    """One model x one configuration."""
+def measure(session: Session, name: str, label: str, passes: tuple[Any, ...], examples: list[Any] | None) -> Row:
+    """One model x one configuration (``examples`` None: count costs only, on a random image)."""
     model, processor = session.models.get(name).build()
     opt = Optimizer(model, processor, session=session)
     try:
         if any(session.pass_spec(p)[0].needs_calibration for p in passes):
-            calibration = session.datasets.get("digits").load("calibration")[:64]
-            opt.calibrate([(e.image, e.question) for e in calibration])
+            opt.calibrate(_calibration(session, examples))
         opt.apply(*passes)
         model = opt.model
     except MmsdkError as err:
         return Row(name, label, None, 0, 0, None, None, None, note=f"refused: {err.problem}")
-    first = examples[0]
-    prompt = processor(images=[first.image], text=[opt.adapter.format_prompt(first.question, processor)])
-    cost = count_prefill(model, prompt)
+    image, question = (examples[0].image, examples[0].question) if examples else (sample_image(0), "is it even ?")
+    cost = count_prefill(model, processor(images=[image], text=[opt.adapter.format_prompt(question, processor)]))
+    if examples is None:
+        return Row(name, label, None, 0, 0, cost.flops, cost.kv_bytes, _entries(model), note="costs only")
     for spec in (m for m in model.modules() if isinstance(m, BlockSparseSpec)):
         spec.score_entries[:] = [0, 0]
     correct, count = _accuracy(model, processor, opt.adapter, examples)
     return Row(name, label, correct / count, correct, count, cost.flops, cost.kv_bytes, _entries(model))
+
+
+def _calibration(session: Session, examples: list[Any] | None) -> list[tuple[Any, str]]:
+    if examples is None:
+        return [(sample_image(i), "what digit is this ?") for i in range(8)]
+    return [(e.image, e.question) for e in session.datasets.get("digits").load("calibration")[:64]]
 
 
 def markdown(rows: list[Row]) -> str:
@@ -125,14 +132,15 @@ def markdown(rows: list[Row]) -> str:
                   "text-to-image score entries kept |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in group:
-            if r.accuracy is None:
+            if r.kv_bytes is None:
                 lines.append(f"| {r.config} | {r.note} | | | | | | |")
                 continue
             kept = f"{r.kept_entries:.0%}" if r.kept_entries is not None else ""
             kv, flops = f"{r.kv_bytes / base.kv_bytes:.0%}", f"{r.flops / base.flops:.0%}"
-            lines.append(
-                f"| {r.config} | {r.accuracy:.1%} ({r.correct}/{r.count}) | {r.accuracy / base.accuracy:.1%} | "
-                f"{r.kv_bytes} | {kv} | {r.flops:,} | {flops} | {kept} |")
+            accuracy = f"{r.accuracy:.1%} ({r.correct}/{r.count})" if r.accuracy is not None else "-"
+            share = f"{r.accuracy / base.accuracy:.1%}" if r.accuracy is not None and base.accuracy else "-"
+            cells = (r.config, accuracy, share, r.kv_bytes, kv, f"{r.flops:,}", flops, kept)
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*", help="model names (default: every builtin:*-digits model)")
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--limit", type=int, default=400, help="test questions per configuration")
+    parser.add_argument("--costs-only", action="store_true", help="count KV bytes and FLOPs only (no accuracy)")
     parser.add_argument("--markdown", help="also write the tables to this file")
     parser.add_argument("--json", help="also write the rows as JSON")
     args = parser.parse_args(argv)
@@ -151,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
         print("no builtin:*-digits model is registered in this tree", file=sys.stderr)
         return 1
-    dataset = session.datasets.get(args.dataset)
-    examples = dataset.load("test")[: args.limit]
+    examples = None if args.costs_only else session.datasets.get(args.dataset).load("test")[: args.limit]
     rows = []
     for name in names:
         for label, passes in CONFIGS:
             start = time.perf_counter()
             rows.append(measure(session, name, label, passes, examples))
             print(f"{name} | {label}: {rows[-1].accuracy} ({time.perf_counter() - start:.1f}s)", file=sys.stderr)
+        session = Session.create(autoload=False)  # fresh registries, so no pass state leaks between models
     text = markdown(rows)
     print(text)
     if args.markdown:
