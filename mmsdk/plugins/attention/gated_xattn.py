@@ -59,7 +59,9 @@ class KVMemo:
     def __call__(self, inner: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or kwargs or torch.is_grad_enabled() or x.requires_grad:
             return inner(x, *args, **kwargs)
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), x._version, x.dtype, x.device)
+        # inference-mode tensors keep no version counter (they cannot be changed outside inference mode)
+        version = None if x.is_inference() else x._version
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), version, x.dtype, x.device)
         if key == self.key and self.output is not None:
             self.hits += 1
             return self.output
