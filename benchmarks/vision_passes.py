@@ -13,6 +13,7 @@ masked-SDPA path that runs on CPU computes all of them, so its counted FLOPs do 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -31,10 +32,46 @@ from mmsdk.plugins.encoders.vit_prune import ViTPruneConfig
 from mmsdk.plugins.projectors.token_merge import TokenMergeConfig
 from mmsdk.testing import sample_image
 
+
+class _RandomRanks:
+    """The scores a scorer found, replaced by seeded uniform noise (same shapes, drawn once each)."""
+
+    def __init__(self, found: list[torch.Tensor], generator: torch.Generator) -> None:
+        self.found, self.generator, self.drawn = found, generator, []
+
+    def __iter__(self) -> Any:
+        while len(self.drawn) < len(self.found):
+            self.drawn.append(torch.rand(self.found[len(self.drawn)].shape, generator=self.generator))
+        return iter(self.drawn)
+
+
+class _RandomScorer:
+    """Control for visionzip: the same budget and reducer, but tokens ranked at random."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.generator = torch.Generator().manual_seed(0)
+
+    @contextlib.contextmanager
+    def capture(self, call_kwargs: Any) -> Any:
+        with self.inner.capture(call_kwargs) as found:
+            yield _RandomRanks(found, self.generator)
+
+
+def _random_control(opt: Optimizer) -> None:
+    from mmsdk.plugins._runtime import runtime_of
+
+    runtime = runtime_of(opt.model, opt.adapter)
+    runtime.scorers[:] = [_RandomScorer(s) for s in runtime.scorers]
+
+
 CONFIGS: list[tuple[str, tuple[Any, ...]]] = [
     ("baseline", ()),
     ("token-prune visionzip keep 0.5", (TokenPruneConfig(keep_ratio=0.5),)),
     ("token-prune visionzip keep 0.25", (TokenPruneConfig(keep_ratio=0.25),)),
+    ("token-prune visionzip received keep 0.5", (TokenPruneConfig(keep_ratio=0.5, dominance="received"),)),
+    ("token-prune visionzip received keep 0.25", (TokenPruneConfig(keep_ratio=0.25, dominance="received"),)),
+    ("control: random ranking keep 0.5", (TokenPruneConfig(keep_ratio=0.5), _random_control)),
     ("token-prune fastv keep 0.5", (TokenPruneConfig(strategy="fastv", keep_ratio=0.5),)),
     ("token-prune fastv keep 0.25", (TokenPruneConfig(strategy="fastv", keep_ratio=0.25),)),
     ("token-merge keep 0.5", (TokenMergeConfig(keep_ratio=0.5),)),
@@ -98,11 +135,15 @@ def measure(session: Session, name: str, label: str, passes: tuple[Any, ...], ex
     """One model x one configuration (``examples`` None: count costs only, on a random image)."""
     model, processor = session.models.get(name).build()
     opt = Optimizer(model, processor, session=session)
+    hooks = [p for p in passes if callable(p)]  # benchmark controls, run after the passes
+    passes = tuple(p for p in passes if not callable(p))
     try:
         if any(session.pass_spec(p)[0].needs_calibration for p in passes):
             opt.calibrate(_calibration(session, examples))
         opt.apply(*passes)
         model = opt.model
+        for hook in hooks:
+            hook(opt)
     except MmsdkError as err:
         return Row(name, label, None, 0, 0, None, None, None, note=f"refused: {err.problem}")
     image, question = (examples[0].image, examples[0].question) if examples else (sample_image(0), "is it even ?")

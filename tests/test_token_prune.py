@@ -190,3 +190,18 @@ def test_deep_copying_an_optimized_model_is_refused_clearly(session, tiny):
     with pytest.raises(UnsupportedInputError, match="deep-copy the model before"):
         copy.deepcopy(loaded.model)
     assert "forward" not in baseline.__dict__
+
+
+def test_dominance_rules(session, tiny):
+    llava = tiny("tiny:llava")
+    inputs = tiny_inputs(llava.processor, QUESTIONS)
+    opt = Optimizer(llava.model, session=session).apply(TokenPruneConfig(keep_ratio=0.5, dominance="received"))
+    with torch.no_grad():
+        opt.model(**inputs)
+    assert opt.results[0].records["dominance"] == "received"
+    mllama = tiny("tiny:mllama")
+    opt = Optimizer(mllama.model, session=session).apply(TokenPruneConfig(keep_tokens=7, dominance="received"))
+    assert count_prefill(opt.model, tiny_inputs(mllama.processor)).layer_lengths[1] == 7
+    qwen = tiny("tiny:qwen2-vl")
+    with pytest.raises(IncompatiblePassError, match="dominance='cls'"):  # Qwen-VL's tower has no CLS token
+        Optimizer(qwen.model, session=session).apply(TokenPruneConfig(dominance="cls"))

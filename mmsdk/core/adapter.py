@@ -264,8 +264,13 @@ class ModelAdapter:
 
 
     # --- runtime knowledge used by vision-token and attention passes ---------------------------
-    def image_token_scorer(self, model: nn.Module) -> ImageTokenScorer | None:
-        """A scorer ranking image tokens by vision-tower attention (VisionZip's dominance), or None."""
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
+        """A scorer ranking image tokens by vision-tower attention (VisionZip's dominance), or None.
+
+        ``rule``: "cls" (the attention the CLS token pays each token, VisionZip's rule), "received"
+        (the attention each token receives from all tokens of its image), or "auto" (CLS where the
+        tower has one). None when the family cannot score with that rule.
+        """
         return None
 
     def image_features_call(self, model: nn.Module) -> tuple[Any, str] | None:

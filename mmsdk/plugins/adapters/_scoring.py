@@ -32,11 +32,14 @@ def _hidden_states(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Te
 
 
 class ClsAttentionScorer:
-    """Scores tokens by the CLS row of one layer's attention (summed over heads), per group of tokens.
+    """Scores tokens by one layer's attention in a CLS-led tower, per group of tokens.
 
-    A group is a run of ``group`` consecutive tokens starting with its CLS token (one image for CLIP,
-    one tile for Mllama); only its first ``valid`` tokens are real (Mllama pads tiles). The CLS
-    token's own score is +inf when the model keeps it as an image token, else it is dropped.
+    ``rule`` "cls": the CLS row (summed over heads), VisionZip's rule; "received": the attention a
+    token receives from the group's patch tokens (mean over heads and queries), for towers whose
+    CLS output was never trained to summarize (e.g. trained from scratch with the CLS dropped).
+    A group is a run of ``group`` consecutive tokens starting with its CLS token (one image for
+    CLIP, one tile for Mllama); only its first ``valid`` tokens are real (Mllama pads tiles). The
+    CLS token's own score is +inf when the model keeps it as an image token, else it is dropped.
     ``finish`` maps the per-group scores [groups, tokens] to the language model's token order.
     """
 
@@ -45,11 +48,13 @@ class ClsAttentionScorer:
         block: VisionBlock,
         *,
         keep_cls: bool,
+        rule: str = "cls",
         group: Callable[[torch.Tensor], tuple[int, int]] | None = None,
         finish: Callable[[torch.Tensor, Mapping[str, Any]], torch.Tensor] | None = None,
     ) -> None:
         self.block = block
         self.keep_cls = keep_cls
+        self.rule = rule
         self.group = group
         self.finish = finish
 
@@ -74,13 +79,17 @@ class ClsAttentionScorer:
         rows, length, _ = hidden.shape
         group, valid = self.group(hidden) if self.group else (length, length)
         groups = hidden.reshape(rows * (length // group), group, -1)[:, :valid]
-        q = getattr(block.attention, proj.q)(groups[:, :1])  # the CLS row of each group only
+        queries = groups[:, :1] if self.rule == "cls" else groups  # only the CLS row when that is the rule
+        q = getattr(block.attention, proj.q)(queries)
         k = getattr(block.attention, proj.k)(groups)
         heads, dim = block.num_heads, block.head_dim
-        q = q.view(q.shape[0], 1, heads, dim).transpose(1, 2)
+        q = q.view(q.shape[0], q.shape[1], heads, dim).transpose(1, 2)
         k = k.view(k.shape[0], valid, heads, dim).transpose(1, 2)
         probs = torch.softmax((q @ k.transpose(-1, -2)).float() * dim**-0.5, dim=-1)
-        scores = probs.sum(dim=1)[:, 0]  # [groups, valid]
+        if self.rule == "cls":
+            scores = probs.sum(dim=1)[:, 0]  # [groups, valid]
+        else:
+            scores = probs.mean(dim=1)[:, 1:].mean(dim=1)  # received from the patch tokens
         if self.keep_cls:
             scores[:, 0] = float("inf")
             return scores

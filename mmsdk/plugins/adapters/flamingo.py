@@ -63,11 +63,12 @@ class IdeficsAdapter(ModelAdapter):
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="cross-attention", image_token_id=None)
 
-    def image_token_scorer(self, model: nn.Module) -> ImageTokenScorer | None:
-        """CLS attention of the last vision layer; None with a perceiver (its latents have no CLS score)."""
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
+        """Attention in the last vision layer; None with a perceiver (its latents are not vision tokens)."""
         if self.projector(model) is not None:
             return None
-        return ClsAttentionScorer(self.vision_blocks(model)[-1], keep_cls=True)
+        rule = "cls" if rule == "auto" else rule
+        return ClsAttentionScorer(self.vision_blocks(model)[-1], keep_cls=True, rule=rule)
 
     def install_image_state_reducer(
         self,
@@ -138,13 +139,14 @@ class MllamaAdapter(ModelAdapter):
     def cross_kv_cached(self, model: nn.Module) -> bool:
         return True  # MllamaTextCrossAttention writes the projected image K/V into the cache once
 
-    def image_token_scorer(self, model: nn.Module) -> ImageTokenScorer | None:
-        """CLS attention of each tile in the last local vision layer (tiles are padded to a multiple of 8)."""
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
+        """Attention in each tile of the last local vision layer (tiles are padded to a multiple of 8)."""
         tower = self.vision_tower(model)
         per_tile = tower.num_patches
         padded = per_tile + (8 - per_tile % 8) % 8
         last_local = self.vision_blocks(model)[len(tower.transformer.layers) - 1]
-        return ClsAttentionScorer(last_local, keep_cls=True, group=lambda hidden: (padded, per_tile))
+        rule = "cls" if rule == "auto" else rule
+        return ClsAttentionScorer(last_local, keep_cls=True, rule=rule, group=lambda hidden: (padded, per_tile))
 
     def install_image_state_reducer(
         self,

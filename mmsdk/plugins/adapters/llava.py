@@ -45,8 +45,8 @@ class LlavaAdapter(ModelAdapter):
     def image_features_call(self, model: nn.Module) -> tuple[Any, str] | None:
         return model.model, "get_image_features"
 
-    def image_token_scorer(self, model: nn.Module) -> ImageTokenScorer | None:
-        """CLS attention of the layer whose output is the image feature (VisionZip's rule)."""
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
+        """Attention in the layer whose output is the image feature (CLS row: VisionZip's rule)."""
         cfg = model.config
         layer = cfg.vision_feature_layer if isinstance(cfg.vision_feature_layer, int) else cfg.vision_feature_layer[-1]
         blocks = self.vision_blocks(model)
@@ -56,7 +56,8 @@ class LlavaAdapter(ModelAdapter):
         keep_cls = cfg.vision_feature_select_strategy == "full"
         packs = hasattr(model.model, "pack_image_features")  # LLaVA-NeXT tiles and image newlines
         finish = _next_packer(model) if packs else None
-        return ClsAttentionScorer(blocks[index], keep_cls=keep_cls, finish=finish)
+        rule = "cls" if rule == "auto" else rule
+        return ClsAttentionScorer(blocks[index], keep_cls=keep_cls, rule=rule, finish=finish)
 
 
 def _next_packer(model: nn.Module) -> Any:

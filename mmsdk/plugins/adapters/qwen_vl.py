@@ -68,8 +68,10 @@ class QwenVLAdapter(ModelAdapter):
     def image_features_call(self, model: nn.Module) -> tuple[Any, str] | None:
         return model.model, "get_image_features"
 
-    def image_token_scorer(self, model: nn.Module) -> ImageTokenScorer | None:
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
         """Attention each merged token receives in the last full-attention vision block (no CLS token)."""
+        if rule == "cls":
+            return None
         tower = self.vision_tower(model)
         blocks = self.vision_blocks(model)
         full = getattr(tower, "fullatt_block_indexes", None)

@@ -50,6 +50,10 @@ class TokenPruneConfig(PassConfig):
     contextual_fraction: float = Field(
         0.15, ge=0, lt=1, description="visionzip: share of the kept tokens that are merged context tokens (10/64)."
     )
+    dominance: Literal["auto", "cls", "received"] = Field(
+        "auto", description="visionzip: rank by the CLS row (VisionZip) or the attention a token receives; "
+        "auto: CLS where the tower has one.",
+    )
     layer: int | None = Field(
         None, ge=1, description="fastv: prune after this many decoder layers (K; default min(2, layers - 1))."
     )
@@ -95,12 +99,12 @@ def check_token_prune(ctx: CheckContext) -> None:
     inline = INLINE_IMAGE_TOKENS in ctx.adapter.capabilities(ctx.model)
     if config.strategy == "fastv":
         _check_fastv(ctx, config, inline)
-    elif ctx.adapter.image_token_scorer(ctx.model) is None:
+    elif ctx.adapter.image_token_scorer(ctx.model, config.dominance) is None:
         raise IncompatiblePassError(
-            f"token-prune strategy 'visionzip' needs vision-tower attention scores, which the {ctx.adapter.name} "
-            "adapter cannot give for this model (no attention layer feeds its image features, or a resampler "
-            "mixes them).",
-            fix='use "token-merge" (needs no scores), or strategy="fastv" on an inline-token model.',
+            f"token-prune strategy 'visionzip' with dominance={config.dominance!r} needs vision-tower attention "
+            f"scores the {ctx.adapter.name} adapter cannot give for this model (no CLS token for 'cls', no "
+            "attention layer feeding the image features, or a resampler mixing them).",
+            fix='use dominance="auto", "token-merge" (needs no scores), or strategy="fastv" on an inline-token model.',
         )
 
 
@@ -144,9 +148,10 @@ def apply_token_prune(model: Any, config: TokenPruneConfig, context: PassContext
         install_fastv(model, adapter, runtime, layer, config.kept)
         records.update(layer=layer, kv_cache=f"layers {layer}..{layers - 1} hold only the kept tokens")
         return records
-    scorer = adapter.image_token_scorer(model)
+    scorer = adapter.image_token_scorer(model, config.dominance)
     assert scorer is not None  # refused in check
     runtime.scorers.append(scorer)
+    records["dominance"] = getattr(scorer, "rule", "received")
     reducer = VisionZipReducer(*config.budget(), config.contextual_fraction)
     if runtime.inline:
         runtime.reducers.append(reducer)
