@@ -43,6 +43,12 @@ _LAZY: dict[str, str] = {
     "SparseXAttnConfig": "mmsdk.plugins.attention.sparse_xattn",
     "GatedXAttnConfig": "mmsdk.plugins.attention.gated_xattn",
     "RMSNormRoPEFusionConfig": "mmsdk.plugins.attention.rmsnorm_rope",
+    "Int4WeightConfig": "mmsdk.plugins.quantizers.int4_weight",
+    "Int4KVConfig": "mmsdk.plugins.quantizers.kv_cache",
+    "Int8KVConfig": "mmsdk.plugins.quantizers.kv_cache",
+    "FP8KVConfig": "mmsdk.plugins.quantizers.kv_cache",
+    "PTQAlignConfig": "mmsdk.plugins.quantizers.ptq_align",
+    "CalibrationRecord": "mmsdk.plugins.quantizers.calibration_record",
     "MmsdkError": "mmsdk.core.errors",
     "UnknownNameError": "mmsdk.core.errors",
     "DuplicateNameError": "mmsdk.core.errors",
@@ -111,3 +117,7 @@ if TYPE_CHECKING:
     from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
     from mmsdk.plugins.encoders.vit_prune import ViTPruneConfig
     from mmsdk.plugins.projectors.token_merge import TokenMergeConfig
+    from mmsdk.plugins.quantizers.calibration_record import CalibrationRecord
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+    from mmsdk.plugins.quantizers.kv_cache import FP8KVConfig, Int4KVConfig, Int8KVConfig
+    from mmsdk.plugins.quantizers.ptq_align import PTQAlignConfig

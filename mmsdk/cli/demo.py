@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     baseline = copy.deepcopy(loaded.model)
     passes = [name for name in DEMO_PASSES if name in session.passes]
     opt = Optimizer(loaded.model, loaded.processor, session=session)
-    if any(session.passes.get(name).needs_calibration for name in passes):
+    if any(session.passes.get(n).wants_calibration(session.passes.get(n).config_cls()) for n in passes):
         opt.calibrate(DEMO_DATASET)
     opt.apply(*passes)
     out.print(f"[bold]{DEMO_MODEL}[/bold]: applying {', '.join(passes)}")

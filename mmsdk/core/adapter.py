@@ -101,6 +101,9 @@ class CrossAttentionBlock:
     attention: nn.Module
     gate_names: tuple[str, ...]
     projections: AttentionProjections
+    # True when the model keeps this layer's K/V in the generation Cache at ``decoder_index``
+    # (Mllama); False when it recomputes them from the vision states at every step (IDEFICS).
+    kv_cached: bool = True
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class ExportContext:
     source: SourceModel
     session: Session
     processor: Any = None
+    calibration: Mapping[str, Any] | None = None  # the merged calibration record (Manifest.calibration)
 
     def pass_names(self) -> list[str]:
         """Names of the passes applied, in order."""

@@ -32,12 +32,17 @@ class CalibrationSet:
             )
         self.samples = list(samples)
         self.name = name
+        # Scratch space for data derived from these samples (cached vision features, statistics),
+        # so passes sharing this set trace the vision tower once. Keyed by the plugin that fills it.
+        self.cache: dict[str, Any] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __iter__(self) -> Iterator[CalibrationSample]:
-        return iter(self.samples)
+        from mmsdk.progress import track
+
+        return track(self.samples, f"calibrating on {self.name}")
 
     @classmethod
     def from_any(cls, source: Any, *, session: Session, limit: int | None = None) -> CalibrationSet:
@@ -52,7 +57,7 @@ class CalibrationSet:
         else:
             pairs, name = _iterate(source), type(source).__name__
         samples = []
-        for index, item in enumerate(pairs):
+        for index, item in enumerate(_track(pairs, limit if limit is not None else _length(source))):
             if limit is not None and index >= limit:
                 break
             samples.append(_to_sample(item, index))
@@ -61,6 +66,21 @@ class CalibrationSet:
     def prompts(self, adapter: ModelAdapter, processor: Any = None) -> list[str]:
         """Each sample's text formatted with the family's image placeholder."""
         return [adapter.format_prompt(sample.text, processor) for sample in self.samples]
+
+
+def _length(source: Any) -> int | None:
+    return len(source) if hasattr(source, "__len__") and not isinstance(source, str) else None
+
+
+def _track(items: Iterable[Any], total: int | None) -> Iterable[Any]:
+    """A progress bar over ``items`` on an interactive terminal (reading a Dataset can be slow)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return items
+    from rich.progress import track
+
+    return track(items, description="reading calibration samples", total=total, transient=True)
 
 
 def _iterate(source: Any) -> Iterable[Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from mmsdk.core.config import make_config
 from mmsdk.core.fileio import atomic_output_dir
@@ -12,9 +12,10 @@ from mmsdk.core.manifest import Manifest, PassRecord, hash_folder
 
 if TYPE_CHECKING:
     from mmsdk.core.backend import ExportContext, ExportResult
+    from mmsdk.core.passes import PassResult
     from mmsdk.core.session import Session
 
-__all__ = ["export", "load", "default_output_path", "pass_records"]
+__all__ = ["export", "load", "default_output_path", "pass_records", "merged_calibration"]
 
 
 def default_output_path(model_name: str) -> Path:
@@ -40,6 +41,19 @@ def pass_records(context: ExportContext) -> list[PassRecord]:
     ]
 
 
+def merged_calibration(results: Sequence[PassResult]) -> dict[str, Any] | None:
+    """The calibration record of an export: every pass's ``records["calibration"]`` sections, in order.
+
+    A section (top-level key) written by a later pass replaces the same section of an earlier one.
+    """
+    merged: dict[str, Any] = {}
+    for result in results:
+        section = result.records.get("calibration")
+        if isinstance(section, Mapping):
+            merged.update(section)
+    return merged or None
+
+
 def export(
     context: ExportContext,
     backend_name: str,
@@ -52,11 +66,17 @@ def export(
     """Check, write into a staging folder, hash, write the manifest, then rename into ``path``."""
     from mmsdk import __version__
     from mmsdk.core.backend import ExportResult
+    from mmsdk.progress import progress
+    from mmsdk.telemetry import span
 
     backend = context.session.backends.get(backend_name)
     typed = make_config(backend.options_cls, options or {}, what=f"backend {backend_name!r}")
     backend.check(context, typed)
-    with atomic_output_dir(Path(path), overwrite=overwrite) as staging:
+    with (
+        span("mmsdk.export", backend=backend_name, path=str(path), passes=context.pass_names()),
+        progress(f"exporting for {backend_name}"),
+        atomic_output_dir(Path(path), overwrite=overwrite) as staging,
+    ):
         info = backend.export(context, typed, staging)
         manifest = Manifest(
             mmsdk_version=__version__,

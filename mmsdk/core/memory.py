@@ -9,6 +9,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from mmsdk.profiling.results import Profile
+
 __all__ = ["tensor_bytes", "module_bytes", "component_bytes", "MemoryReport", "PassMemory", "format_bytes"]
 
 
@@ -79,12 +81,17 @@ class PassMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Model bytes before any pass, after each pass, and per component now."""
+    """Model bytes before any pass, after each pass, and per component now.
+
+    ``profile`` is set when the report was measured (``opt.report(measure=True)``): a generation
+    before and after each pass, with KV cache, activation peaks and each stage's peak and time.
+    """
 
     baseline_bytes: int
     current_bytes: int
     passes: tuple[PassMemory, ...]
     components: dict[str, int] = field(default_factory=dict)
+    profile: Profile | None = None
 
     def table(self) -> str:
         """A plain-text table of the waterfall."""
@@ -95,7 +102,8 @@ class MemoryReport:
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.components.items())
-        return "\n".join(lines + ([f"components now: {parts}"] if parts else []))
+        text = "\n".join(lines + ([f"components now: {parts}"] if parts else []))
+        return text if self.profile is None else f"{text}\n\nmeasured ({self.profile.device}):\n{self.profile.table()}"
 
     def __str__(self) -> str:
         return self.table()

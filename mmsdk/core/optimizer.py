@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from mmsdk.core.backend import ExportContext
 from mmsdk.core.calibration import CalibrationSet
-from mmsdk.core.exporting import default_output_path, export
+from mmsdk.core.exporting import default_output_path, export, merged_calibration
 from mmsdk.core.manifest import SourceModel
 from mmsdk.core.memory import MemoryReport, PassMemory, component_bytes, module_bytes
 from mmsdk.core.passes import PassContext, PassResult
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mmsdk.core.backend import ExportResult
+    from mmsdk.profiling.results import Profile
 
 __all__ = ["Optimizer"]
 
@@ -93,15 +94,57 @@ class Optimizer:
         self._run_pending()
         return self._model
 
-    def report(self) -> MemoryReport:
-        """Weights bytes before, after each pass, and per component now."""
+    def report(
+        self, *, measure: bool = False, sample: Any = None, device: str | None = None, max_new_tokens: int = 8
+    ) -> MemoryReport:
+        """Weights bytes before, after each pass, and per component now.
+
+        Cheap by default (it only counts parameter and buffer bytes). ``measure=True`` also runs
+        :meth:`profile` (a generation before and after each pass not yet run) and attaches it.
+        """
+        profile = self.profile(sample, device=device, max_new_tokens=max_new_tokens) if measure else None
         self._run_pending()
         return MemoryReport(
             baseline_bytes=self._baseline_bytes,
             current_bytes=module_bytes(self._model),
             passes=tuple(PassMemory(r.name, r.bytes_before, r.bytes_after, r.seconds) for r in self.results),
             components=component_bytes(self.adapter.components(self._model)),
+            profile=profile,
         )
+
+    def profile(
+        self, sample: Any = None, *, device: str | None = None, max_new_tokens: int = 8, modules: bool = True
+    ) -> Profile:
+        """Measure a greedy generation now and again after each planned pass, running the passes.
+
+        ``sample`` is (image, question) (default: a digits test example, or a synthetic image).
+        Each step reports weights, KV cache and activation bytes, and every stage's peak and time
+        (vision encode, projector, prefill, decode). ``device`` is ``cpu`` or ``cuda`` (default:
+        where the model is); the model is moved there. See docs/profiling.md.
+        """
+        from mmsdk.profiling.measure import measure_run, resolve_device, resolve_sample
+        from mmsdk.profiling.results import Profile
+        from mmsdk.progress import progress
+
+        target = resolve_device(device or next(self._model.parameters()).device.type)
+        prompt = resolve_sample(sample, self.session, max_new_tokens)
+        self._check_pending()
+
+        def measure() -> Any:
+            names = tuple(r.name for r in self.results)
+            label = f"+ {names[-1]}" if names else "unoptimized"
+            return measure_run(self._model, self.processor, self.adapter, prompt, device=target, label=label,
+                               passes=names, modules=modules)
+
+        with progress("profiling", total=len(self._pending) + 1) as advance:
+            runs = [measure()]
+            advance(1)
+            while self._pending:
+                self.results.append(self._run_one(self._pending.pop(0)))
+                runs.append(measure())
+                advance(1)
+        return Profile(model=self.source.name, adapter=self.adapter.name, device=target,
+                       question=prompt.question, runs=tuple(runs))
 
     def export(
         self, backend: str = "onnxruntime", path: str | Path | None = None, *, overwrite: bool = False, **options: Any
@@ -110,7 +153,8 @@ class Optimizer:
         self.session.backends.get(backend)  # an unknown backend fails before any pass runs
         self._run_pending()
         target = Path(path) if path is not None else default_output_path(self.source.name)
-        return export(self.export_context(), backend, target, overwrite=overwrite, options=options)
+        context = self.export_context()
+        return export(context, backend, target, overwrite=overwrite, options=options, calibration=context.calibration)
 
     def export_context(self) -> ExportContext:
         """What backends see: the optimized model, its adapter and every pass result."""
@@ -122,19 +166,34 @@ class Optimizer:
             source=self.source,
             session=self.session,
             processor=self.processor,
+            calibration=merged_calibration(self.results),
         )
 
-    def _run_pending(self) -> None:
+    def _check_pending(self) -> None:
+        """Raise before any pass mutates if a pending pass needs calibration data and none was given."""
         for planned in self._pending:
-            if planned.spec.needs_calibration:
-                self._context().require_calibration(planned.name)  # raises before any pass mutates
+            if planned.spec.wants_calibration(planned.config):
+                self._default_calibration()
+                self._context().require_calibration(planned.name)
+
+    def _run_pending(self) -> None:
+        self._check_pending()
         while self._pending:
             self.results.append(self._run_one(self._pending.pop(0)))
 
+    def _default_calibration(self) -> None:
+        # mmsdk's embedded processors name the dataset their models calibrate on by default.
+        name = getattr(self.processor, "default_calibration", None)
+        if self.calibration is None and name and name in self.session.datasets:
+            self.calibrate(name)
+
     def _run_one(self, planned: PlannedPass) -> PassResult:
+        from mmsdk.telemetry import span
+
         before = module_bytes(self._model)
         start = time.perf_counter()
-        records = planned.spec.apply(self._model, planned.config, self._context()) or {}
+        with span("mmsdk.optimize.pass", name=planned.name, kind=planned.spec.kind, plugin=planned.plugin):
+            records = planned.spec.apply(self._model, planned.config, self._context()) or {}
         assert planned.spec.kind is not None  # stamped by the registrar
         return PassResult(
             name=planned.name,

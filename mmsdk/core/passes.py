@@ -52,8 +52,14 @@ class PassSpec:
     requires: frozenset[str] = frozenset()
     exclusive_group: str | None = None
     repeatable: bool = False
-    needs_calibration: bool = False
+    # True, or a function of the pass's config saying whether this config needs data (awq vs rtn).
+    needs_calibration: bool | Callable[[Any], bool] = False
     kind: PassKind | None = None
+
+    def wants_calibration(self, config: Any) -> bool:
+        """Whether running this pass with ``config`` needs a calibration set."""
+        needs = self.needs_calibration
+        return bool(needs(config)) if callable(needs) else bool(needs)
 
     def with_kind(self, kind: PassKind) -> PassSpec:
         """Return this spec stamped with the kind of the hook that registered it."""

@@ -42,6 +42,10 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.sparse_xattn": "mmsdk.plugins.attention.sparse_xattn",
     "mmsdk.gated_xattn": "mmsdk.plugins.attention.gated_xattn",
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
+    "mmsdk.tensorrt_llm": "mmsdk.plugins.backends.tensorrt_llm.backend",
+    "mmsdk.int4_weight": "mmsdk.plugins.quantizers.int4_weight",
+    "mmsdk.kv_cache": "mmsdk.plugins.quantizers.kv_cache",
+    "mmsdk.ptq_align": "mmsdk.plugins.quantizers.ptq_align",
 }
 # Plugins the rest of mmsdk cannot work without; MMSDK_DISABLE_PLUGINS refuses them.
 ESSENTIAL_PLUGINS = frozenset({"mmsdk.torch"})

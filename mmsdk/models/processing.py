@@ -28,6 +28,8 @@ class VLProcessor:
 
     family: ClassVar[str]
     placeholder: ClassVar[str]  # what a prompt writes where the image goes
+    # The dataset Optimizer calibrates on when a pass needs data and none was given.
+    default_calibration: ClassVar[str | None] = "digits"
 
     def __init__(self, tokenizer: WordTokenizer, image_size: int, patch_size: int, **options: Any) -> None:
         self.tokenizer = tokenizer

@@ -20,7 +20,7 @@ from mmsdk.models.family_processors import (
 )
 from mmsdk.models.tokenizer import WordTokenizer
 
-__all__ = ["TINY_BUILDERS", "build_tiny", "TINY_WORDS", "text_dims"]
+__all__ = ["TINY_BUILDERS", "build_tiny", "TINY_WORDS", "text_dims", "TP_TEXT_DIMS"]
 
 VOCAB_SIZE = 101
 TINY_WORDS = (
@@ -43,6 +43,13 @@ def text_dims(**overrides: Any) -> dict[str, Any]:
     )
     dims.update(overrides)
     return dims
+
+
+# The "-tp" variants: head counts and widths that tensor parallelism of 1, 2 and 4 divides (4 query
+# heads over 2 KV heads, so tp 4 replicates KV heads), and widths that are multiples of 256 so INT4
+# layers with group size 64 fit TensorRT-LLM's padding rule (max(64, group) * tp) at tp 4.
+TP_TEXT_DIMS: dict[str, Any] = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                    num_key_value_heads=2)
 
 
 def _tokenizer(*specials: str) -> WordTokenizer:
@@ -73,29 +80,29 @@ def _clip_vision(**overrides: Any) -> Any:
     return CLIPVisionConfig(**dims)
 
 
-def tiny_llava() -> LoadedModel:
+def tiny_llava(**text: Any) -> LoadedModel:
     """LlavaForConditionalGeneration: CLIP 30px/6px patches (25 tokens) + Llama 48x2."""
     from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     tok = _tokenizer("<image>")
-    config = LlavaConfig(text_config=LlamaConfig(**text_dims(pad_token_id=tok.pad_token_id)),
+    config = LlavaConfig(text_config=LlamaConfig(**text_dims(pad_token_id=tok.pad_token_id, **text)),
                          vision_config=_clip_vision(), image_token_id=tok.token_id("<image>"),
                          vision_feature_layer=-2, vision_feature_select_strategy="default")
     model = _seeded(lambda: LlavaForConditionalGeneration(config))
-    return LoadedModel(model, LlavaProcessor(tok, 30, 6), "tiny:llava")
+    return LoadedModel(model, LlavaProcessor(tok, 30, 6), "tiny:llava-tp" if text else "tiny:llava")
 
 
-def tiny_llava_next() -> LoadedModel:
+def tiny_llava_next(**text: Any) -> LoadedModel:
     """LlavaNextForConditionalGeneration with one any-res tile (55 image tokens)."""
     from transformers import LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
 
     tok = _tokenizer("<image>")
-    config = LlavaNextConfig(text_config=LlamaConfig(**text_dims(pad_token_id=tok.pad_token_id)),
+    config = LlavaNextConfig(text_config=LlamaConfig(**text_dims(pad_token_id=tok.pad_token_id, **text)),
                              vision_config=_clip_vision(), image_token_id=tok.token_id("<image>"),
                              image_grid_pinpoints=[[30, 30]], vision_feature_layer=-2,
                              vision_feature_select_strategy="default")
     model = _seeded(lambda: LlavaNextForConditionalGeneration(config))
-    return LoadedModel(model, LlavaNextProcessor(tok, 30, 6), "tiny:llava-next")
+    return LoadedModel(model, LlavaNextProcessor(tok, 30, 6), "tiny:llava-next-tp" if text else "tiny:llava-next")
 
 
 _QWEN_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
@@ -107,35 +114,43 @@ def _qwen_ids(tok: WordTokenizer) -> dict[str, int]:
                 vision_end_token_id=tok.token_id("<|vision_end|>"))
 
 
-def _qwen_text(tok: WordTokenizer) -> dict[str, Any]:
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+def _qwen_text(tok: WordTokenizer, text: dict[str, Any]) -> dict[str, Any]:
+    dims = text_dims(**text)
+    # M-RoPE sections (t, h, w) cover head_dim / 2 rotary frequencies: [2, 3, 3] at head_dim 16.
+    half = dims["hidden_size"] // dims["num_attention_heads"] // 2
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
     return text_dims(rope_parameters=rope, pad_token_id=tok.pad_token_id,
-                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **text)
 
 
-def tiny_qwen2_vl() -> LoadedModel:
+def tiny_qwen2_vl(**text: Any) -> LoadedModel:
     """Qwen2VLForConditionalGeneration: 36px image, 6px patches, 2x2 merge (9 tokens), M-RoPE [2,3,3]."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tok = _tokenizer(*_QWEN_SPECIALS)
-    vision = dict(depth=2, embed_dim=40, hidden_size=48, num_heads=2, mlp_ratio=2, patch_size=6,
+    text_cfg = _qwen_text(tok, text)
+    vision = dict(depth=2, embed_dim=40, hidden_size=text_cfg["hidden_size"], num_heads=2, mlp_ratio=2, patch_size=6,
                   spatial_merge_size=2, temporal_patch_size=2)
-    config = Qwen2VLConfig(text_config=_qwen_text(tok), vision_config=vision, **_qwen_ids(tok))
+    config = Qwen2VLConfig(text_config=text_cfg, vision_config=vision, **_qwen_ids(tok))
     model = _seeded(lambda: Qwen2VLForConditionalGeneration(config))
-    return LoadedModel(model, QwenVLProcessor(tok, 36, 6, merge_size=2, temporal_patch_size=2), "tiny:qwen2-vl")
+    name = "tiny:qwen2-vl-tp" if text else "tiny:qwen2-vl"
+    return LoadedModel(model, QwenVLProcessor(tok, 36, 6, merge_size=2, temporal_patch_size=2), name)
 
 
-def tiny_qwen2_5_vl() -> LoadedModel:
+def tiny_qwen2_5_vl(**text: Any) -> LoadedModel:
     """Qwen2_5_VLForConditionalGeneration: windowed vision attention (one full-attention block)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tok = _tokenizer(*_QWEN_SPECIALS)
-    vision = dict(depth=2, hidden_size=40, intermediate_size=54, out_hidden_size=48, num_heads=2,
+    text_cfg = _qwen_text(tok, text)
+    vision = dict(depth=2, hidden_size=40, intermediate_size=54, out_hidden_size=text_cfg["hidden_size"], num_heads=2,
                   patch_size=6, spatial_merge_size=2, temporal_patch_size=2, window_size=24,
                   fullatt_block_indexes=[1])
-    config = Qwen2_5_VLConfig(text_config=_qwen_text(tok), vision_config=vision, **_qwen_ids(tok))
+    config = Qwen2_5_VLConfig(text_config=text_cfg, vision_config=vision, **_qwen_ids(tok))
     model = _seeded(lambda: Qwen2_5_VLForConditionalGeneration(config))
-    return LoadedModel(model, QwenVLProcessor(tok, 36, 6, merge_size=2, temporal_patch_size=2), "tiny:qwen2.5-vl")
+    name = "tiny:qwen2.5-vl-tp" if text else "tiny:qwen2.5-vl"
+    return LoadedModel(model, QwenVLProcessor(tok, 36, 6, merge_size=2, temporal_patch_size=2), name)
 
 
 def tiny_qwen3_vl() -> LoadedModel:
@@ -188,6 +203,26 @@ def tiny_mllama() -> LoadedModel:
     return LoadedModel(model, MllamaProcessor(tok, 30, 6, max_num_tiles=1), "tiny:mllama")
 
 
+def tiny_llava_tp() -> LoadedModel:
+    """tiny:llava with a 256-wide decoder of 4 heads over 2 KV heads (tensor parallel 1/2/4)."""
+    return tiny_llava(**TP_TEXT_DIMS)
+
+
+def tiny_llava_next_tp() -> LoadedModel:
+    """tiny:llava-next with a 256-wide decoder of 4 heads over 2 KV heads (tensor parallel 1/2/4)."""
+    return tiny_llava_next(**TP_TEXT_DIMS)
+
+
+def tiny_qwen2_vl_tp() -> LoadedModel:
+    """tiny:qwen2-vl with a 256-wide decoder of 4 heads over 2 KV heads (tensor parallel 1/2/4)."""
+    return tiny_qwen2_vl(**TP_TEXT_DIMS)
+
+
+def tiny_qwen2_5_vl_tp() -> LoadedModel:
+    """tiny:qwen2.5-vl with a 256-wide decoder of 4 heads over 2 KV heads (tensor parallel 1/2/4)."""
+    return tiny_qwen2_5_vl(**TP_TEXT_DIMS)
+
+
 TINY_BUILDERS: dict[str, Callable[[], LoadedModel]] = {
     "tiny:llava": tiny_llava,
     "tiny:llava-next": tiny_llava_next,
@@ -196,6 +231,10 @@ TINY_BUILDERS: dict[str, Callable[[], LoadedModel]] = {
     "tiny:qwen3-vl": tiny_qwen3_vl,
     "tiny:idefics": tiny_idefics,
     "tiny:mllama": tiny_mllama,
+    "tiny:llava-tp": tiny_llava_tp,
+    "tiny:llava-next-tp": tiny_llava_next_tp,
+    "tiny:qwen2-vl-tp": tiny_qwen2_vl_tp,
+    "tiny:qwen2.5-vl-tp": tiny_qwen2_5_vl_tp,
 }
 
 

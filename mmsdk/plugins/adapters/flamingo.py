@@ -56,6 +56,7 @@ class IdeficsAdapter(ModelAdapter):
                 attention=layer.cross_attn,
                 gate_names=("alpha_cross_attn", "alpha_dense"),
                 projections=AttentionProjections(),
+                kv_cached=False,  # IdeficsModel passes no cache to its cross-attention layers
             )
             for index, layer in enumerate(model.model.gated_cross_attn_layers)
         ]

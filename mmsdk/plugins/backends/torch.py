@@ -38,7 +38,7 @@ class TorchBackend:
         session = context.session
         for result in context.results:
             spec = session.passes.get(result.name)
-            if spec.restore is None and spec.needs_calibration:
+            if spec.restore is None and spec.wants_calibration(result.config):
                 raise ExportError(
                     f"pass {result.name!r} learns from data but gives no way to rebuild its modules on load, "
                     "so the torch export could not be reloaded.",

@@ -1,0 +1,177 @@
+"""Wiring a quantized KV cache into a model: ``generate()`` gets it without extra user code.
+
+``install(model, state)`` attaches a :class:`KVQuantState` to the model and overrides, on that
+instance only, ``_prepare_cache_for_generation``: it lets transformers prepare its cache as usual,
+then swaps the default ``DynamicCache`` it created for mmsdk's quantized cache. A cache the user
+passes in is left alone. ``model._mmsdk_kv.new_cache()`` gives one for manual forward calls.
+
+Cross-attention K/V that the model recomputes at every step (IDEFICS passes no cache to those
+layers) are computed once per image instead: the K and V projections of each such block answer
+repeated calls on the same vision states from a packed copy (:class:`CrossKVMemo`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmsdk.plugins.quantizers.quantized_cache import DynamicCodec, Packed, QuantizedKVLayer, StaticCodec, make_cache
+from mmsdk.plugins.tensor_keys import storage_key
+
+__all__ = ["CrossKVMemo", "KVQuantState", "LayerRanges", "install", "installed_state", "kv_bytes"]
+
+ATTRIBUTE = "_mmsdk_kv"
+QMAX = {"int4": 7.0, "int8": 127.0, "fp8": 448.0}
+
+
+@dataclass
+class LayerRanges:
+    """Calibrated |K| / |V| maxima of one layer, ``[heads, head_dim]`` (None in dynamic mode)."""
+
+    kind: str  # "self", "cross" or "recomputed"
+    k_amax: torch.Tensor | None = None
+    v_amax: torch.Tensor | None = None
+
+
+@dataclass
+class KVQuantState:
+    """How a model's KV cache is quantized: format, scale mode and per-layer ranges."""
+
+    fmt: str
+    scales: str
+    num_layers: int
+    head_dim: int
+    group_size: int
+    residual_length: int
+    key_granularity: str = "channel"
+    value_granularity: str = "channel"
+    cross_attention: bool = True
+    exact_prefill: bool = False
+    layers: dict[int, LayerRanges] = field(default_factory=dict)  # cache layers, by index
+    recomputed: dict[int, LayerRanges] = field(default_factory=dict)  # cross blocks, by block index
+    memos: list[CrossKVMemo] = field(default_factory=list)
+
+    def codec(self, amax: torch.Tensor | None, granularity: str) -> Any:
+        """The codec for one of K/V: static from ``amax``, or per-token dynamic."""
+        if self.scales == "dynamic" or amax is None:
+            return DynamicCodec(self.fmt, self.group_size)
+        if granularity == "tensor":
+            amax = amax.max().reshape(1, 1)
+        scale = torch.where(amax > 0, amax.float() / QMAX[self.fmt], torch.ones_like(amax.float()))
+        return StaticCodec(self.fmt, scale)
+
+    def layer(self, index: int) -> Any:
+        """A fresh cache layer for decoder layer ``index``."""
+        from transformers.cache_utils import DynamicLayer
+
+        ranges = self.layers.get(index, LayerRanges("self"))
+        if ranges.kind == "cross" and not self.cross_attention:
+            return DynamicLayer()
+        residual = self.residual_length if (self.scales == "dynamic" and ranges.kind == "self") else 0
+        return QuantizedKVLayer(
+            self.codec(ranges.k_amax, self.key_granularity),
+            self.codec(ranges.v_amax, self.value_granularity),
+            residual,
+            self.exact_prefill,
+        )
+
+    def new_cache(self) -> Any:
+        """An empty quantized cache for one generation (also clears the cross-attention memos)."""
+        for memo in self.memos:
+            memo.clear()
+        return make_cache([self.layer(i) for i in range(self.num_layers)])
+
+
+class CrossKVMemo:
+    """Stands in for a cross-attention K or V projection's forward: computes once per vision state, stores packed."""
+
+    def __init__(self, module: nn.Module, codec: Any, head_dim: int, exact_first: bool = False) -> None:
+        self.original = module.forward
+        self.codec, self.head_dim, self.exact_first = codec, head_dim, exact_first
+        self._input: torch.Tensor | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._packed: Packed | None = None
+        self._dtype = torch.float32
+        self.computed = 0  # how many times the projection really ran (once per image set)
+
+    @staticmethod
+    def _key_of(x: torch.Tensor) -> tuple[Any, ...]:
+        return storage_key(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        key = self._key_of(x)
+        # Holding the input keeps its storage alive, so an equal key can only mean the same data.
+        if self._packed is None or key != self._key:
+            y = self.original(x)
+            self.computed += 1
+            b, t, _ = y.shape
+            self._packed = self.codec.encode(y.reshape(b, t, -1, self.head_dim).transpose(1, 2))
+            self._input, self._key, self._dtype = x, key, y.dtype
+            if self.exact_first:
+                return y
+        out = self.codec.decode(self._packed, self._dtype, self.head_dim)
+        return out.transpose(1, 2).flatten(2)
+
+    def clear(self) -> None:
+        self._input = self._key = self._packed = None
+
+    def rebind(self, module: nn.Module) -> None:
+        """Move onto ``module``, which replaced the projection (a weight quantizer swapped the layer)."""
+        self.original = module.forward
+        module.forward = self
+        self.clear()
+
+    def nbytes(self) -> int:
+        return 0 if self._packed is None else self._packed.nbytes()
+
+
+def _prepare_cache_for_generation(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Let transformers prepare its cache, then replace its default DynamicCache with the quantized one."""
+    from transformers import DynamicCache
+
+    original = type(self)._prepare_cache_for_generation
+    result = original(self, *args, **kwargs)
+    model_kwargs = inspect.signature(original).bind(self, *args, **kwargs).arguments["model_kwargs"]
+    state: KVQuantState = getattr(self, ATTRIBUTE)
+    for name in ("cache", "past_key_values"):
+        cache = model_kwargs.get(name)
+        if type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False):
+            model_kwargs[name] = state.new_cache()
+    return result
+
+
+def install(model: nn.Module, state: KVQuantState, adapter: Any) -> None:
+    """Attach ``state`` to ``model``: generate() then uses the quantized cache; recomputed cross K/V are memoised."""
+    object.__setattr__(model, ATTRIBUTE, state)
+    model._prepare_cache_for_generation = _prepare_cache_for_generation.__get__(model)  # type: ignore[method-assign]
+    if not state.cross_attention:
+        return
+    for index, block in enumerate(adapter.cross_attention_blocks(model)):
+        if block.kv_cached:
+            continue
+        ranges = state.recomputed.get(index, LayerRanges("recomputed"))
+        for attr, amax, granularity in (
+            (block.projections.k, ranges.k_amax, state.key_granularity),
+            (block.projections.v, ranges.v_amax, state.value_granularity),
+        ):
+            projection = getattr(block.attention, attr)
+            memo = CrossKVMemo(projection, state.codec(amax, granularity), state.head_dim, state.exact_prefill)
+            projection.forward = memo
+            state.memos.append(memo)
+
+
+def installed_state(model: nn.Module) -> KVQuantState | None:
+    """The KV quantization attached to ``model`` by a KV-cache pass, if any."""
+    return getattr(model, ATTRIBUTE, None)
+
+
+def kv_bytes(cache: Any, model: nn.Module | None = None) -> int:
+    """K/V bytes held for a generation: the cache's, plus memoised cross-attention K/V of ``model``."""
+    from mmsdk.plugins.quantizers.quantized_cache import cache_bytes
+
+    state = installed_state(model) if model is not None else None
+    return cache_bytes(cache) + (sum(m.nbytes() for m in state.memos) if state is not None else 0)
