@@ -158,7 +158,7 @@ def tiny_qwen3_vl() -> LoadedModel:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     tok = _tokenizer(*_QWEN_SPECIALS)
-    text = _qwen_text(tok)
+    text = _qwen_text(tok, {})
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
     text["head_dim"] = 16
     vision = dict(depth=2, hidden_size=40, intermediate_size=54, out_hidden_size=48, num_heads=2, patch_size=6,

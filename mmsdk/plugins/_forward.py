@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-__all__ = ["module_body", "set_forward_body", "add_forward_wrapper", "rebind_global", "body_function"]
+__all__ = ["module_body", "foreign_forward", "set_forward_body", "add_forward_wrapper", "rebind_global",
+           "body_function"]
 
 BODY_ATTR = "_mmsdk_body"
 _DISPATCH_ATTR = "_mmsdk_dispatch"
@@ -26,6 +27,12 @@ def module_body(module: nn.Module) -> Callable[..., Any]:
     """What the module computes now: an installed body, else the class's forward bound to it."""
     body = module.__dict__.get(BODY_ATTR)
     return body if body is not None else types.MethodType(type(module).forward, module)
+
+
+def foreign_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """A forward override another component installed (not through these helpers), or None."""
+    forward = module.__dict__.get("forward")
+    return None if forward is None or module.__dict__.get(_DISPATCH_ATTR) else forward
 
 
 def body_function(module: nn.Module) -> Callable[..., Any]:
@@ -49,8 +56,9 @@ def _ensure_dispatch(module: nn.Module) -> None:
     if module.__dict__.get(_DISPATCH_ATTR):
         return
     module.__dict__["__deepcopy__"] = _refuse_deepcopy  # copy.deepcopy looks it up on the instance
-    if "forward" in module.__dict__:
-        raise RuntimeError(f"{type(module).__name__}.forward was replaced outside mmsdk; cannot compose passes on it")
+    foreign = foreign_forward(module)
+    if foreign is not None and BODY_ATTR not in module.__dict__:
+        module.__dict__[BODY_ATTR] = foreign  # an override installed elsewhere becomes the body we wrap
 
     @functools.wraps(type(module).forward.__get__(module))
     def dispatch(*args: Any, **kwargs: Any) -> Any:

@@ -30,7 +30,8 @@ from mmsdk.core.config import PassConfig
 from mmsdk.core.errors import CalibrationError
 from mmsdk.core.passes import PassContext, PassSpec
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins._forward import add_forward_wrapper, set_forward_body
+from mmsdk.plugins._forward import add_forward_wrapper, foreign_forward, set_forward_body
+from mmsdk.plugins.tensor_keys import storage_key
 
 __all__ = ["GatedXAttnConfig", "KVMemo", "apply_gated_xattn", "restore_gated_xattn", "gate_strength"]
 
@@ -55,13 +56,21 @@ class KVMemo:
         self.output: torch.Tensor | None = None
         self.hits = 0
         self.misses = 0
+        self.owner: nn.Module | None = None
+        self.wrapper: Any = None
+
+    def displaced(self) -> bool:
+        """True once another component replaced the projection's forward around this memo (e.g. int4-kv's
+        packed memo): it then keeps the product, and a second, full-precision copy would waste memory."""
+        return self.owner is not None and self.owner.__dict__.get("forward") is not self.wrapper
 
     def __call__(self, inner: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.displaced():
+            self.key = self.source = self.output = None
+            return inner(x, *args, **kwargs)
         if args or kwargs or torch.is_grad_enabled() or x.requires_grad:
             return inner(x, *args, **kwargs)
-        # inference-mode tensors keep no version counter (they cannot be changed outside inference mode)
-        version = None if x.is_inference() else x._version
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), version, x.dtype, x.device)
+        key = (*storage_key(x), x.dtype, x.device)
         if key == self.key and self.output is not None:
             self.hits += 1
             return self.output
@@ -83,18 +92,25 @@ def _skip(block: CrossAttentionBlock) -> None:
     set_forward_body(block.module, identity)
 
 
-def _install_memos(adapter: ModelAdapter, blocks: list[CrossAttentionBlock]) -> int:
-    count = 0
+def _install_memos(adapter: ModelAdapter, blocks: list[CrossAttentionBlock]) -> tuple[int, int]:
+    """Memoize each K/V projection; (installed, left to an existing override such as int4-kv's packed memo)."""
+    count = left = 0
     for block in blocks:
         for role in ("k", "v"):
             name = getattr(block.projections, role)
             projection = getattr(block.attention, name, None) if name else None
-            if isinstance(projection, nn.Module):
-                memo = KVMemo()
-                projection.kv_memo = memo
-                add_forward_wrapper(projection, memo)
-                count += 1
-    return count
+            if not isinstance(projection, nn.Module):
+                continue
+            if foreign_forward(projection) is not None:
+                left += 1  # a full-precision copy here would undo a quantizer's packed memo
+                continue
+            memo = KVMemo()
+            projection.kv_memo = memo
+            add_forward_wrapper(projection, memo)
+            memo.wrapper = projection.forward
+            memo.owner = projection
+            count += 1
+    return count, left
 
 
 def _calibration_inputs(context: PassContext) -> dict[str, Any]:
@@ -188,7 +204,9 @@ def _finish(model: nn.Module, adapter: ModelAdapter, blocks: list[CrossAttention
     elif adapter.cross_kv_cached(model):
         records["kv_cache"] = "native (the model caches cross-attention K/V itself)"
     else:
-        records["kv_cache"] = f"memoized {_install_memos(adapter, kept)} K/V projections"
+        installed, left = _install_memos(adapter, kept)
+        records["kv_cache"] = f"memoized {installed} K/V projections" + (
+            f"; {left} already memoized by another pass" if left else "")
 
 
 def restore_gated_xattn(model: nn.Module, config: GatedXAttnConfig, records: Any, context: PassContext) -> None:
