@@ -145,7 +145,8 @@ def measure(session: Session, name: str, label: str, passes: tuple[Any, ...], ex
         for hook in hooks:
             hook(opt)
     except MmsdkError as err:
-        return Row(name, label, None, 0, 0, None, None, None, note=f"refused: {err.problem}")
+        reason = err.problem.split(";")[0].split(", but")[0].rstrip(".")
+        return Row(name, label, None, 0, 0, None, None, None, note=f"refused: {reason}")
     image, question = (examples[0].image, examples[0].question) if examples else (sample_image(0), "is it even ?")
     cost = count_prefill(model, processor(images=[image], text=[opt.adapter.format_prompt(question, processor)]))
     if examples is None:
@@ -164,23 +165,23 @@ def _calibration(session: Session, examples: list[Any] | None) -> list[tuple[Any
 
 def markdown(rows: list[Row]) -> str:
     """A table per model: accuracy (and share of baseline), KV bytes and prefill FLOPs relative to baseline."""
+    scored = any(r.accuracy is not None for r in rows)
+    head = ["configuration", *(["accuracy", "of baseline"] if scored else []), "KV bytes", "KV vs base",
+            "prefill FLOPs", "FLOPs vs base", "text-to-image score entries kept"]
     lines = []
     for name in dict.fromkeys(r.model for r in rows):
         group = [r for r in rows if r.model == name]
         base = group[0]
-        lines += [f"### {name}", "",
-                  "| configuration | accuracy | of baseline | KV bytes | KV vs base | prefill FLOPs | FLOPs vs base | "
-                  "text-to-image score entries kept |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"### {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in group:
             if r.kv_bytes is None:
-                lines.append(f"| {r.config} | {r.note} | | | | | | |")
+                lines.append(f"| {r.config} | {r.note} |" + " |" * (len(head) - 2))
                 continue
             kept = f"{r.kept_entries:.0%}" if r.kept_entries is not None else ""
             kv, flops = f"{r.kv_bytes / base.kv_bytes:.0%}", f"{r.flops / base.flops:.0%}"
-            accuracy = f"{r.accuracy:.1%} ({r.correct}/{r.count})" if r.accuracy is not None else "-"
-            share = f"{r.accuracy / base.accuracy:.1%}" if r.accuracy is not None and base.accuracy else "-"
-            cells = (r.config, accuracy, share, r.kv_bytes, kv, f"{r.flops:,}", flops, kept)
+            accuracy = [f"{r.accuracy:.1%} ({r.correct}/{r.count})", f"{r.accuracy / base.accuracy:.1%}"] \
+                if scored and r.accuracy is not None and base.accuracy else []
+            cells = (r.config, *accuracy, r.kv_bytes, kv, f"{r.flops:,}", flops, kept)
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -194,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--costs-only", action="store_true", help="count KV bytes and FLOPs only (no accuracy)")
     parser.add_argument("--markdown", help="also write the tables to this file")
     parser.add_argument("--json", help="also write the rows as JSON")
+    parser.add_argument("--from-json", help="only render the tables of rows written earlier with --json")
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as handle:
+            print(markdown([Row(**row) for row in json.load(handle)]))
+        return 0
     torch.manual_seed(0)
     session = Session.create(autoload=False)
     names = args.models or [n for n in session.models.names() if n.startswith("builtin:") and n.endswith("-digits")]
