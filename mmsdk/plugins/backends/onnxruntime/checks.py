@@ -24,8 +24,6 @@ INSTALL = "pip install 'mmsdk[ort]'"
 # How each built-in pass reaches the graphs (documentation for docs/onnxruntime.md and the manifest).
 PASS_SUPPORT: dict[str, str] = {
     "qkv-fuse": "the decoder always computes q|k|v with one matmul; fused projections are read as they are",
-    "token-prune": "traced into vision.onnx",
-    "token-merge": "traced into vision.onnx",
     "vit-prune": "traced into vision.onnx",
     "int4-weight": "MatMulNBits (bits=4) with the packed bytes copied as they are; AWQ input scales as a Mul",
     "int4-kv": "GroupQueryAttention kv_cache_bit_width=4 with the calibrated k_scale / v_scale; cross-attention K/V "

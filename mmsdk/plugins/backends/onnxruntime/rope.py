@@ -37,6 +37,11 @@ def rope_spec(model: nn.Module, adapter: ModelAdapter, max_positions: int, head_
     import torch
 
     rotary = adapter.rotary_embedding(model)
+    if rotary is None:
+        raise ExportError(
+            f"{adapter.name}: the adapter names no rotary-embedding module, so the ONNX decoder has no RoPE tables.",
+            fix="implement rotary_embedding(model) in the adapter, or use the 'torch' backend.",
+        )
     kind = getattr(rotary, "rope_type", "default")
     if kind == "dynamic":
         raise ExportError(
