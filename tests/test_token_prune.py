@@ -9,6 +9,7 @@ import mmsdk
 from mmsdk import Optimizer
 from mmsdk.core.errors import ConfigError, IncompatiblePassError
 from mmsdk.core.flops import count_prefill
+from mmsdk.plugins._runtime import installed_runtime
 from mmsdk.plugins._tokens import kept_count
 from mmsdk.plugins.encoders import _fastv
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
@@ -161,7 +162,7 @@ def test_bad_input_is_refused_and_leaves_the_model_untouched(session, tiny):
     with pytest.raises(IncompatiblePassError, match="sparse-xattn"):
         Optimizer(llava.model, session=session).apply(TokenPruneConfig(strategy="fastv"), "sparse-xattn")
     for model in (loaded.model, llava.model):
-        assert "_mmsdk_runtime" not in model.__dict__ and "forward" not in model.__dict__
+        assert installed_runtime(model) is None and "forward" not in model.__dict__
 
 
 def test_torch_export_round_trip(session, tiny, tmp_path):

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from mmsdk.core.adapter import ImageTokenScorer, ModelAdapter
 
-__all__ = ["ModelRuntime", "SequenceReducer", "runtime_of", "cache_of"]
+__all__ = ["ModelRuntime", "SequenceReducer", "cache_of", "installed_runtime", "runtime_of"]
 
 RUNTIME_ATTR = "_mmsdk_runtime"
 _IMAGE_INPUTS = ("pixel_values", "pixel_values_videos")
@@ -319,6 +319,11 @@ def _output_cache(output: Any) -> Any:
         if value is not None:
             return value
     return None
+
+
+def installed_runtime(model: nn.Module) -> ModelRuntime | None:
+    """The model's runtime if a pass installed one, else None (never installs; for exporters)."""
+    return model.__dict__.get(RUNTIME_ATTR)
 
 
 def runtime_of(model: nn.Module, adapter: ModelAdapter) -> ModelRuntime:

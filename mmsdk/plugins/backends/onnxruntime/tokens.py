@@ -24,12 +24,13 @@ if TYPE_CHECKING:
 __all__ = ["SLOTS", "token_runtime", "reduce_image", "token_pass"]
 
 SLOTS = "image_token_slots"
-_RUNTIME_ATTR = "_mmsdk_runtime"  # where the token passes keep their per-model runtime
 
 
 def token_runtime(model: nn.Module) -> Any | None:
     """The runtime of the token passes when it holds reducers for inline image tokens, else None."""
-    runtime = model.__dict__.get(_RUNTIME_ATTR)
+    from mmsdk.plugins._runtime import installed_runtime
+
+    runtime = installed_runtime(model)
     return runtime if runtime is not None and getattr(runtime, "reducers", None) else None
 
 
