@@ -66,8 +66,9 @@ def family_recipes(model: nn.Module, adapter: ModelAdapter) -> dict[str, Recipe]
         description=f"{weights_note}; INT8 KV cache with static scales from one ptq-align calibration (the "
         f"same numbers in both halves of a dual export); fused q/k/v and fused RMSNorm + {rope}"
         + ("; gated cross-attention skipping" if flamingo else "")
-        + ". Trades: nothing measurable on the digits models (within 1 point); no vision-token reduction, "
-        "because every reducer cost 3-23 points at keep 0.5 there (docs/quality.md).",
+        + ". Trades: within 0.4 points of the unoptimized model on the three digits models (measured, "
+        "docs/dual-path.md); no vision-token reduction, because every reducer cost 3-23 points at keep 0.5 there "
+        "(docs/quality.md).",
         steps=_steps(*fusions, *calibrated), **common,
     )
     reduce: list[Any] = ["vit-prune", ("token-merge", {"keep_ratio": 0.5})]
@@ -77,8 +78,8 @@ def family_recipes(model: nn.Module, adapter: ModelAdapter) -> dict[str, Recipe]
         name="max-memory",
         description="default plus vit-prune (25% of vision heads and MLP channels) and "
         + ("sparse-xattn (density 0.5)" if flamingo else "token-merge (half the image tokens: KV and prefill shrink)")
-        + ". Trades accuracy for memory: about 8 points on llava-digits, 20 on qwen2-vl-digits, 3 on "
-        "idefics-digits (docs/dual-path.md).",
+        + ". Trades accuracy for memory: measured -13.8 points on llava-digits, -19.0 on qwen2-vl-digits, "
+        "-0.9 on idefics-digits (docs/dual-path.md).",
         steps=_steps(*fusions[:2], *reduce, *fusions[2:], *calibrated), **common,
     )
     max_accuracy = Recipe(
