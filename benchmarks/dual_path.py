@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._common import environment, write_results  # noqa: E402
-from benchmarks.ort_overlap import _coincident  # noqa: E402
+from benchmarks._common import environment, write_results
+from benchmarks.ort_overlap import _coincident
 
 MODELS = ("builtin:llava-digits", "builtin:qwen2-vl-digits", "builtin:idefics-digits")
 
@@ -41,14 +41,14 @@ def accuracy(name: str, examples: list[Any], out: Path) -> dict[str, Any]:
     torch_seconds = time.perf_counter() - start
     try:
         result = opt.export("dual", out / name.replace(":", "-"))
-    except Exception as err:  # noqa: BLE001 - a refused split is a result row
+    except Exception as err:
         return {"model": name, "torch_correct": _correct(torch_answers, examples), "count": len(examples),
                 "dual_error": f"{type(err).__name__}: {err}"[:400]}
     pipe = mmsdk.load(result.path, runtime="reference", intra_op_threads=1)
     start = time.perf_counter()
     dual = [r.text for r in pipe.run_many([Request(e.image, e.question) for e in examples], max_new_tokens=3)]
     dual_seconds = time.perf_counter() - start
-    same = sum(normalize_answer(a) == normalize_answer(b) for a, b in zip(torch_answers, dual))
+    same = sum(normalize_answer(a) == normalize_answer(b) for a, b in zip(torch_answers, dual, strict=True))
     return {"model": name, "count": len(examples), "torch_correct": _correct(torch_answers, examples),
             "dual_correct": _correct(dual, examples), "same_answer": same, "torch_seconds": round(torch_seconds, 1),
             "dual_seconds": round(dual_seconds, 1), "passes": [s.pass_name for s in opt.recipe().steps],
@@ -59,7 +59,7 @@ def accuracy(name: str, examples: list[Any], out: Path) -> dict[str, Any]:
 def _correct(answers: list[str], examples: list[Any]) -> int:
     from mmsdk.evaluation import normalize_answer
 
-    return sum(normalize_answer(a) == normalize_answer(e.answer) for a, e in zip(answers, examples))
+    return sum(normalize_answer(a) == normalize_answer(e.answer) for a, e in zip(answers, examples, strict=True))
 
 
 def overlap(pipe: Any, examples: list[Any], tokens: int, repeats: int) -> dict[str, Any]:
@@ -122,9 +122,9 @@ def _line(row: dict[str, Any]) -> str:
         return f"| {row['model']} | {torch_cell} | refused: {row['dual_error'][:160]} | | | | |"
     o = row["overlap"]
     return (f"| {row['model']} | {torch_cell} | {row['dual_correct'] / n:.1%} ({row['dual_correct']}/{n}) | "
-            f"{row['same_answer']}/{n} | {o['back_to_back']['wall_s']:.3f} s (vision {o['back_to_back']['vision_s']:.3f}"
-            f" s, LLM {o['back_to_back']['llm_s']:.3f} s) | {o['overlapped']['wall_s']:.3f} s | "
-            f"{o['saved_pct']:.1f}% |")
+            f"{row['same_answer']}/{n} | {o['back_to_back']['wall_s']:.3f} s "
+            f"(vision {o['back_to_back']['vision_s']:.3f} s, LLM {o['back_to_back']['llm_s']:.3f} s) | "
+            f"{o['overlapped']['wall_s']:.3f} s | {o['saved_pct']:.1f}% |")
 
 
 if __name__ == "__main__":

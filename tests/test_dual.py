@@ -173,7 +173,7 @@ def test_halves_from_different_calibrations_are_refused(llava_dual, tmp_path_fac
     shutil.copytree(llava_dual[1].path, mixed)
     shutil.rmtree(mixed / "llm")
     shutil.copytree(other.path / "llm", mixed / "llm")
-    with pytest.raises(ArtifactIntegrityError, match="different calibrations.*vision/: [0-9a-f]+.*llm/: [0-9a-f]+"):
+    with pytest.raises(ArtifactIntegrityError, match=r"different calibrations.*vision/: [0-9a-f]+.*llm/: [0-9a-f]+"):
         mmsdk.load(mixed)
 
 
@@ -199,12 +199,13 @@ def test_a_combination_that_cannot_split_names_the_refusing_half(model, passes, 
 def test_cli_optimize_with_a_recipe_file_then_run(tmp_path, capsys) -> None:
     from mmsdk.cli import main
 
+    image_module = pytest.importorskip("PIL.Image")  # `mmsdk run` opens image files with Pillow
     recipe = tmp_path / "fuse.yaml"
     recipe.write_text("name: fuse\nsteps:\n  - pass: qkv-fuse\n  - pass: rmsnorm-rope-fusion\n")
     assert main(["optimize", "tiny:llava", "--recipe", str(recipe), "--export", "dual", "--out",
                  str(tmp_path / "d"), "--option", "dtype=float32"]) == 0
     image = tmp_path / "x.png"
-    __import__("PIL.Image", fromlist=["Image"]).fromarray(sample_image(seed=3)).save(image)
+    image_module.fromarray(sample_image(seed=3)).save(image)
     capsys.readouterr()
     assert main(["run", str(tmp_path / "d"), "--image", str(image), "--prompt", "what is this ?",
                  "--max-new-tokens", "2", "--json"]) == 0

@@ -12,7 +12,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("run", help="answer a prompt about an image with an exported folder")
-    parser.add_argument("folder", type=Path, metavar="DIR", help="a folder written by `mmsdk optimize --export onnxruntime` (or dual)")
+    parser.add_argument("folder", type=Path, metavar="DIR", help="a folder written by `mmsdk optimize --export onnxruntime` (or --export dual)")
     parser.add_argument("--image", required=True, action="append", metavar="FILE",
                         help="image file (repeat --image and --prompt to run several requests, double-buffered)")
     parser.add_argument("--prompt", required=True, action="append", metavar="TEXT", help="the question about the image")

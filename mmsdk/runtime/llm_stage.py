@@ -15,9 +15,10 @@ CPU test suite.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -78,7 +79,8 @@ class ReferenceStage:
             raise BackendUnavailableError(
                 "the CPU reference runs llm/ folders of target 'checkpoint'; this one is target 'hf', which only "
                 "TensorRT-LLM's PyTorch backend runs.",
-                fix=f"run it with runtime='tensorrt_llm' ({TRTLLM_INSTALL}, GPU), or re-export with target='checkpoint'.",
+                fix=f"run it with runtime='tensorrt_llm' ({TRTLLM_INSTALL}, GPU), or re-export with "
+                "target='checkpoint'.",
             )
         self.contract = details["contract"]
         self.eos = set(details["generation"]["eos_token_ids"])
@@ -137,7 +139,8 @@ class TensorRTLLMStage:
 
     name = "tensorrt_llm"
 
-    def __init__(self, folder: Path, details: Mapping[str, Any], engine_dir: str | None = None, **llm_args: Any) -> None:
+    def __init__(self, folder: Path, details: Mapping[str, Any], engine_dir: str | None = None,
+                 **llm_args: Any) -> None:
         self.contract, self.target = details["contract"], details["llm"]["target"]
         self.eos = list(details["generation"]["eos_token_ids"])
         self.pad = details["generation"].get("pad_token_id")

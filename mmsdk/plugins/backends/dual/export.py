@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mmsdk.core.backend import ExportContext
     from mmsdk.plugins.backends.dual.options import DualOptions
 
-__all__ = ["export_dual", "VISION_FILE", "PROCESSOR_DIR"]
+__all__ = ["PROCESSOR_DIR", "VISION_FILE", "export_dual"]
 
 VISION_FILE = "vision.onnx"
 PROCESSOR_DIR = "processor"

@@ -24,7 +24,8 @@ def write_readme(folder: Path, name: str, details: dict[str, Any], requirement: 
     text = f"""# {name}: dual-path export (vision on ONNX Runtime, language model on TensorRT-LLM)
 
 - `vision/vision.onnx`: vision tower + projector{' + token reduction' if contract['features']['slots_output'] else ''};
-  output `image_features` {contract['features']['shape_per_image']} per image (float32). Runs in `onnxruntime{details.get('ort', '>=1.30')}`.
+  output `image_features` {contract['features']['shape_per_image']} per image (float32). Runs in
+  `onnxruntime>=1.30`.
 - `llm/`: the language model for TensorRT-LLM (target `{llm['target']}`, weights {llm['weights']}, KV cache
   {llm['kv_cache_quant_algo'] or 'float'}); needs `{requirement}`.
 - `calibration.json`: the one calibration both halves were quantized from; `manifest.json` holds the hand-off

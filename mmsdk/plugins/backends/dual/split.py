@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from mmsdk.plugins.backends.tensorrt_llm.families import Family
     from mmsdk.plugins.backends.tensorrt_llm.options import Resolved
 
-__all__ = ["Split", "LLM_REFUSED", "plan_split", "refusing"]
+__all__ = ["LLM_REFUSED", "Split", "plan_split", "refusing"]
 
 VISION = "the vision half (vision/, ONNX Runtime)"
 LLM = "the language-model half (llm/, TensorRT-LLM)"
@@ -78,8 +78,8 @@ def plan_split(context: ExportContext, options: DualOptions) -> Split:
         with refusing(LLM):
             raise ExportError(
                 "token-prune / token-merge keep each kept image token at its original M-RoPE position, and "
-                "TensorRT-LLM's PyTorch backend (target 'hf') computes M-RoPE positions itself from the full image grid.",
-                fix="export with target='checkpoint' (the host passes the M-RoPE positions), or without the token pass.",
+                "TensorRT-LLM's PyTorch backend (target 'hf') computes M-RoPE positions from the full image grid.",
+                fix="export with target='checkpoint' (the host passes M-RoPE positions), or without the token pass.",
             )
     return Split(plan, family, kv_algo, resolved, "mrope-host" if mrope else "contiguous")
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mmsdk.core.errors import ArtifactIntegrityError
 from mmsdk.core.manifest import sha256_of
 
-__all__ = ["HALVES", "STAMP", "CALIBRATION", "calibration_digest", "tree_hash", "write_stamp", "check_halves"]
+__all__ = ["CALIBRATION", "HALVES", "STAMP", "calibration_digest", "check_halves", "tree_hash", "write_stamp"]
 
 HALVES = ("vision", "llm")
 STAMP = "half.json"
