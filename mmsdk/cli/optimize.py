@@ -14,6 +14,9 @@ from mmsdk.core.errors import ConfigError
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("optimize", help="apply passes to a model and export it")
     add_model_arguments(parser)
+    parser.add_argument("--recipe", default=None, metavar="NAME|FILE",
+                        help="a recipe: the family's (default, max-memory, max-accuracy) or a .yaml/.json file; "
+                        "its passes run before any --apply")
     parser.add_argument("--calibrate", default=None, metavar="DATASET",
                         help="calibration data: a dataset name (e.g. digits); needed by passes that learn from data")
     parser.add_argument("--calibration-limit", type=int, default=None, metavar="N", help="use at most N samples")
@@ -39,6 +42,17 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
+def recipe_items(recipe: str | None) -> list[Any]:
+    """``--recipe``: a file path becomes a Recipe, a name becomes ``recipe:NAME`` (nothing when None)."""
+    from mmsdk.core.recipes import RECIPE_PREFIX, Recipe
+
+    if not recipe:
+        return []
+    if recipe.endswith((".yaml", ".yml", ".json")) or Path(recipe).is_file():
+        return [Recipe.from_file(recipe)]
+    return [recipe if recipe.startswith(RECIPE_PREFIX) else RECIPE_PREFIX + recipe]
+
+
 def run(args: argparse.Namespace) -> int:
     from mmsdk.core.optimizer import Optimizer
 
@@ -48,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     opt.session.backends.get(args.export)  # fail on a typo before any pass runs
     if args.calibrate:
         opt.calibrate(args.calibrate, limit=args.calibration_limit)
-    opt.apply(*split_list(args.apply))
+    opt.apply(*recipe_items(args.recipe), *split_list(args.apply))
     out.print(f"[bold]{opt.source.name}[/bold] ({opt.source.architecture}, adapter {opt.adapter.name})")
     out.print(opt.report().table())
     result = opt.export(args.export, args.out, overwrite=args.overwrite, **options)

@@ -1,4 +1,4 @@
-"""``mmsdk run DIR --image F --prompt "..."``: answer a prompt with an exported folder (onnxruntime)."""
+"""``mmsdk run DIR --image F --prompt "..."``: answer a prompt with an exported folder (onnxruntime or dual)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("run", help="answer a prompt about an image with an exported folder")
-    parser.add_argument("folder", type=Path, metavar="DIR", help="a folder written by `mmsdk optimize --export onnxruntime`")
+    parser.add_argument("folder", type=Path, metavar="DIR", help="a folder written by `mmsdk optimize --export onnxruntime` (or --export dual)")
     parser.add_argument("--image", required=True, action="append", metavar="FILE",
                         help="image file (repeat --image and --prompt to run several requests, double-buffered)")
     parser.add_argument("--prompt", required=True, action="append", metavar="TEXT", help="the question about the image")
@@ -23,21 +23,23 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, metavar="N", help="ONNX Runtime intra-op threads")
+    parser.add_argument("--runtime", default="auto", choices=("auto", "tensorrt_llm", "reference"),
+                        help="dual folders: the language-model stage (auto: TensorRT-LLM where installed, "
+                        "else the CPU reference)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per answer (tokens, timings)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from mmsdk.core.errors import UnsupportedInputError
-    from mmsdk.runtime import load
     from mmsdk.runtime.pipeline import Request
 
     if len(args.image) != len(args.prompt):
         raise UnsupportedInputError(
             f"{len(args.image)} --image for {len(args.prompt)} --prompt.", fix="give one --prompt per --image."
         )
-    options = {"intra_op_threads": args.threads} if args.threads else {}
-    pipe = load(args.folder, **options)
+    options: dict[str, Any] = {"intra_op_threads": args.threads} if args.threads else {}
+    pipe = _open(args.folder, args.runtime, options)
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     seed=args.seed)
     requests = [Request(image, prompt) for image, prompt in zip(args.image, args.prompt)]
@@ -49,3 +51,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(result.text)
     return 0
+
+
+def _open(folder: Path, runtime: str, options: dict[str, Any]) -> Any:
+    """An OrtPipeline (onnxruntime folder) or a DualPipeline (dual folder)."""
+    from mmsdk.core.exporting import load as load_export
+    from mmsdk.core.manifest import Manifest
+    from mmsdk.runtime import load
+
+    if Manifest.read(folder).backend == "dual":
+        return load_export(folder, runtime=runtime, **options)
+    return load(folder, **options)

@@ -91,4 +91,9 @@ class Backend(Protocol):
         """
 
     def load(self, path: Path, manifest: Manifest, **options: Any) -> Any:
-        """Load a verified export folder; the return value is the backend's runtime object."""
+        """Load a verified export folder; the return value is the backend's runtime object.
+
+        A backend may also define ``verify(path, manifest)``: ``mmsdk.load`` calls it before the
+        file-by-file hash check, so the backend can refuse an inconsistent folder by its own rules
+        (the ``dual`` backend: halves from different exports) with a message that says so.
+        """

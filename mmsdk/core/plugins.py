@@ -44,6 +44,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mmsdk.torch": "mmsdk.plugins.backends.torch",
     "mmsdk.onnxruntime": "mmsdk.plugins.backends.onnxruntime",
     "mmsdk.tensorrt_llm": "mmsdk.plugins.backends.tensorrt_llm.backend",
+    "mmsdk.dual": "mmsdk.plugins.backends.dual",
     "mmsdk.int4_weight": "mmsdk.plugins.quantizers.int4_weight",
     "mmsdk.kv_cache": "mmsdk.plugins.quantizers.kv_cache",
     "mmsdk.ptq_align": "mmsdk.plugins.quantizers.ptq_align",

@@ -17,7 +17,9 @@ from mmsdk.core.adapter import (
     ModelAdapter,
     VisionBlock,
 )
+from mmsdk.core.recipes import Recipe
 from mmsdk.core.registry import Registrar
+from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins._forward import add_forward_wrapper
 from mmsdk.plugins.adapters._common import clip_like_blocks
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
@@ -33,6 +35,9 @@ class IdeficsAdapter(ModelAdapter):
     summary = "IDEFICS (Flamingo-style gated cross-attention every N decoder layers)"
     image_placeholder = "<fake_token_around_image><image><fake_token_around_image>"
     default_prompt = "User:{image}{question}<end_of_utterance>\nAssistant:"
+
+    def recipes(self, model: nn.Module) -> dict[str, Recipe]:
+        return family_recipes(model, self)
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.vision_model
@@ -115,6 +120,9 @@ class MllamaAdapter(ModelAdapter):
     summary = "Mllama / Llama-3.2-Vision (gated cross-attention decoder layers)"
     image_placeholder = "<|image|>"
     default_prompt = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{image}{question}<|eot_id|>"
+
+    def recipes(self, model: nn.Module) -> dict[str, Recipe]:
+        return family_recipes(model, self)
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.vision_model

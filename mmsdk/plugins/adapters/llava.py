@@ -9,7 +9,9 @@ from torch import nn
 
 import mmsdk
 from mmsdk.core.adapter import ImageTokenLayout, ImageTokenScorer, ModelAdapter, VisionBlock
+from mmsdk.core.recipes import Recipe
 from mmsdk.core.registry import Registrar
+from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins.adapters._common import clip_like_blocks, first_attr
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
 
@@ -24,6 +26,9 @@ class LlavaAdapter(ModelAdapter):
     )
     summary = "LLaVA-1.5 and LLaVA-NeXT (CLIP + MLP projector + Llama-family decoder)"
     default_prompt = "USER: {image}\n{question} ASSISTANT:"
+
+    def recipes(self, model: nn.Module) -> dict[str, Recipe]:
+        return family_recipes(model, self)
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.vision_tower

@@ -16,7 +16,9 @@ from mmsdk.core.adapter import (
     ModelAdapter,
     VisionBlock,
 )
+from mmsdk.core.recipes import Recipe
 from mmsdk.core.registry import Registrar
+from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins.adapters._scoring import ReceivedAttentionScorer
 
 
@@ -31,6 +33,9 @@ class QwenVLAdapter(ModelAdapter):
     summary = "Qwen2-VL, Qwen2.5-VL and Qwen3-VL (ViT + patch merger + Qwen decoder, M-RoPE)"
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     default_prompt = "<|im_start|>user\n{image}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+    def recipes(self, model: nn.Module) -> dict[str, Recipe]:
+        return family_recipes(model, self)
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return model.model.visual
