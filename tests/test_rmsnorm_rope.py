@@ -120,6 +120,25 @@ def test_composes_with_fastv_in_either_order(order, session, tiny):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen3-vl"])
+def test_runs_after_int4_weight(name, session, tiny):
+    """Quantized attention modules hold packed integer buffers, not parameters; the fusion still applies."""
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    int4 = Int4WeightConfig(indivisible="pad")
+    loaded = tiny(name)
+    inputs = tiny_inputs(loaded.processor, QUESTIONS)
+    with torch.no_grad():
+        expected = Optimizer(loaded.model, session=session).apply(int4).model(**inputs).logits
+    other = tiny(name)
+    opt = Optimizer(other.model, session=session).apply(int4, "rmsnorm-rope-fusion")
+    with torch.no_grad():
+        got = opt.model(**inputs).logits
+    fused = opt.results[-1].records
+    assert fused["rope"] or fused["rmsnorm_rope"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)  # measured: bit-exact on both models
+
+
 def test_an_inexact_norm_is_skipped_with_a_reason(session, tiny):
     class OnePlusWeightNorm(nn.Module):  # Gemma-style (1 + w): not what the fused op computes
         def __init__(self, size: int) -> None:

@@ -221,6 +221,15 @@ def _mrope_layout(model: nn.Module, adapter: ModelAdapter) -> tuple[list[int] | 
     return (list(section) if section else None), streams
 
 
+def _float_reference(module: nn.Module) -> torch.Tensor:
+    """A floating-point tensor of ``module`` (its compute dtype and device); quantized modules keep
+    their weights as packed integer buffers next to float scales, so buffers count too."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            return tensor
+    return torch.empty(0)
+
+
 def _rope_probe(attention: nn.Module, head_dim: int, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     heads = max(1, getattr(attention, "num_heads", 0) or getattr(attention.config, "num_attention_heads", 1))
     q = _probe(weight, 1, heads, 3, head_dim, seed=1)
@@ -239,8 +248,7 @@ def _fuse_attention_rope(attention: nn.Module, adapter: ModelAdapter, config: RM
     function = body_function(attention)
     original = inspect.unwrap(function).__globals__.get(name)
     head_dim = int(attention.head_dim)
-    weight = next(attention.parameters())
-    q, k, cos, sin = _rope_probe(attention, head_dim, weight)
+    q, k, cos, sin = _rope_probe(attention, head_dim, _float_reference(attention))
     norms = adapter.qk_norm_names(attention) if config.qk_norm else None
     if norms is not None:
         q_norm, k_norm = (getattr(attention, n) for n in norms)
