@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 
 import mmsdk
-from mmsdk.testing import sample_image
 from mmsdk import Optimizer
+from mmsdk.testing import sample_image
 
 
 def main(argv: list[str] | None = None) -> None:

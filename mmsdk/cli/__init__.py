@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from mmsdk.core.errors import MmsdkError
 
-__all__ = ["main", "build_parser", "VERBS"]
+__all__ = ["VERBS", "build_parser", "main"]
 
 # verb -> module under mmsdk.cli; each module has add_parser(subparsers) and run(args) -> int.
 VERBS = ("plugins", "optimize", "run", "demo", "validate", "profile", "eval")

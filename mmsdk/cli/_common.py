@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["add_model_arguments", "split_list", "console", "print_table"]
+__all__ = ["add_model_arguments", "console", "print_table", "split_list"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Literal, Mapping, Protocol, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -13,20 +14,20 @@ if TYPE_CHECKING:
     from mmsdk.core.recipes import Recipe
 
 __all__ = [
-    "ModelAdapter",
-    "KVLayout",
-    "ImageTokenLayout",
-    "AttentionProjections",
-    "MLPProjections",
-    "CrossAttentionBlock",
-    "VisionBlock",
-    "ImageTokenScorer",
-    "ImageStateReducer",
     "CROSS_ATTENTION",
     "GATED_CROSS_ATTENTION",
     "INLINE_IMAGE_TOKENS",
     "MROPE",
     "ROPE",
+    "AttentionProjections",
+    "CrossAttentionBlock",
+    "ImageStateReducer",
+    "ImageTokenLayout",
+    "ImageTokenScorer",
+    "KVLayout",
+    "MLPProjections",
+    "ModelAdapter",
+    "VisionBlock",
 ]
 
 # Capabilities a pass can require (PassSpec.requires) and an adapter can report.

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mmsdk.core.errors import ConfigError
 
-__all__ = ["PassConfig", "make_config", "format_validation_error"]
+__all__ = ["PassConfig", "format_validation_error", "make_config"]
 
 
 class PassConfig(BaseModel):

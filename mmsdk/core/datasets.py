@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["VQAExample", "DatasetSource"]
+__all__ = ["DatasetSource", "VQAExample"]
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 __all__ = [
-    "MmsdkError",
-    "UnknownNameError",
-    "DuplicateNameError",
-    "NoAdapterError",
-    "ConfigError",
-    "IncompatiblePassError",
-    "PluginLoadError",
-    "BackendUnavailableError",
-    "ExportError",
-    "OutputExistsError",
     "ArtifactIntegrityError",
+    "BackendUnavailableError",
     "CalibrationError",
+    "ConfigError",
+    "DuplicateNameError",
+    "ExportError",
+    "IncompatiblePassError",
+    "MmsdkError",
+    "NoAdapterError",
+    "OutputExistsError",
+    "PluginLoadError",
+    "UnknownNameError",
     "UnsupportedInputError",
 ]
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mmsdk.core.config import make_config
 from mmsdk.core.fileio import atomic_output_dir
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from mmsdk.core.passes import PassResult
     from mmsdk.core.session import Session
 
-__all__ = ["export", "load", "default_output_path", "pass_records", "merged_calibration"]
+__all__ = ["default_output_path", "export", "load", "merged_calibration", "pass_records"]
 
 
 def default_output_path(model_name: str) -> Path:

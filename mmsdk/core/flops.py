@@ -8,8 +8,9 @@ once), and FLOPs from ``torch.utils.flop_counter.FlopCounterMode`` over the shap
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from mmsdk.core.memory import tensor_bytes
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmsdk.core.errors import ArtifactIntegrityError
 
-__all__ = ["MANIFEST_NAME", "FileEntry", "SourceModel", "PassRecord", "Manifest", "sha256_of", "hash_folder"]
+__all__ = ["MANIFEST_NAME", "FileEntry", "Manifest", "PassRecord", "SourceModel", "hash_folder", "sha256_of"]
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
@@ -59,7 +59,7 @@ class Manifest(_Frozen):
     format: Literal["mmsdk-artifact"] = "mmsdk-artifact"
     schema_version: int = SCHEMA_VERSION
     mmsdk_version: str
-    created_utc: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    created_utc: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     backend: str
     backend_options: dict[str, Any] = Field(default_factory=dict)
     source: SourceModel

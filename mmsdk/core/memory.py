@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -11,7 +12,7 @@ if TYPE_CHECKING:
 
     from mmsdk.profiling.results import Profile
 
-__all__ = ["tensor_bytes", "module_bytes", "component_bytes", "MemoryReport", "PassMemory", "format_bytes"]
+__all__ = ["MemoryReport", "PassMemory", "component_bytes", "format_bytes", "module_bytes", "tensor_bytes"]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:

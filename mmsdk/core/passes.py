@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
 
@@ -17,14 +18,14 @@ if TYPE_CHECKING:
     from mmsdk.core.session import Session
 
 __all__ = [
-    "PassKind",
     "PASS_KINDS",
-    "PassSpec",
-    "CheckContext",
-    "PassContext",
-    "PassResult",
     "ApplyFn",
+    "CheckContext",
     "CheckFn",
+    "PassContext",
+    "PassKind",
+    "PassResult",
+    "PassSpec",
     "RestoreFn",
 ]
 
@@ -32,7 +33,7 @@ PassKind = Literal["encoder", "projector", "attention", "quantizer"]
 PASS_KINDS: tuple[PassKind, ...] = ("encoder", "projector", "attention", "quantizer")
 
 # apply(model, config, context) mutates the model in place and returns JSON-able records (or None).
-ApplyFn = Callable[["nn.Module", Any, "PassContext"], Optional[Mapping[str, Any]]]
+ApplyFn = Callable[["nn.Module", Any, "PassContext"], Mapping[str, Any] | None]
 # check(context) raises IncompatiblePassError / ConfigError before anything is mutated.
 CheckFn = Callable[["CheckContext"], None]
 # restore(model, config, records, context) rebuilds the pass's module structure on load, without data.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import pluggy
 
@@ -15,10 +15,10 @@ from mmsdk.core.errors import PluginLoadError
 
 __all__ = [
     "BUILTIN_PLUGINS",
-    "ESSENTIAL_PLUGINS",
-    "ENTRY_POINT_GROUP",
     "DISABLE_AUTOLOAD_ENV",
     "DISABLE_PLUGINS_ENV",
+    "ENTRY_POINT_GROUP",
+    "ESSENTIAL_PLUGINS",
     "PluginOrigin",
     "create_plugin_manager",
     "disabled_from_env",

@@ -14,7 +14,7 @@ from mmsdk.core.errors import ConfigError, UnknownNameError
 if TYPE_CHECKING:
     from mmsdk.core.session import Session
 
-__all__ = ["RECIPE_PREFIX", "RecipeStep", "Recipe"]
+__all__ = ["RECIPE_PREFIX", "Recipe", "RecipeStep"]
 
 RECIPE_PREFIX = "recipe:"
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Generic, Iterator, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from mmsdk.core.errors import DuplicateNameError, UnknownNameError
 
-__all__ = ["Named", "Entry", "Registry", "Registrar", "suggest"]
+__all__ = ["Entry", "Named", "Registrar", "Registry", "suggest"]
 
 
 class Named(Protocol):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
     from mmsdk.core.adapter import ModelAdapter
 
-__all__ = ["Session", "PluginInfo"]
+__all__ = ["PluginInfo", "Session"]
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from mmsdk.core.errors import UnknownNameError, UnsupportedInputError
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 
     from mmsdk.core.session import Session
 
-__all__ = ["ModelSource", "LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "ModelSource", "load_model"]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import torch
 
 from mmsdk.models.processing import VLProcessor
 
-__all__ = ["LlavaProcessor", "LlavaNextProcessor", "QwenVLProcessor", "IdeficsProcessor", "MllamaProcessor", "CLASSES"]
+__all__ = ["CLASSES", "IdeficsProcessor", "LlavaNextProcessor", "LlavaProcessor", "MllamaProcessor", "QwenVLProcessor"]
 
 
 class LlavaProcessor(VLProcessor):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from mmsdk.core.errors import UnsupportedInputError
 
-__all__ = ["to_chw_float", "prepare_image"]
+__all__ = ["prepare_image", "to_chw_float"]
 
 
 def to_chw_float(image: Any) -> torch.Tensor:

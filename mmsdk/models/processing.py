@@ -9,8 +9,9 @@ its transformers model class expects.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,7 +19,7 @@ from mmsdk.core.errors import UnsupportedInputError
 from mmsdk.models.images import prepare_image
 from mmsdk.models.tokenizer import WordTokenizer
 
-__all__ = ["VLProcessor", "PROCESSOR_FILE", "load_processor_if_present", "processor_class"]
+__all__ = ["PROCESSOR_FILE", "VLProcessor", "load_processor_if_present", "processor_class"]
 
 PROCESSOR_FILE = "mmsdk_processor.json"
 

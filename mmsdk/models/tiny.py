@@ -6,7 +6,8 @@ round numbers hide. Weights are random but seeded, so two builds are identical.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from mmsdk.models.family_processors import (
 )
 from mmsdk.models.tokenizer import WordTokenizer
 
-__all__ = ["TINY_BUILDERS", "build_tiny", "TINY_WORDS", "text_dims", "TP_TEXT_DIMS"]
+__all__ = ["TINY_BUILDERS", "TINY_WORDS", "TP_TEXT_DIMS", "build_tiny", "text_dims"]
 
 VOCAB_SIZE = 101
 TINY_WORDS = (

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-__all__ = ["WordTokenizer", "BASE_SPECIALS"]
+__all__ = ["BASE_SPECIALS", "WordTokenizer"]
 
 BASE_SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 

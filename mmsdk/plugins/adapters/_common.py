@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
 from mmsdk.core.adapter import AttentionProjections, MLPProjections, VisionBlock
 
-__all__ = ["first_attr", "clip_like_blocks"]
+__all__ = ["clip_like_blocks", "first_attr"]
 
 
 def first_attr(root: Any, paths: Sequence[str]) -> Any:

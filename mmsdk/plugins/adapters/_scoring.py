@@ -9,8 +9,9 @@ keeps its fused kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 

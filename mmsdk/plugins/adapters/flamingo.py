@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -19,9 +20,9 @@ from mmsdk.core.adapter import (
 )
 from mmsdk.core.recipes import Recipe
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins._forward import add_forward_wrapper
 from mmsdk.plugins.adapters._common import clip_like_blocks
+from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -11,8 +12,8 @@ import mmsdk
 from mmsdk.core.adapter import ImageTokenLayout, ImageTokenScorer, ModelAdapter, VisionBlock
 from mmsdk.core.recipes import Recipe
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins.adapters._common import clip_like_blocks, first_attr
+from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
 
 

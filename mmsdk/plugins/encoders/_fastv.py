@@ -12,7 +12,8 @@ batch drops the same number of tokens (the smallest row's budget), so no new pad
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 

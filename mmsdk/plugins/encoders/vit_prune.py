@@ -26,7 +26,7 @@ from mmsdk.core.flops import count_flops
 from mmsdk.core.passes import CheckContext, PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 
-__all__ = ["ViTPruneConfig", "apply_vit_prune", "restore_vit_prune", "check_vit_prune"]
+__all__ = ["ViTPruneConfig", "apply_vit_prune", "check_vit_prune", "restore_vit_prune"]
 
 
 class ViTPruneConfig(PassConfig):
