@@ -37,6 +37,12 @@ _LAZY: dict[str, str] = {
     "ExportResult": "mmsdk.core.backend",
     "load_model": "mmsdk.core.sources",
     "QKVFuseConfig": "mmsdk.plugins.attention.qkv_fuse",
+    "TokenPruneConfig": "mmsdk.plugins.encoders.token_prune",
+    "TokenMergeConfig": "mmsdk.plugins.projectors.token_merge",
+    "ViTPruneConfig": "mmsdk.plugins.encoders.vit_prune",
+    "SparseXAttnConfig": "mmsdk.plugins.attention.sparse_xattn",
+    "GatedXAttnConfig": "mmsdk.plugins.attention.gated_xattn",
+    "RMSNormRoPEFusionConfig": "mmsdk.plugins.attention.rmsnorm_rope",
     "Int4WeightConfig": "mmsdk.plugins.quantizers.int4_weight",
     "Int4KVConfig": "mmsdk.plugins.quantizers.kv_cache",
     "Int8KVConfig": "mmsdk.plugins.quantizers.kv_cache",
@@ -104,7 +110,13 @@ if TYPE_CHECKING:
     from mmsdk.core.recipes import Recipe, RecipeStep
     from mmsdk.core.session import Session
     from mmsdk.core.sources import LoadedModel, ModelSource, load_model
+    from mmsdk.plugins.attention.gated_xattn import GatedXAttnConfig
     from mmsdk.plugins.attention.qkv_fuse import QKVFuseConfig
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
+    from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
+    from mmsdk.plugins.encoders.vit_prune import ViTPruneConfig
+    from mmsdk.plugins.projectors.token_merge import TokenMergeConfig
     from mmsdk.plugins.quantizers.calibration_record import CalibrationRecord
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
     from mmsdk.plugins.quantizers.kv_cache import FP8KVConfig, Int4KVConfig, Int8KVConfig

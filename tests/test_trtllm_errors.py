@@ -12,6 +12,7 @@ from mmsdk.core.errors import ConfigError, ExportError
 from mmsdk.core.passes import PassSpec
 from mmsdk.plugins.backends.tensorrt_llm.families import FAMILIES
 from mmsdk.plugins.backends.tensorrt_llm.options import TensorRTLLMOptions, resolve_target
+from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from tests.trtllm_fakes import calibration_samples, fake_session
 
 
@@ -110,10 +111,6 @@ def test_target_and_version_rules():
         TensorRTLLMOptions(target="engine")
 
 
-class _PruneConfig(PassConfig):
-    strategy: str = Field("visionzip")
-
-
 class _VitPruneConfig(PassConfig):
     heads: int = Field(1)
 
@@ -121,10 +118,9 @@ class _VitPruneConfig(PassConfig):
 def _vision_pass_session():
     from mmsdk.core.session import Session
 
-    prune = PassSpec(name="token-prune", config_cls=_PruneConfig, apply=lambda m, c, x: {}, summary="stand-in")
     vit = PassSpec(name="vit-prune-standin", config_cls=_VitPruneConfig, apply=lambda m, c, x: {}, summary="stand-in")
     plugin = type("P", (), {"__name__": "prune", "mmsdk_register_encoders": mmsdk.hookimpl(
-        lambda register: (register(prune), register(vit)))})
+        lambda register: register(vit))})
     return Session.create(autoload=False, disabled=(), extra=[plugin])
 
 
@@ -132,7 +128,7 @@ def _vision_pass_session():
 def test_token_pruning_is_refused_with_the_reason(strategy, tmp_path):
     session = _vision_pass_session()
     loaded = session.models.get("tiny:qwen2-vl").build()
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(_PruneConfig(strategy=strategy))
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(TokenPruneConfig(strategy=strategy))
     for target in ("checkpoint", "hf"):
         message = _export_error(opt, tmp_path, f"strategy '{strategy}'", target=target)
         assert "original positions" in message and "ONNX Runtime" in message

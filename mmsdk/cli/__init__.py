@@ -12,7 +12,7 @@ from mmsdk.core.errors import MmsdkError
 __all__ = ["main", "build_parser", "VERBS"]
 
 # verb -> module under mmsdk.cli; each module has add_parser(subparsers) and run(args) -> int.
-VERBS = ("plugins", "optimize", "demo", "validate", "profile", "eval")
+VERBS = ("plugins", "optimize", "run", "demo", "validate", "profile", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal, Mapping, Protocol, TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from mmsdk.core.recipes import Recipe
@@ -18,6 +20,8 @@ __all__ = [
     "MLPProjections",
     "CrossAttentionBlock",
     "VisionBlock",
+    "ImageTokenScorer",
+    "ImageStateReducer",
     "CROSS_ATTENTION",
     "GATED_CROSS_ATTENTION",
     "INLINE_IMAGE_TOKENS",
@@ -115,6 +119,21 @@ class VisionBlock:
     head_dim: int
 
 
+class ImageTokenScorer(Protocol):
+    """Ranks the image tokens a model call produces by the attention its vision tower pays them.
+
+    ``capture(call_kwargs)`` is entered around one forward call that carries images; the list it
+    yields receives one 1-D tensor per vision-tower run, holding a score for every image token in
+    the order the language model (or its cross-attention) sees them. Higher means more important.
+    """
+
+    def capture(self, call_kwargs: Mapping[str, Any]) -> AbstractContextManager[list[torch.Tensor]]: ...
+
+
+# reducer(states [groups, tokens, dim], scores [groups, tokens] or None) -> reduced states [groups, kept, dim]
+ImageStateReducer = Callable[["torch.Tensor", "torch.Tensor | None"], "torch.Tensor"]
+
+
 class ModelAdapter:
     """Base class of model-family adapters: answers "where is X" for one family; never mutates."""
 
@@ -176,6 +195,18 @@ class ModelAdapter:
         """The cross-attention layers (empty for families without them)."""
         return []
 
+    def layer_norms(self, layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """The norms before a decoder layer's attention and before its MLP."""
+        return layer.input_layernorm, layer.post_attention_layernorm
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm after the last decoder layer."""
+        return self.language_model(model).norm
+
+    def rope_sections(self, model: nn.Module) -> tuple[int, ...] | None:
+        """M-RoPE's (temporal, height, width) split of the rotary frequencies; None for 1-D RoPE."""
+        return None
+
     def vision_blocks(self, model: nn.Module) -> list[VisionBlock]:
         """The vision encoder's transformer layers."""
         raise NotImplementedError
@@ -234,6 +265,21 @@ class ModelAdapter:
         """How image features enter the language model."""
         raise NotImplementedError
 
+    # --- images ------------------------------------------------------------------------------
+    def image_input_names(self, model: nn.Module) -> tuple[str, ...]:
+        """The processor outputs the vision path reads (``pixel_values`` first)."""
+        return ("pixel_values",)
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        """What the language model reads from the images in ``images``: ``[num_images, tokens, dim]``.
+
+        ``images`` holds the processor outputs named by :meth:`image_input_names` (size and grid
+        entries may come as nested lists). Inline families return the projected embeddings that
+        replace the image tokens; cross-attention families return the states their
+        cross-attention layers attend to. Exporters trace this function.
+        """
+        raise NotImplementedError
+
     def capabilities(self, model: nn.Module) -> frozenset[str]:
         """Capability tags passes can require (see the constants in this module)."""
         caps = {ROPE if self.rotary_kind(model) == "rope" else MROPE}
@@ -245,6 +291,77 @@ class ModelAdapter:
             if all(block.gate_names for block in blocks):
                 caps.add(GATED_CROSS_ATTENTION)
         return frozenset(caps)
+
+
+    # --- runtime knowledge used by vision-token and attention passes ---------------------------
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
+        """A scorer ranking image tokens by vision-tower attention (VisionZip's dominance), or None.
+
+        ``rule``: "cls" (the attention the CLS token pays each token, VisionZip's rule), "received"
+        (the attention each token receives from all tokens of its image), or "auto" (CLS where the
+        tower has one). None when the family cannot score with that rule.
+        """
+        return None
+
+    def image_features_call(self, model: nn.Module) -> tuple[Any, str] | None:
+        """(object, method name) of the call that turns pixels into the features the language model gets.
+
+        Scorers watch the vision tower while it runs. ``generate()`` may call it before the first
+        forward (transformers' ``get_image_features`` pre-encoding). None: the model's own forward.
+        """
+        return None
+
+    def install_image_state_reducer(
+        self,
+        model: nn.Module,
+        reducer: ImageStateReducer,
+        kept: Callable[[int], int],
+        scores: Callable[[], torch.Tensor | None],
+    ) -> bool:
+        """Cross-attention families: make ``reducer`` shrink the image states fed to cross-attention.
+
+        ``kept(n)`` is how many of a group's ``n`` states the reducer keeps (so masks can follow);
+        ``scores()`` gives the current call's image-token scores, flattened like the states, or None.
+        Returns False if this family cannot (inline families reduce tokens in the sequence instead).
+        """
+        return False
+
+    def cross_kv_cached(self, model: nn.Module) -> bool:
+        """True if the family's cross-attention already caches the projected image K/V across decode steps."""
+        return False
+
+    def rope_function_name(self, attention: nn.Module) -> str | None:
+        """Name of the module-level function the attention's forward calls to rotate q and k (None: none)."""
+        code = getattr(getattr(type(attention).forward, "__wrapped__", type(attention).forward), "__code__", None)
+        name = "apply_rotary_pos_emb"
+        return name if code is not None and name in code.co_names else None
+
+    def qk_norm_names(self, attention: nn.Module) -> tuple[str, str] | None:
+        """Attribute names of the per-head RMSNorms applied to q and k right before RoPE (Qwen3), or None."""
+        if hasattr(attention, "q_norm") and hasattr(attention, "k_norm") and self.rope_function_name(attention):
+            return ("q_norm", "k_norm")
+        return None
+
+    def decoder_norm_names(self, layer: nn.Module) -> tuple[str, str] | None:
+        """(input norm, post-attention norm) of a pre-norm self-attention decoder layer, or None.
+
+        A layer qualifies when its forward is exactly norm -> self-attention -> add -> norm -> MLP -> add,
+        so a pass may rewrite it with a fused residual-add + norm.
+        """
+        names = ("input_layernorm", "post_attention_layernorm")
+        if self.self_attention(layer) is None or not all(hasattr(layer, n) for n in names):
+            return None
+        return names
+
+    def rotary_embedding(self, model: nn.Module) -> nn.Module | None:
+        """The language model's rotary-embedding module (computes cos/sin from position ids), or None."""
+        return getattr(self.language_model(model), "rotary_emb", None)
+
+    def set_vision_head_count(self, block: VisionBlock, count: int) -> None:
+        """Tell a vision attention module it now has ``count`` heads (after structured pruning)."""
+        for attr in ("num_heads", "num_attention_heads"):
+            if hasattr(block.attention, attr):
+                setattr(block.attention, attr, count)
 
     # --- prompts -----------------------------------------------------------------------------
     default_prompt: ClassVar[str] = "{image} {question}"

@@ -153,6 +153,22 @@ def tiny_qwen2_5_vl(**text: Any) -> LoadedModel:
     return LoadedModel(model, QwenVLProcessor(tok, 36, 6, merge_size=2, temporal_patch_size=2), name)
 
 
+def tiny_qwen3_vl() -> LoadedModel:
+    """Qwen3VLForConditionalGeneration: q/k RMSNorm before interleaved M-RoPE, one deepstack layer."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tok = _tokenizer(*_QWEN_SPECIALS)
+    text = _qwen_text(tok, {})
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+    text["head_dim"] = 16
+    vision = dict(depth=2, hidden_size=40, intermediate_size=54, out_hidden_size=48, num_heads=2, patch_size=6,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=36,
+                  deepstack_visual_indexes=[1])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_ids(tok))
+    model = _seeded(lambda: Qwen3VLForConditionalGeneration(config))
+    return LoadedModel(model, QwenVLProcessor(tok, 36, 6, merge_size=2, temporal_patch_size=2), "tiny:qwen3-vl")
+
+
 def tiny_idefics() -> LoadedModel:
     """IdeficsForVisionText2Text: a gated cross-attention layer before each of 2 decoder layers."""
     from transformers import IdeficsConfig, IdeficsForVisionText2Text
@@ -212,6 +228,7 @@ TINY_BUILDERS: dict[str, Callable[[], LoadedModel]] = {
     "tiny:llava-next": tiny_llava_next,
     "tiny:qwen2-vl": tiny_qwen2_vl,
     "tiny:qwen2.5-vl": tiny_qwen2_5_vl,
+    "tiny:qwen3-vl": tiny_qwen3_vl,
     "tiny:idefics": tiny_idefics,
     "tiny:mllama": tiny_mllama,
     "tiny:llava-tp": tiny_llava_tp,

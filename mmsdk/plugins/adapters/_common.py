@@ -37,8 +37,8 @@ def clip_like_blocks(layers: nn.ModuleList | Sequence[nn.Module], num_heads: int
                 projections=AttentionProjections(o=out_name),
                 mlp=layer.mlp,
                 mlp_projections=MLPProjections(up="fc1", down="fc2"),
-                num_heads=num_heads,
-                head_dim=attn.q_proj.out_features // num_heads,
+                num_heads=getattr(attn, "num_heads", num_heads),  # fewer after vit-prune
+                head_dim=getattr(attn, "head_dim", attn.q_proj.out_features // num_heads),
             )
         )
     return blocks

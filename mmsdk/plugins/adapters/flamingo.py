@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
+import torch
 from torch import nn
 
 import mmsdk
-from mmsdk.core.adapter import AttentionProjections, CrossAttentionBlock, ImageTokenLayout, ModelAdapter, VisionBlock
+from mmsdk.core.adapter import (
+    AttentionProjections,
+    CrossAttentionBlock,
+    ImageStateReducer,
+    ImageTokenLayout,
+    ImageTokenScorer,
+    ModelAdapter,
+    VisionBlock,
+)
 from mmsdk.core.registry import Registrar
+from mmsdk.plugins._forward import add_forward_wrapper
 from mmsdk.plugins.adapters._common import clip_like_blocks
+from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
 
 
 class IdeficsAdapter(ModelAdapter):
@@ -53,6 +64,46 @@ class IdeficsAdapter(ModelAdapter):
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="cross-attention", image_token_id=None)
 
+    def rotary_embedding(self, model: nn.Module) -> nn.Module:
+        return model.model.layers[0].self_attn.rotary_emb  # IDEFICS keeps one per attention module
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        pixels = images["pixel_values"]
+        states = model.model.vision_model(pixel_values=pixels.flatten(0, 1)).last_hidden_state
+        if model.config.use_resampler:
+            states = model.model.perceiver_resampler(states)
+        return states.reshape(pixels.shape[0], -1, states.shape[-1])
+
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
+        """Attention in the last vision layer; None with a perceiver (its latents are not vision tokens)."""
+        if self.projector(model) is not None:
+            return None
+        rule = "cls" if rule == "auto" else rule
+        return ClsAttentionScorer(self.vision_blocks(model)[-1], keep_cls=True, rule=rule)
+
+    def install_image_state_reducer(
+        self,
+        model: nn.Module,
+        reducer: ImageStateReducer,
+        kept: Callable[[int], int],
+        scores: Callable[[], torch.Tensor | None],
+    ) -> bool:
+        # IDEFICS sizes its image mask from the states it is given, so reducing them where they are
+        # produced is enough; decode steps reuse the reduced states (image_encoder_embeddings).
+        resampler = self.projector(model)
+        target = resampler if resampler is not None else self.vision_tower(model)
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            states = output.last_hidden_state if hasattr(output, "last_hidden_state") else output
+            reduced = reducer(states, None if resampler is not None else scores())
+            if hasattr(output, "last_hidden_state"):
+                output.last_hidden_state = reduced
+                return output
+            return reduced
+
+        target.register_forward_hook(hook)
+        return True
+
 
 class MllamaAdapter(ModelAdapter):
     """Mllama (Llama 3.2 Vision): tiled ViT -> linear projector -> decoder whose listed layers are
@@ -95,6 +146,57 @@ class MllamaAdapter(ModelAdapter):
 
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="cross-attention", image_token_id=model.config.image_token_index)
+
+    def image_input_names(self, model: nn.Module) -> tuple[str, ...]:
+        return ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")
+
+    def image_features(self, model: nn.Module, images: Mapping[str, Any]) -> torch.Tensor:
+        states = model.model.vision_model(
+            pixel_values=images["pixel_values"],
+            aspect_ratio_ids=images["aspect_ratio_ids"],
+            aspect_ratio_mask=images["aspect_ratio_mask"],
+        ).last_hidden_state
+        projected = model.model.multi_modal_projector(states)
+        return projected.reshape(images["pixel_values"].shape[0], -1, projected.shape[-1])
+
+    def cross_kv_cached(self, model: nn.Module) -> bool:
+        return True  # MllamaTextCrossAttention writes the projected image K/V into the cache once
+
+    def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
+        """Attention in each tile of the last local vision layer (tiles are padded to a multiple of 8)."""
+        tower = self.vision_tower(model)
+        per_tile = tower.num_patches
+        padded = per_tile + (8 - per_tile % 8) % 8
+        last_local = self.vision_blocks(model)[len(tower.transformer.layers) - 1]
+        rule = "cls" if rule == "auto" else rule
+        return ClsAttentionScorer(last_local, keep_cls=True, rule=rule, group=lambda hidden: (padded, per_tile))
+
+    def install_image_state_reducer(
+        self,
+        model: nn.Module,
+        reducer: ImageStateReducer,
+        kept: Callable[[int], int],
+        scores: Callable[[], torch.Tensor | None],
+    ) -> bool:
+        # The text model gets states [B, tiles * P, H] and a mask expanded P columns per tile; every
+        # column of a tile carries the same value, so the mask keeps the first kept(P) of each tile.
+        per_tile = self.vision_tower(model).num_patches
+
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            states = kwargs.get("cross_attention_states")
+            if states is not None:
+                batch, length, hidden = states.shape
+                reduced = reducer(states.reshape(-1, per_tile, hidden), scores())
+                kwargs["cross_attention_states"] = reduced.reshape(batch, -1, hidden)
+            mask = kwargs.get("cross_attention_mask")
+            if mask is not None and mask.shape[-1] % per_tile == 0:
+                head = mask.shape[:-1]
+                mask = mask.reshape(*head, -1, per_tile)[..., : kept(per_tile)]
+                kwargs["cross_attention_mask"] = mask.reshape(*head, -1)
+            return original(*args, **kwargs)
+
+        add_forward_wrapper(self.language_model(model), forward)
+        return True
 
 
 @mmsdk.hookimpl

@@ -1,0 +1,116 @@
+"""Composable forward overrides: several passes may wrap one module, one may replace what it computes.
+
+A module's ``forward`` becomes a dispatcher that calls its *body* (the class's forward unless a
+pass installed another, e.g. a fused decoder layer) through any number of *wrappers* (e.g. token
+pruning's gathers). Wrappers look the body up at call time, so the order in which passes install
+them does not matter. ``rebind_global`` builds a copy of a forward function that sees another
+object under one global name (how a fused RoPE op or a sparse attention function reaches code
+that calls a module-level function), keeping the function's decorators.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable
+
+from torch import nn
+
+__all__ = ["module_body", "foreign_forward", "set_forward_body", "add_forward_wrapper", "rebind_global",
+           "body_function"]
+
+BODY_ATTR = "_mmsdk_body"
+_DISPATCH_ATTR = "_mmsdk_dispatch"
+
+
+def module_body(module: nn.Module) -> Callable[..., Any]:
+    """What the module computes now: an installed body, else the class's forward bound to it."""
+    body = module.__dict__.get(BODY_ATTR)
+    return body if body is not None else types.MethodType(type(module).forward, module)
+
+
+def foreign_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """A forward override another component installed (not through these helpers), or None."""
+    forward = module.__dict__.get("forward")
+    return None if forward is None or module.__dict__.get(_DISPATCH_ATTR) else forward
+
+
+def body_function(module: nn.Module) -> Callable[..., Any]:
+    """The plain function behind :func:`module_body` (for :func:`rebind_global`)."""
+    body = module_body(module)
+    return body.__func__ if isinstance(body, types.MethodType) else body
+
+
+def _refuse_deepcopy(memo: Any) -> Any:
+    from mmsdk.core.errors import UnsupportedInputError
+
+    raise UnsupportedInputError(
+        "this module carries forward overrides installed by mmsdk passes, which refer to the original model, "
+        "so a deep copy would silently share their state.",
+        fix="deep-copy the model before the passes run (Optimizer runs them at .model/.export()), or export it "
+        "and load another copy with mmsdk.load(folder).",
+    )
+
+
+def _ensure_dispatch(module: nn.Module) -> None:
+    if module.__dict__.get(_DISPATCH_ATTR):
+        return
+    module.__dict__["__deepcopy__"] = _refuse_deepcopy  # copy.deepcopy looks it up on the instance
+    foreign = foreign_forward(module)
+    if foreign is not None and BODY_ATTR not in module.__dict__:
+        module.__dict__[BODY_ATTR] = foreign  # an override installed elsewhere becomes the body we wrap
+
+    @functools.wraps(type(module).forward.__get__(module))
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        return module_body(module)(*args, **kwargs)
+
+    module.forward = dispatch
+    module.__dict__[_DISPATCH_ATTR] = True
+
+
+def set_forward_body(module: nn.Module, body: Callable[..., Any]) -> None:
+    """Make ``body`` (a callable taking the forward's arguments) what the module computes."""
+    _ensure_dispatch(module)
+    module.__dict__[BODY_ATTR] = body
+
+
+def add_forward_wrapper(module: nn.Module, handler: Callable[..., Any]) -> None:
+    """Wrap the module's forward: ``handler(inner, *args, **kwargs)`` decides how to call ``inner``."""
+    _ensure_dispatch(module)
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return handler(inner, *args, **kwargs)
+
+    module.forward = wrapper
+
+
+def rebind_global(function: Callable[..., Any], name: str, value: Any) -> Callable[..., Any]:
+    """A copy of ``function`` whose code sees ``value`` under global ``name``; decorators are kept.
+
+    Decorator wrappers (``functools.wraps`` with ``__wrapped__``) are rebuilt around the rebound
+    innermost function. Raises ValueError if no function in the chain refers to ``name``.
+    """
+    inner = getattr(function, "__wrapped__", None)
+    if inner is not None and name not in function.__code__.co_names:
+        new_inner = rebind_global(inner, name, value)
+        closure = function.__closure__ or ()
+        cells = tuple(types.CellType(new_inner) if c.cell_contents is inner else c for c in closure)
+        if not any(c.cell_contents is new_inner for c in cells):
+            return new_inner  # the wrapper reaches its function some other way: drop the wrapper
+        copy = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                  function.__defaults__, cells)
+        copy.__kwdefaults__ = function.__kwdefaults__
+        copy.__dict__.update(function.__dict__)
+        copy.__wrapped__ = new_inner
+        return copy
+    if name not in function.__code__.co_names:
+        raise ValueError(f"{function.__qualname__} does not refer to a global named {name!r}")
+    namespace = dict(function.__globals__)
+    namespace[name] = value
+    copy = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__dict__.update(function.__dict__)
+    return copy

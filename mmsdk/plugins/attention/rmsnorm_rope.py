@@ -1,0 +1,380 @@
+"""``rmsnorm-rope-fusion``: fused normalization and rotary modules, exact against the originals.
+
+* Residual add + RMSNorm as one op: each pre-norm decoder layer's post-attention norm becomes a
+  :class:`FusedAddRMSNorm` (same weight), and the layer computes ``norm(residual + attn)`` with
+  the sum as the next residual (ONNX Runtime ``SkipSimplifiedLayerNormalization``).
+* RoPE on q and k together: the module-level rotary function each self-attention calls is bound,
+  for that module only, to a :class:`FusedRoPE` (ORT ``RotaryEmbedding``; ``MRotaryEmbedding``
+  for M-RoPE). M-RoPE models also get :class:`FusedMRoPEEmbedding`, which picks each frequency
+  slot's T/H/W position before the trigonometry instead of computing all three streams.
+* RMSNorm + RoPE where they are adjacent (per-head q/k norms, Qwen3-VL): the norms become
+  :class:`DeferredRMSNorm` (same weights, identity in place) and :class:`FusedRMSNormRoPE`
+  normalizes and rotates q and k in one op.
+
+Every replacement is checked on a probe against the module it replaces (bitwise in the model's
+dtype) and skipped, with the reason in the records, if it would not be exact. The torch ops are
+the reference implementation (mmsdk/kernels/norm_rope.py); GPU kernels are separate work.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any, Callable
+
+import torch
+from pydantic import Field
+from torch import nn
+
+import mmsdk
+from mmsdk.core.adapter import ModelAdapter
+from mmsdk.core.backend import LowerTarget
+from mmsdk.core.config import PassConfig
+from mmsdk.core.passes import PassContext, PassSpec
+from mmsdk.core.registry import Registrar
+from mmsdk.kernels.norm_rope import add_rms_norm, mrope_cos_sin, mrope_streams, rms_norm, rms_norm_rope_qk, rope_qk
+from mmsdk.plugins._forward import body_function, module_body, rebind_global, set_forward_body
+from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
+
+__all__ = [
+    "RMSNormRoPEFusionConfig",
+    "FusedAddRMSNorm",
+    "FusedRoPE",
+    "DeferredRMSNorm",
+    "FusedRMSNormRoPE",
+    "FusedMRoPEEmbedding",
+    "apply_rmsnorm_rope_fusion",
+]
+
+# Arguments a decoder layer receives for its self-attention (the rest are the layer's own, e.g. Mllama's).
+_ATTENTION_ARGS = frozenset({"attention_mask", "position_ids", "position_embeddings", "cache", "past_key_values",
+                             "use_cache", "cache_position", "output_attentions"})
+
+
+class RMSNormRoPEFusionConfig(PassConfig):
+    """Which fusions to make."""
+
+    residual_norm: bool = Field(True, description="Fuse residual add + post-attention RMSNorm in decoder layers.")
+    rope: bool = Field(True, description="Rotate q and k in one op in every self-attention.")
+    qk_norm: bool = Field(True, description="Fold per-head q/k RMSNorms into the RoPE op where adjacent (Qwen3).")
+    mrope_tables: bool = Field(True, description="M-RoPE models: build sectioned cos/sin in one pass.")
+
+
+class FusedAddRMSNorm(nn.Module):
+    """``(rms_norm(x + residual), x + residual)``; with no residual, a plain RMSNorm."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class FusedRoPE(nn.Module):
+    """Rotates q and k with the same cos/sin in one op (no parameters)."""
+
+    def __init__(self, head_dim: int, mrope_section: list[int] | None = None, mrope_interleaved: bool = False) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.mrope_section = mrope_section
+        self.mrope_interleaved = mrope_interleaved
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_qk(q, k, cos, sin, unsqueeze_dim)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, mrope_section={self.mrope_section}"
+
+
+class DeferredRMSNorm(nn.Module):
+    """Keeps a per-head RMSNorm's weight where it was; the norm itself runs inside FusedRMSNormRoPE."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """What the original norm computed (for code that needs normalized q/k outside attention)."""
+        return rms_norm(x, self.weight, self.eps)
+
+
+class FusedRMSNormRoPE(nn.Module):
+    """Per-head RMSNorm of q and k, then RoPE, in one op; reads the weights of the deferred norms."""
+
+    def __init__(self, q_norm: DeferredRMSNorm, k_norm: DeferredRMSNorm, head_dim: int,
+                 mrope_section: list[int] | None = None, mrope_interleaved: bool = False) -> None:
+        super().__init__()
+        object.__setattr__(self, "_norms", (q_norm, k_norm))  # references, not submodules: weights stay put
+        self.head_dim = head_dim
+        self.mrope_section = mrope_section
+        self.mrope_interleaved = mrope_interleaved
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        qn, kn = self._norms
+        return rms_norm_rope_qk(q, k, qn.weight, kn.weight, (qn.eps, kn.eps), cos, sin)
+
+
+class FusedMRoPEEmbedding(nn.Module):
+    """M-RoPE cos/sin for [3, B, L] positions, each frequency slot reading its own position stream."""
+
+    def __init__(self, original: nn.Module, streams: list[int]) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", original.inv_freq, persistent=False)
+        self.attention_scaling = float(original.attention_scaling)
+        self.streams = streams
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = position_ids.expand(3, -1, -1) if position_ids.dim() == 2 else position_ids
+        return mrope_cos_sin(positions, self.inv_freq, self.streams, self.attention_scaling, x.dtype)
+
+
+def _eps(norm: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(norm, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+
+
+def _probe(weight: torch.Tensor, *shape: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(weight.device, weight.dtype)
+
+
+def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str]) -> list[str]:
+    fused_names = []
+    names = {id(m): n for n, m in model.named_modules()}
+    for layer in adapter.decoder_layers(model):
+        norms = adapter.decoder_norm_names(layer)
+        if norms is None:
+            continue
+        norm = getattr(layer, norms[1])
+        eps = _eps(norm)
+        weight = getattr(norm, "weight", None)
+        fused = FusedAddRMSNorm(weight, eps) if eps is not None and isinstance(weight, nn.Parameter) else None
+        x = _probe(norm.weight, 2, 3, norm.weight.shape[-1]) if fused else None
+        if fused is None or not _same(norm(x), fused(x)):
+            skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
+            continue
+        setattr(layer, norms[1], fused)
+        set_forward_body(layer, _fused_layer_body(layer, adapter, norms[0], fused))
+        fused_names.append(names[id(layer)])
+    return fused_names
+
+
+def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str,
+                      fused: FusedAddRMSNorm) -> Callable[..., Any]:
+    """norm -> self-attention -> (add + norm fused) -> MLP -> add; training mode runs the original."""
+    original = module_body(layer)
+    signature = inspect.signature(original)
+    own = {name for name, p in signature.parameters.items() if p.kind is not p.VAR_KEYWORD} - {"hidden_states"}
+    layer_only = own - _ATTENTION_ARGS
+    attention, mlp = adapter.self_attention(layer), adapter.mlp(layer)
+
+    def body(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if layer.training:  # dropout and friends: only the original knows them
+            return original(hidden_states, *args, **kwargs)
+        if args:
+            kwargs = {**signature.bind_partial(hidden_states, *args, **kwargs).arguments, **kwargs}
+            kwargs.pop("hidden_states", None)
+            kwargs.update(kwargs.pop("kwargs", {}))
+        passed = {k: v for k, v in kwargs.items() if k not in layer_only}
+        residual = hidden_states
+        h = getattr(layer, input_norm)(hidden_states)
+        h = attention(hidden_states=h, **passed)[0]
+        h, residual = fused(h, residual)
+        return residual + mlp(h)
+
+    return body
+
+
+def _mrope_layout(model: nn.Module, adapter: ModelAdapter) -> tuple[list[int] | None, list[int] | None]:
+    """(mrope_section, per-slot position streams) read from the model's rotary module, or (None, None)."""
+    rotary = adapter.rotary_embedding(model)
+    if adapter.rotary_kind(model) != "mrope" or rotary is None:
+        return None, None
+    section = getattr(rotary, "mrope_section", None)
+    if not hasattr(rotary, "recomposition_frequencies") or not hasattr(rotary, "inv_freq"):
+        return (list(section) if section else None), None
+    half = rotary.inv_freq.shape[0]
+    marker = torch.arange(3, dtype=torch.float32)[:, None, None, None].expand(3, 1, 1, half).clone()
+    streams = rotary.recomposition_frequencies(marker)[0, 0, :half].round().long().tolist()
+    return (list(section) if section else None), streams
+
+
+def _rope_probe(attention: nn.Module, head_dim: int, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    heads = max(1, getattr(attention, "num_heads", 0) or getattr(attention.config, "num_attention_heads", 1))
+    q = _probe(weight, 1, heads, 3, head_dim, seed=1)
+    k = _probe(weight, 1, 1, 3, head_dim, seed=2)
+    angles = _probe(weight, 1, 3, head_dim // 2, seed=3).float()
+    angles = torch.cat([angles, angles], dim=-1)
+    return q, k, angles.cos().to(weight.dtype), angles.sin().to(weight.dtype)
+
+
+def _fuse_attention_rope(attention: nn.Module, adapter: ModelAdapter, config: RMSNormRoPEFusionConfig,
+                         section: list[int] | None, interleaved: bool) -> tuple[str, str | None]:
+    """Install the fused op on one attention module; return (kind, reason it was skipped or None)."""
+    name = adapter.rope_function_name(attention)
+    if name is None:
+        return "none", "its forward applies no module-level RoPE function"
+    function = body_function(attention)
+    original = inspect.unwrap(function).__globals__.get(name)
+    head_dim = int(attention.head_dim)
+    weight = next(attention.parameters())
+    q, k, cos, sin = _rope_probe(attention, head_dim, weight)
+    norms = adapter.qk_norm_names(attention) if config.qk_norm else None
+    if norms is not None:
+        q_norm, k_norm = (getattr(attention, n) for n in norms)
+        eps = (_eps(q_norm), _eps(k_norm))
+        if None in eps:
+            return "none", "its q/k norms keep no epsilon mmsdk recognises"
+        deferred = (DeferredRMSNorm(q_norm.weight, eps[0]), DeferredRMSNorm(k_norm.weight, eps[1]))
+        fused: nn.Module = FusedRMSNormRoPE(*deferred, head_dim=head_dim, mrope_section=section,
+                                            mrope_interleaved=interleaved)
+        expected, kind = original(q_norm(q), k_norm(k), cos, sin), "rmsnorm+rope"
+    else:
+        fused, kind = FusedRoPE(head_dim, section, interleaved), "rope"
+        expected = original(q, k, cos, sin)
+    if not _same(expected, fused(q, k, cos, sin)):
+        return "none", f"its {name} differs from the reference rotate-half RoPE"
+    attention.fused_rope = fused
+    set_forward_body(attention, types.MethodType(rebind_global(function, name, fused), attention))
+    if norms is not None:
+        for attr, module in zip(norms, deferred, strict=True):
+            setattr(attention, attr, module)
+    return kind, None
+
+
+def _replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> str:
+    for name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if child is old:
+                setattr(parent, child_name, new)
+                return f"{name}.{child_name}" if name else child_name
+    raise LookupError("module not found in the model")
+
+
+def _fuse_mrope_tables(model: nn.Module, adapter: ModelAdapter,
+                       streams: list[int] | None) -> tuple[str | None, str | None]:
+    rotary = adapter.rotary_embedding(model)
+    if streams is None or rotary is None:
+        return None, None
+    if getattr(rotary, "rope_type", "default") != "default":
+        return None, "M-RoPE tables: only the default rope type is fused (scaled variants update inv_freq)"
+    fused = FusedMRoPEEmbedding(rotary, streams)
+    generator = torch.Generator().manual_seed(4)
+    positions = torch.randint(0, 64, (3, 2, 5), generator=generator).to(rotary.inv_freq.device)
+    x = torch.zeros(1, dtype=next(model.parameters()).dtype, device=rotary.inv_freq.device)
+    if not _same(rotary(x, positions), fused(x, positions)):
+        return None, "M-RoPE tables: the model's rotary module computes something else"
+    return _replace_module(model, rotary, fused), None
+
+
+def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
+                              context: PassContext) -> dict[str, Any]:
+    """Replace norms and rotary application with fused modules; return what was fused and skipped."""
+    adapter = context.adapter
+    names = {id(m): n for n, m in model.named_modules()}
+    skipped: list[str] = []
+    records: dict[str, Any] = {"residual_norm": [], "rope": [], "rmsnorm_rope": [], "mrope_tables": None}
+    if config.residual_norm:
+        records["residual_norm"] = _fuse_residual_norms(model, adapter, skipped)
+    section, streams = _mrope_layout(model, adapter)
+    interleaved = streams is not None and section is not None and streams != mrope_streams(section)
+    layout = None if section is None else ("interleaved" if interleaved else "sectioned")
+    records.update(mrope_section=section, mrope_layout=layout)
+    if config.rope:
+        for layer in adapter.decoder_layers(model):
+            attention = adapter.self_attention(layer)
+            if attention is None:
+                continue
+            kind, reason = _fuse_attention_rope(attention, adapter, config, section, interleaved)
+            if reason is not None:
+                skipped.append(f"{names[id(attention)]}: {reason}")
+            else:
+                records["rope" if kind == "rope" else "rmsnorm_rope"].append(names[id(attention)])
+    if config.mrope_tables:
+        records["mrope_tables"], reason = _fuse_mrope_tables(model, adapter, streams)
+        if reason:
+            skipped.append(reason)
+    records["skipped"] = skipped
+    return records
+
+
+def _lower_onnx(module: nn.Module) -> OnnxLowering | None:
+    rope_attrs: dict[str, Any] = {"interleaved": 0, "rotary_embedding_dim": 0}
+    section = getattr(module, "mrope_section", None)
+    rope_op = "MRotaryEmbedding" if section else "RotaryEmbedding"
+    if section:
+        rope_attrs.update(mrope_section=list(section), mrope_layout=int(getattr(module, "mrope_interleaved", False)))
+    rope = OnnxNode(rope_op, "com.microsoft", rope_attrs, ("input", "position_ids", "cos_cache", "sin_cache"),
+                    ("output",))
+    if isinstance(module, FusedAddRMSNorm):
+        node = OnnxNode("SkipSimplifiedLayerNormalization", "com.microsoft", {"epsilon": module.eps},
+                        ("input", "skip", "gamma"), ("output", "", "", "input_skip_bias_sum"),
+                        {"gamma": module.weight.detach()})
+        return OnnxLowering((node,), note="input = attention output, skip = residual; output 3 is the next residual")
+    if isinstance(module, FusedRoPE):
+        return OnnxLowering((rope,), note="one node for q and one for k (set num_heads for 3-D inputs)")
+    if isinstance(module, FusedRMSNormRoPE):
+        qn, kn = module._norms
+        norm = [OnnxNode("SimplifiedLayerNormalization", "", {"epsilon": n.eps, "axis": -1, "stash_type": 1},
+                         ("X", "scale"), ("Y",), {"scale": n.weight.detach()}) for n in (qn, kn)]
+        return OnnxLowering((norm[0], norm[1], rope), note="q: nodes 0 then 2; k: nodes 1 then 2")
+    if isinstance(module, FusedMRoPEEmbedding):
+        return OnnxLowering((), note="folded into MRotaryEmbedding, which takes the 3-D position_ids itself")
+    return None
+
+
+def _lower_trtllm(module: nn.Module) -> TrtLlmLowering | None:
+    if isinstance(module, FusedAddRMSNorm):
+        return TrtLlmLowering({"weight": module.weight.detach()}, {"norm": "rms", "eps": module.eps})
+    if isinstance(module, (FusedRoPE, FusedMRoPEEmbedding)):
+        section = getattr(module, "mrope_section", None)
+        return TrtLlmLowering(config={"position_embedding_type": "mrope" if section else "rope_gpt_neox",
+                                      "mrope_section": section})
+    if isinstance(module, FusedRMSNormRoPE):
+        qn, kn = module._norms
+        return TrtLlmLowering({"q_norm.weight": qn.weight.detach(), "k_norm.weight": kn.weight.detach()},
+                              {"qk_layernorm": True, "position_embedding_type": "rope_gpt_neox"})
+    return None
+
+
+@mmsdk.hookimpl
+def mmsdk_lower(module: nn.Module, target: LowerTarget) -> Any:
+    if target.backend == "onnxruntime":
+        return _lower_onnx(module)
+    if target.backend in ("tensorrt_llm", "tensorrt-llm", "trtllm"):
+        return _lower_trtllm(module)
+    return None
+
+
+@mmsdk.hookimpl
+def mmsdk_register_attention(register: Registrar[PassSpec]) -> None:
+    register(
+        PassSpec(
+            name="rmsnorm-rope-fusion",
+            config_cls=RMSNormRoPEFusionConfig,
+            apply=apply_rmsnorm_rope_fusion,
+            summary="fused residual-add+RMSNorm, q/k RoPE (1-D and M-RoPE) and q/k RMSNorm+RoPE modules, exact",
+        )
+    )

@@ -1,0 +1,267 @@
+"""``sparse-xattn``: structured block-sparse cross-modal attention.
+
+Text-query blocks attend only to the image-key blocks most similar to them (pooled q.k, top
+``density`` share, see ``_block_sparse``). In the Flamingo family this applies to the
+cross-attention layers; in LLaVA/Qwen to the text-to-image part of every self-attention (image
+rows and text columns are untouched). The attention function each layer calls is wrapped for
+that layer only: on CUDA with ``backend`` "auto"/"flex" the kept entries run through
+FlexAttention's block mask; elsewhere the model's own attention (SDPA or eager) runs with the
+block mask folded into its attention mask. Every layer carries a :class:`BlockSparseSpec`
+(no weights) that records the rule, the last layout and how many score entries it skipped,
+and that ``mmsdk_lower`` turns into ONNX Runtime / TensorRT-LLM instructions.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+import mmsdk
+from mmsdk.core.adapter import ModelAdapter
+from mmsdk.core.backend import LowerTarget
+from mmsdk.core.config import PassConfig
+from mmsdk.core.errors import IncompatiblePassError
+from mmsdk.core.passes import CheckContext, PassContext, PassSpec
+from mmsdk.core.registry import Registrar
+from mmsdk.plugins._forward import body_function, rebind_global, set_forward_body
+from mmsdk.plugins._runtime import ModelRuntime, runtime_of
+from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs, layout_csr
+from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
+
+__all__ = ["SparseXAttnConfig", "BlockSparseSpec", "apply_sparse_xattn", "flex_available"]
+
+
+class SparseXAttnConfig(PassConfig):
+    """Block size, how many image-key blocks survive, and which kernel runs them."""
+
+    density: float = Field(0.5, gt=0, le=1, description="Share of the visible image-key blocks each text block keeps.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per block, for queries and keys (ORT: 16-128).")
+    backend: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="auto: FlexAttention on CUDA, masked SDPA elsewhere; flex: require FlexAttention."
+    )
+
+
+def flex_available(device: torch.device) -> bool:
+    """True where FlexAttention can run fast: a CUDA device and torch.nn.attention.flex_attention."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class BlockSparseSpec(nn.Module):
+    """The sparse-xattn rule of one attention layer, its last layout and what it skipped (no weights)."""
+
+    def __init__(self, config: SparseXAttnConfig, kind: Literal["self", "cross"]) -> None:
+        super().__init__()
+        self.density = config.density
+        self.block = config.block_size
+        self.backend = config.backend
+        self.kind = kind
+        self.last_keep: torch.Tensor | None = None  # [B, query blocks, key blocks] of the last call
+        self.score_entries = [0, 0]  # text-to-image entries: dense total, kept (accumulated)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, block={self.block}, density={self.density}, backend={self.backend}"
+
+
+def _flex_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                    scaling: float | None) -> tuple[torch.Tensor, None]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    allowed = allowed.expand(q.shape[0], 1, q.shape[2], k.shape[2])
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return allowed[b, 0, q_idx, kv_idx]
+
+    block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    out = flex_attention(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _SparseInterface:
+    """Stands in for transformers' attention-function registry inside one attention module's forward."""
+
+    def __init__(self, real: Any, spec: BlockSparseSpec, masks: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+        self.real = real
+        self.spec = spec
+        self.masks = masks
+
+    def get_interface(self, name: str, default: Callable[..., Any]) -> Callable[..., Any]:
+        return self.wrap(self.real.get_interface(name, default))
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        return self.wrap(self.real[name])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def wrap(self, attention: Callable[..., Any]) -> Callable[..., Any]:
+        spec = self.spec
+
+        def sparse(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+                   *args: Any, **kwargs: Any) -> Any:
+            text_rows, image_cols = self.masks(q, k)
+            if not bool(text_rows.any()) or not bool(image_cols.any()):
+                return attention(module, q, k, v, mask, *args, **kwargs)
+            causal = spec.kind == "self"
+            layout = block_layout(q, k, text_rows, image_cols, block=spec.block, density=spec.density, causal=causal)
+            dropped = drop_mask(layout, text_rows, image_cols)
+            given = mask if isinstance(mask, torch.Tensor) else None
+            allowed = combine_mask(given, dropped, causal=causal, dtype=q.dtype)
+            before = combine_mask(given, torch.zeros_like(dropped), causal=causal, dtype=q.dtype)
+            total, kept = kept_pairs(before, allowed, text_rows, image_cols)
+            spec.last_keep = layout.keep
+            spec.score_entries[0] += total
+            spec.score_entries[1] += kept
+            use_flex = spec.backend == "flex" or (spec.backend == "auto" and flex_available(q.device))
+            if use_flex and q.shape[2] > 1:
+                bool_allowed = allowed if allowed.dtype == torch.bool else allowed > torch.finfo(allowed.dtype).min / 2
+                return _flex_attention(module, q, k, v, bool_allowed, kwargs.get("scaling"))
+            if allowed.dtype == torch.bool and isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+                allowed = torch.zeros_like(mask).masked_fill(~allowed, torch.finfo(mask.dtype).min)
+            return attention(module, q, k, v, allowed, *args, **kwargs)
+
+        return sparse
+
+
+def _inline_masks(runtime: ModelRuntime) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    def masks(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, q_len, k_len = q.shape[0], q.shape[2], k.shape[2]
+        call = runtime.call
+        query_images = call.query_image_mask if call is not None else None
+        if query_images is None or query_images.shape != (batch, q_len):
+            empty = torch.zeros(batch, q_len, dtype=torch.bool, device=q.device)
+            return empty, torch.zeros(batch, k_len, dtype=torch.bool, device=q.device)
+        return ~query_images.to(q.device), runtime.key_image_mask(k_len, batch, q.device)
+
+    return masks
+
+
+def _cross_masks(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ones = torch.ones
+    return (ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device),
+            ones(q.shape[0], k.shape[2], dtype=torch.bool, device=q.device))
+
+
+def _targets(model: nn.Module, adapter: ModelAdapter) -> list[tuple[nn.Module, Literal["self", "cross"]]]:
+    blocks = adapter.cross_attention_blocks(model)
+    if blocks:
+        return [(block.attention, "cross") for block in blocks]
+    layers = adapter.decoder_layers(model)
+    return [(a, "self") for a in (adapter.self_attention(layer) for layer in layers) if a is not None]
+
+
+def check_sparse_xattn(ctx: CheckContext) -> None:
+    """Refuse combinations whose image positions differ per layer, and flex without CUDA."""
+    config: SparseXAttnConfig = ctx.config  # type: ignore[assignment]
+    impl = str(getattr(ctx.adapter.text_config(ctx.model), "_attn_implementation", "sdpa"))
+    if impl.startswith("flash"):
+        raise IncompatiblePassError(
+            f"sparse-xattn needs a 4-D attention mask and this model runs {impl!r}, which takes none.",
+            fix='load the model with attn_implementation="sdpa" (masked SDPA, or FlexAttention on CUDA).',
+        )
+    device = next(ctx.model.parameters()).device
+    if config.backend == "flex" and not flex_available(device):
+        raise IncompatiblePassError(
+            f"sparse-xattn backend='flex' needs FlexAttention on a CUDA device; the model is on {device}.",
+            fix='use backend="auto" (FlexAttention on CUDA, masked SDPA elsewhere) or move the model to a GPU.',
+        )
+
+
+def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: PassContext) -> dict[str, Any]:
+    """Wrap the attention function of every cross-modal attention layer; return the layout rule."""
+    adapter = context.adapter
+    names = {id(m): n for n, m in model.named_modules()}
+    targets = _targets(model, adapter)
+    masks = _cross_masks if targets and targets[0][1] == "cross" else _inline_masks(runtime_of(model, adapter))
+    for attention, kind in targets:
+        spec = BlockSparseSpec(config, kind)
+        attention.sparse_xattn = spec
+        function = body_function(attention)
+        proxy = _SparseInterface(_registry_of(function), spec, masks)
+        set_forward_body(attention, types.MethodType(rebind_global(function, "ALL_ATTENTION_FUNCTIONS", proxy),
+                                                     attention))
+    kind = targets[0][1] if targets else "self"
+    records = {
+        "layers": [names[id(a)] for a, _ in targets],
+        "part": "cross-attention layers" if kind == "cross" else "text-query x image-key part of self-attention",
+        "block_size": config.block_size,
+        "density": config.density,
+        "rule": "per text-query block: top ceil(density * visible) image-key blocks by mean-pooled q.k (head mean)",
+        "kernel": "FlexAttention on CUDA, masked SDPA elsewhere" if config.backend == "auto" else config.backend,
+        "layout": "dynamic (computed per call); BlockSparseSpec.last_keep holds the last one",
+    }
+    if context.calibration is not None and context.processor is not None:
+        records["example_layout"] = _example_layout(model, context)
+    return records
+
+
+def _example_layout(model: nn.Module, context: PassContext) -> dict[str, Any]:
+    """The layouts the first calibration prompt produces (CSR per layer), for exporters of a fixed layout."""
+    sample = context.calibration.samples[0]
+    processor = context.processor
+    inputs = processor(images=[sample.image], text=[context.adapter.format_prompt(sample.text, processor)])
+    with torch.no_grad():
+        model(**inputs)
+    layouts = sparse_layouts(model)
+    for spec in (m for m in model.modules() if isinstance(m, BlockSparseSpec)):
+        spec.score_entries[:] = [0, 0]
+    return {"prompt": sample.text, "layers": layouts}
+
+
+def _registry_of(function: Callable[..., Any]) -> Any:
+    import inspect
+
+    namespace = inspect.unwrap(function).__globals__
+    if "ALL_ATTENTION_FUNCTIONS" not in namespace:
+        raise IncompatiblePassError(
+            f"{function.__qualname__} does not pick its kernel from transformers' attention registry, so "
+            "sparse-xattn cannot reach its attention call.",
+            fix="use a transformers model class whose attention uses ALL_ATTENTION_FUNCTIONS (transformers >= 4.48).",
+        )
+    return namespace["ALL_ATTENTION_FUNCTIONS"]
+
+
+def sparse_layouts(model: nn.Module) -> dict[str, dict[str, list[int]]]:
+    """The last layout of every sparse-xattn layer (first batch row) in SparseAttention's CSR form."""
+    return {name: layout_csr(m.last_keep[0]) for name, m in model.named_modules()
+            if isinstance(m, BlockSparseSpec) and m.last_keep is not None}
+
+
+@mmsdk.hookimpl
+def mmsdk_lower(module: nn.Module, target: LowerTarget) -> Any:
+    if not isinstance(module, BlockSparseSpec):
+        return None
+    rule = {"block_size": module.block, "density": module.density, "kind": module.kind}
+    if target.backend == "onnxruntime":
+        node = OnnxNode("Attention", "", {"is_causal": int(module.kind == "self")},
+                        ("Q", "K", "V", "attn_mask"), ("Y",))
+        return OnnxLowering((node,), note="masked attention; build attn_mask in-graph with the block rule "
+                            f"{rule} (ReduceMean over blocks, MatMul, TopK, ScatterElements), or use "
+                            "com.microsoft.SparseAttention with a fixed CSR layout from sparse_layouts()")
+    if target.backend in ("tensorrt_llm", "tensorrt-llm", "trtllm"):
+        return TrtLlmLowering(config={"attention_mask": "block_sparse_text_to_image", **rule},
+                              note="TensorRT-LLM has no dynamic block-sparse cross-modal kernel: run dense or "
+                              "pass the mask as a custom attention mask")
+    return None
+
+
+@mmsdk.hookimpl
+def mmsdk_register_attention(register: Registrar[PassSpec]) -> None:
+    register(
+        PassSpec(
+            name="sparse-xattn",
+            config_cls=SparseXAttnConfig,
+            apply=apply_sparse_xattn,
+            check=check_sparse_xattn,
+            summary="block-sparse text-to-image attention (top image blocks per text block; FlexAttention on CUDA)",
+        )
+    )
