@@ -22,6 +22,7 @@ import torch
 
 COPY_BW = 4.27e12  # measured device-to-device copy on this H200 (techniques.md 7); re-measured below
 RESULTS: dict[str, Any] = {}
+COMPILE: list[bool] = [False]  # --compile: also time the torch.compile peers (minutes of compilation)
 
 
 def save(path: str) -> None:
@@ -34,6 +35,17 @@ def bench(fn: Callable[[], Any], rep: int = 200) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def gbench(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Median milliseconds of one fn call, from a CUDA graph of ``calls`` calls (no Python launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return bench(graph.replay, rep=100) / calls
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,9 +84,9 @@ def section_w4a16(quick: bool) -> list[dict[str, Any]]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = int4_linear(x, packed.qweight, packed.scales, None, k, 128)
             err = rel(out, x.float() @ dense.float().T)
-            t_bf16 = bench(lambda: torch.nn.functional.linear(x, dense))
-            t_tiny = bench(lambda: torch.ops.aten._weight_int4pack_mm(x, tiny_w, 128, tiny_sz))
-            t_ours = bench(lambda: int4_linear(x, packed.qweight, packed.scales, None, k, 128))
+            t_bf16 = gbench(lambda: torch.nn.functional.linear(x, dense))
+            t_tiny = gbench(lambda: torch.ops.aten._weight_int4pack_mm(x, tiny_w, 128, tiny_sz))
+            t_ours = gbench(lambda: int4_linear(x, packed.qweight, packed.scales, None, k, 128))
             packed_bytes = packed.qweight.numel() + packed.scales.numel() * 2 + x.numel() * 2 + m * n * 2
             rows.append({"shape": name, "M": m, "rel_err": err, "bf16_us": t_bf16 * 1e3, "tinygemm_us": t_tiny * 1e3,
                          "mmsdk_us": t_ours * 1e3, "speedup_vs_bf16": t_bf16 / t_ours,
@@ -103,8 +115,8 @@ def section_kv(quick: bool) -> list[dict[str, Any]]:
             out = decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5)
             kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
             err = rel(out, reference_decode_attention(q, kd, vd, d**-0.5))
-            t_ours = bench(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5))
-            t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
+            t_ours = gbench(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5))
+            t_sdpa = gbench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
             bytes_int4 = kc.numel() * 2
             rows.append({"heads": label, "ctx": ctx, "rel_err": err, "mmsdk_int4_us": t_ours * 1e3,
                          "sdpa_bf16_us": t_sdpa * 1e3, "time_ratio": t_ours / t_sdpa,
@@ -131,10 +143,10 @@ def section_norm(quick: bool) -> list[dict[str, Any]]:
         w = torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5
         got, exp = gpu.add_rms_norm(x, r, w, 1e-6), ref.add_rms_norm(x, r, w, 1e-6)
         row = {"op": "add+rmsnorm", "tokens": tokens, "rel_err": max(rel(got[0], exp[0]), rel(got[1], exp[1])),
-               "mmsdk_us": bench(lambda: gpu.add_rms_norm(x, r, w, 1e-6)) * 1e3,
-               "eager_us": bench(lambda: eager_add(x, r, w, 1e-6)) * 1e3}
+               "mmsdk_us": gbench(lambda: gpu.add_rms_norm(x, r, w, 1e-6)) * 1e3,
+               "eager_us": gbench(lambda: eager_add(x, r, w, 1e-6)) * 1e3}
         if LigerRMSNormFunction is not None:  # liger: add in torch, then its norm (it has no fused add here)
-            row["liger_us"] = bench(lambda: LigerRMSNormFunction.apply(x + r, w, 1e-6, 0.0, "llama")) * 1e3
+            row["liger_us"] = gbench(lambda: LigerRMSNormFunction.apply(x + r, w, 1e-6, 0.0, "llama")) * 1e3
         row["mmsdk_TBps"] = 4 * x.numel() * 2 / row["mmsdk_us"] / 1e6
         rows.append(row)
         print(row, flush=True)
@@ -145,10 +157,10 @@ def section_norm(quick: bool) -> list[dict[str, Any]]:
         cos, sin = (torch.cat([f(ang)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
         got, exp = gpu.rope_qk(q, k, cos, sin), ref.rope_qk(q, k, cos, sin)
         row = {"op": "rope q+k", "tokens": tokens, "rel_err": max(rel(got[0], exp[0]), rel(got[1], exp[1])),
-               "mmsdk_us": bench(lambda: gpu.rope_qk(q, k, cos, sin)) * 1e3,
-               "eager_us": bench(lambda: ref.rope_qk(q, k, cos, sin)) * 1e3}
+               "mmsdk_us": gbench(lambda: gpu.rope_qk(q, k, cos, sin)) * 1e3,
+               "eager_us": gbench(lambda: ref.rope_qk(q, k, cos, sin)) * 1e3}
         if liger_rotary_pos_emb is not None:
-            row["liger_us"] = bench(lambda: liger_rotary_pos_emb(q, k, cos, sin)) * 1e3
+            row["liger_us"] = gbench(lambda: liger_rotary_pos_emb(q, k, cos, sin)) * 1e3
         row["mmsdk_TBps"] = 2 * (q.numel() + k.numel()) * 2 / row["mmsdk_us"] / 1e6
         rows.append(row)
         print(row, flush=True)
@@ -269,7 +281,7 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
 
     model = build_llava()
     record("HF bf16 eager generate", model, kv_bf16, type(model).generate.__get__(model))
-    if not quick:
+    if COMPILE[0]:
         try:
             model.generation_config.cache_implementation = "static"
             model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
@@ -286,8 +298,13 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
 
         model = build_llava()
-        quantize_(model.model.language_model, Int4WeightOnlyConfig(group_size=128))
+        quantize_(model.model.language_model, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
         record("torchao int4 weight-only (HF eager generate)", model, kv_bf16, type(model).generate.__get__(model))
+        if COMPILE[0]:
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+            record("torchao int4 weight-only + static cache + torch.compile", model, kv_bf16,
+                   type(model).generate.__get__(model))
         del model
     except Exception as error:
         rows.append({"variant": "torchao int4 weight-only", "error": repr(error)[:500]})
@@ -369,9 +386,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_suite.json")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--sections", default="env,w4a16,kv,norm,decode,memory,ttft")
     args = parser.parse_args()
-    RESULTS["command"] = "python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "") + \
+    COMPILE[0] = args.compile
+    RESULTS["command"] = "python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "") + ("--compile " if args.compile else "") + \
         f"--sections {args.sections}"
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv, "norm": section_norm,
                 "decode": section_decode, "memory": section_memory, "ttft": section_ttft}
