@@ -122,7 +122,10 @@ class _Generator:
             reason = state.packed_decode_reason(self.ids.device) if self.graphs else None
             if reason is not None:
                 raise _Unsupported(f"the quantized KV cache cannot be static here ({reason})")
-            return state.static_cache(max_len, fused=self.graphs)
+            cache = state.static_cache(max_len, fused=self.graphs)
+            for layer in cache.layers:  # the batch has no padding (checked before)
+                layer.unpadded = True
+            return cache
         from transformers.cache_utils import StaticCache
 
         return StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)

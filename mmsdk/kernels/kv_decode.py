@@ -132,7 +132,8 @@ def _make_attention(base: str) -> Any:
                 from transformers.models.llama.modeling_llama import eager_attention_forward as fallback
             return fallback(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        row = _mask_row(attention_mask, query.shape[0])
+        # an unpadded batch needs no mask on a decode step; a graph-captured mask would also freeze its length
+        row = None if layer.unpadded else _mask_row(attention_mask, query.shape[0])
         return layer.attend(query, scaling, row), None
 
     attention.__name__ = f"{_PREFIX}{base}"

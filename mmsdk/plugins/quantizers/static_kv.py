@@ -45,6 +45,7 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.key_codes: torch.Tensor | None = None
         self.value_codes: torch.Tensor | None = None
         self.length: torch.Tensor | None = None  # device int64 [1]: tokens stored
+        self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
