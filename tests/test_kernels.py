@@ -101,26 +101,27 @@ def test_fused_norm_and_rope_kernels(target):
     device, dtype, tol = target
     x, residual = (torch.randn(3, 5, 80, device=device).to(dtype) for _ in range(2))
     weight = (torch.rand(80, device=device) + 0.5).to(dtype)
-    for got, expected in zip(gpu.add_rms_norm(x, residual, weight, 1e-6), ref.add_rms_norm(x, residual, weight, 1e-6)):
+    pairs = zip(gpu.add_rms_norm(x, residual, weight, 1e-6), ref.add_rms_norm(x, residual, weight, 1e-6), strict=True)
+    for got, expected in pairs:
         assert _rel(got, expected) < tol
     assert _rel(gpu.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6)) < tol
     q, k = torch.randn(2, 3, 7, 32, device=device).to(dtype), torch.randn(2, 1, 7, 32, device=device).to(dtype)
     angles = torch.randn(2, 7, 16, device=device) * 50
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
-    for got, expected in zip(gpu.rope_qk(q, k, cos, sin), ref.rope_qk(q, k, cos, sin)):
+    for got, expected in zip(gpu.rope_qk(q, k, cos, sin), ref.rope_qk(q, k, cos, sin), strict=True):
         assert _rel(got, expected) < tol
     q_t, k_t = q.transpose(1, 2), k.transpose(1, 2)  # [B, L, H, D] views, rotated with unsqueeze_dim=2
-    for got, expected in zip(gpu.rope_qk(q_t, k_t, cos, sin, 2), ref.rope_qk(q_t, k_t, cos, sin, 2)):
+    for got, expected in zip(gpu.rope_qk(q_t, k_t, cos, sin, 2), ref.rope_qk(q_t, k_t, cos, sin, 2), strict=True):
         assert _rel(got, expected) < tol
     qw, kw = ((torch.rand(32, device=device) + 0.5).to(dtype) for _ in range(2))
     got = gpu.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin)
-    for a, b in zip(got, ref.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin)):
+    for a, b in zip(got, ref.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin), strict=True):
         assert _rel(a, b) < tol
     positions = torch.randint(0, 8000, (3, 2, 9), device=device)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, device=device).float() / 16))
     streams = ref.mrope_streams([2, 3, 3])
     for a, b in zip(gpu.mrope_cos_sin(positions, inv_freq, streams, 1.0, dtype),
-                    ref.mrope_cos_sin(positions, inv_freq, streams, 1.0, dtype)):
+                    ref.mrope_cos_sin(positions, inv_freq, streams, 1.0, dtype), strict=True):
         assert _rel(a, b) < tol
 
 
@@ -139,7 +140,8 @@ def test_bad_inputs_fall_back_or_refuse():
 def test_kernels_under_the_interpreter():
     """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~15 s)."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
                              "-k", "interpreter"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

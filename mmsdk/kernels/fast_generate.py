@@ -32,9 +32,11 @@ __all__ = ["CHECK_EVERY", "install", "unsupported_reason"]
 
 CHECK_EVERY = 16
 ATTRIBUTE = "_mmsdk_fast_generate"
-_PASSTHROUGH = {"input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
-                "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample",
-                "num_beams", "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "min_new_tokens"}
+_PASSTHROUGH = {
+    "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
+    "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
+    "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "min_new_tokens",
+}
 _DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
 
 
@@ -166,7 +168,6 @@ class _Generator:
         def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             seen.update(kwargs)
 
-        batch = token.shape[0]
         self.first_position = int(cache.get_seq_length())
         handle = language.register_forward_pre_hook(record, with_kwargs=True)
         try:

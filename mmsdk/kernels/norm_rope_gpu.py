@@ -142,7 +142,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 def rms_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     eps: tuple[float, float], cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: tuple[float, float], cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k, then RoPE (one kernel on CUDA)."""
     reason = _rope_reason(q, k, cos, sin, 1, q_weight, k_weight)
     if reason is None and (q_weight.dtype != q.dtype or k_weight.dtype != k.dtype):
