@@ -90,8 +90,11 @@ class Optimizer:
 
     @property
     def model(self) -> nn.Module:
-        """The optimized torch module (runs any planned passes first)."""
+        """The optimized torch module (runs any planned passes first); on CUDA its generate() is the fast path."""
         self._run_pending()
+        from mmsdk.kernels.fast_generate import install
+
+        install(self._model, self.adapter)
         return self._model
 
     def report(

@@ -1,0 +1,60 @@
+"""GPU kernels (Triton) for mmsdk's optimized modules, with the torch reference ops as fallback.
+
+Nothing here imports Triton at module import: each kernel module is imported by the code that
+needs it, and :func:`triton_ready` decides per tensor whether the Triton path can run. Where it
+cannot (no CUDA tensor, no Triton, an unsupported dtype), callers use the torch reference op and
+:func:`note_fallback` says so once per reason in the ``mmsdk.kernels`` log.
+
+Modules:
+
+* ``w4a16``: INT4 weight x bf16/fp16 activation matmul reading the MatMulNBits packed layout.
+* ``kv_decode``: decode attention over a packed INT4 / INT8 / FP8 KV cache (GQA), and the fused
+  quantize-and-append of new K/V tokens.
+* ``norm_rope_triton``: residual-add + RMSNorm, RoPE on q and k, M-RoPE tables, q/k RMSNorm + RoPE.
+* ``flex_masks``: FlexAttention block masks built from a block layout (sparse-xattn).
+* ``fast_generate``: static cache + CUDA-graph decode loop behind ``model.generate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+
+import torch
+
+__all__ = ["INTERPRET_ENV", "note_fallback", "triton_available", "triton_ready"]
+
+LOG = logging.getLogger("mmsdk.kernels")
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+@cache
+def triton_available() -> bool:
+    """True when Triton imports (it is optional: CPU-only installs run the torch reference ops)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton's interpreter runs kernels on CPU tensors (``TRITON_INTERPRET=1``, for tests)."""
+    return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
+
+
+def triton_ready(*tensors: torch.Tensor) -> bool:
+    """True when a Triton kernel can take these tensors: all on one CUDA device (or the interpreter is on)."""
+    if not tensors or not triton_available():
+        return False
+    if interpreting():
+        return all(t.device.type == "cpu" for t in tensors)
+    device = tensors[0].device
+    return device.type == "cuda" and all(t.device == device for t in tensors)
+
+
+@cache
+def note_fallback(kernel: str, reason: str) -> None:
+    """Log, once per (kernel, reason), that the torch reference op runs instead of the Triton kernel."""
+    LOG.info("mmsdk.kernels: %s runs the torch reference op (%s)", kernel, reason)

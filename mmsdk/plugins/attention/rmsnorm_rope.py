@@ -12,8 +12,9 @@
   normalizes and rotates q and k in one op.
 
 Every replacement is checked on a probe against the module it replaces (bitwise in the model's
-dtype) and skipped, with the reason in the records, if it would not be exact. The torch ops are
-the reference implementation (mmsdk/kernels/norm_rope.py); GPU kernels are separate work.
+dtype) and skipped, with the reason in the records, if it would not be exact. The torch ops
+(mmsdk/kernels/norm_rope.py) are the reference and run on CPU; on CUDA each fused module runs one
+Triton kernel (mmsdk/kernels/norm_rope_gpu.py), equal to the reference up to rounding order.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from mmsdk.core.backend import LowerTarget
 from mmsdk.core.config import PassConfig
 from mmsdk.core.passes import PassContext, PassSpec
 from mmsdk.core.registry import Registrar
-from mmsdk.kernels.norm_rope import add_rms_norm, mrope_cos_sin, mrope_streams, rms_norm, rms_norm_rope_qk, rope_qk
+from mmsdk.kernels import norm_rope as reference_ops
+from mmsdk.kernels import norm_rope_gpu as fast_ops
+from mmsdk.kernels.norm_rope import mrope_streams
 from mmsdk.plugins._forward import body_function, module_body, rebind_global, set_forward_body
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
 
@@ -68,10 +71,14 @@ class FusedAddRMSNorm(nn.Module):
         self.weight = weight
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops: Any = fast_ops) -> Any:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """The torch reference ops' result (what the probe compares with the original module)."""
+        return self.forward(x, residual, reference_ops)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -87,8 +94,13 @@ class FusedRoPE(nn.Module):
         self.mrope_interleaved = mrope_interleaved
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_qk(q, k, cos, sin, unsqueeze_dim)
+                unsqueeze_dim: int = 1, ops: Any = fast_ops) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_qk(q, k, cos, sin, unsqueeze_dim)
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference ops' result."""
+        return self.forward(q, k, cos, sin, 1, reference_ops)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, mrope_section={self.mrope_section}"
@@ -107,7 +119,7 @@ class DeferredRMSNorm(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """What the original norm computed (for code that needs normalized q/k outside attention)."""
-        return rms_norm(x, self.weight, self.eps)
+        return reference_ops.rms_norm(x, self.weight, self.eps)
 
 
 class FusedRMSNormRoPE(nn.Module):
@@ -122,9 +134,14 @@ class FusedRMSNormRoPE(nn.Module):
         self.mrope_interleaved = mrope_interleaved
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                unsqueeze_dim: int = 1, ops: Any = fast_ops) -> tuple[torch.Tensor, torch.Tensor]:
         qn, kn = self._norms
-        return rms_norm_rope_qk(q, k, qn.weight, kn.weight, (qn.eps, kn.eps), cos, sin)
+        return ops.rms_norm_rope_qk(q, k, qn.weight, kn.weight, (qn.eps, kn.eps), cos, sin)
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference ops' result."""
+        return self.forward(q, k, cos, sin, 1, reference_ops)
 
 
 class FusedMRoPEEmbedding(nn.Module):
@@ -136,9 +153,13 @@ class FusedMRoPEEmbedding(nn.Module):
         self.attention_scaling = float(original.attention_scaling)
         self.streams = streams
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ops: Any = fast_ops) -> tuple[torch.Tensor, ...]:
         positions = position_ids.expand(3, -1, -1) if position_ids.dim() == 2 else position_ids
-        return mrope_cos_sin(positions, self.inv_freq, self.streams, self.attention_scaling, x.dtype)
+        return ops.mrope_cos_sin(positions, self.inv_freq, self.streams, self.attention_scaling, x.dtype)
+
+    def reference(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference ops' result."""
+        return self.forward(x, position_ids, reference_ops)  # type: ignore[return-value]
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -172,7 +193,7 @@ def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[
         weight = getattr(norm, "weight", None)
         fused = FusedAddRMSNorm(weight, eps) if eps is not None and isinstance(weight, nn.Parameter) else None
         x = _probe(norm.weight, 2, 3, norm.weight.shape[-1]) if fused else None
-        if fused is None or not _same(norm(x), fused(x)):
+        if fused is None or not _same(norm(x), fused.reference(x)):
             skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
             continue
         setattr(layer, norms[1], fused)
@@ -262,7 +283,7 @@ def _fuse_attention_rope(attention: nn.Module, adapter: ModelAdapter, config: RM
     else:
         fused, kind = FusedRoPE(head_dim, section, interleaved), "rope"
         expected = original(q, k, cos, sin)
-    if not _same(expected, fused(q, k, cos, sin)):
+    if not _same(expected, fused.reference(q, k, cos, sin)):  # type: ignore[operator]
         return "none", f"its {name} differs from the reference rotate-half RoPE"
     attention.fused_rope = fused
     set_forward_body(attention, types.MethodType(rebind_global(function, name, fused), attention))
@@ -292,7 +313,7 @@ def _fuse_mrope_tables(model: nn.Module, adapter: ModelAdapter,
     generator = torch.Generator().manual_seed(4)
     positions = torch.randint(0, 64, (3, 2, 5), generator=generator).to(rotary.inv_freq.device)
     x = torch.zeros(1, dtype=next(model.parameters()).dtype, device=rotary.inv_freq.device)
-    if not _same(rotary(x, positions), fused(x, positions)):
+    if not _same(rotary(x, positions), fused.reference(x, positions)):
         return None, "M-RoPE tables: the model's rotary module computes something else"
     return _replace_module(model, rotary, fused), None
 

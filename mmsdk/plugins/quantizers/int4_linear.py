@@ -5,10 +5,10 @@ Buffers (all persistent, so a torch export holds exactly what ONNX Runtime's Mat
 ``[N, ceil(k_blocks/2)]`` when asymmetric, and ``prequant`` ``[K]`` when AWQ chose per-input-channel
 scales (``y = (x * prequant) @ W_hat.T + bias``, TensorRT-LLM's ``prequant_scaling_factor``).
 
-On CPU, and on CUDA when the shape does not fit the kernel, the weight is dequantized group by
-group for each call (transient memory only). On CUDA with bf16/fp16 activations it runs torch's
-tinygemm kernel ``_weight_int4pack_mm``; its repacked copy is built on the first CUDA call and
-kept as a non-persistent buffer, so memory reports count it.
+On CUDA with bf16/fp16 activations it runs mmsdk's Triton W4A16 kernel
+(:mod:`mmsdk.kernels.w4a16`), which reads these packed buffers directly: no second copy of the
+weight is ever kept. On CPU, without Triton, or with other dtypes, the weight is dequantized for
+each call (transient memory only) and ``F.linear`` runs; the ``mmsdk.kernels`` log says so once.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmsdk.plugins.quantizers.packing import PackedInt4, dequantize_int4, padded_k, quantize_int4, to_tinygemm
+from mmsdk.plugins.quantizers.packing import PackedInt4, dequantize_int4, padded_k, quantize_int4
 
 __all__ = ["Int4Linear"]
-
-_TINYGEMM_TILES = 8
 
 
 class Int4Linear(nn.Module):
@@ -51,8 +49,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("zero_points", None if symmetric else torch.zeros(zp_shape, dtype=torch.uint8, **empty))
         self.register_buffer("prequant", torch.ones(in_features, dtype=dtype, **empty) if prequant else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, **empty), requires_grad=False) if bias else None
-        self.register_buffer("_tinygemm_weight", None, persistent=False)
-        self.register_buffer("_tinygemm_scales", None, persistent=False)
 
     @classmethod
     def from_linear(
@@ -94,7 +90,6 @@ class Int4Linear(nn.Module):
             self.scales.copy_(packed.scales)
             if self.zero_points is not None and packed.zero_points is not None:
                 self.zero_points.copy_(packed.zero_points)
-        self._tinygemm_weight = self._tinygemm_scales = None
 
     def packed(self) -> PackedInt4:
         """This layer's weight as a :class:`PackedInt4` (views of the buffers, no copy)."""
@@ -107,29 +102,14 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
-        if x.is_cuda and self._fits_tinygemm(x):
-            return self._tinygemm(x)
+        if x.is_cuda:
+            from mmsdk.kernels.w4a16 import int4_linear
+
+            out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
+                              self.bias)
+            if out is not None:
+                return out
         out = torch.nn.functional.linear(x, self.dequantize(x.dtype))
-        return out if self.bias is None else out + self.bias.to(out.dtype)
-
-    def _fits_tinygemm(self, x: torch.Tensor) -> bool:
-        k = self.in_features
-        return (
-            x.dtype in (torch.bfloat16, torch.float16)
-            and self.block_size in (32, 64, 128, 256)
-            and k == padded_k(k, self.block_size)
-            and k % (_TINYGEMM_TILES * 16) == 0
-            and self.out_features % 8 == 0
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm")
-        )
-
-    def _tinygemm(self, x: torch.Tensor) -> torch.Tensor:
-        if self._tinygemm_weight is None or self._tinygemm_weight.device != x.device:
-            weight, scales = to_tinygemm(self.packed(), _TINYGEMM_TILES)
-            self._tinygemm_weight, self._tinygemm_scales = weight.to(x.device), scales.to(x.device)
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm(flat, self._tinygemm_weight, self.block_size, self._tinygemm_scales)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:

@@ -5,6 +5,11 @@ instance only, ``_prepare_cache_for_generation``: it lets transformers prepare i
 then swaps the default ``DynamicCache`` it created for mmsdk's quantized cache. A cache the user
 passes in is left alone. ``model._mmsdk_kv.new_cache()`` gives one for manual forward calls.
 
+On CUDA, with static scales and a self-attention-only model, generation gets a
+:class:`~mmsdk.plugins.quantizers.static_kv.PackedStaticLayer` cache instead (buffers sized for the
+whole generation) and the decoder's attention implementation is wrapped so that decode steps run
+the packed-KV Triton kernel; on CPU nothing changes.
+
 Cross-attention K/V that the model recomputes at every step (IDEFICS passes no cache to those
 layers) are computed once per image instead: the K and V projections of each such block answer
 repeated calls on the same vision states from a packed copy (:class:`CrossKVMemo`).
@@ -54,6 +59,7 @@ class KVQuantState:
     layers: dict[int, LayerRanges] = field(default_factory=dict)  # cache layers, by index
     recomputed: dict[int, LayerRanges] = field(default_factory=dict)  # cross blocks, by block index
     memos: list[CrossKVMemo] = field(default_factory=list)
+    attention_config: Any = None  # the decoder's config, whose attention implementation the packed path wraps
 
     def codec(self, amax: torch.Tensor | None, granularity: str) -> Any:
         """The codec for one of K/V: static from ``amax``, or per-token dynamic."""
@@ -84,6 +90,49 @@ class KVQuantState:
         for memo in self.memos:
             memo.clear()
         return make_cache([self.layer(i) for i in range(self.num_layers)])
+
+    def packed_decode_reason(self, device: torch.device) -> str | None:
+        """Why generation on ``device`` cannot use the packed static cache and kernel (None when it can)."""
+        from mmsdk.kernels import triton_available
+
+        if device.type != "cuda" or not triton_available():
+            return "not on CUDA or no Triton"
+        if self.scales != "static" or self.exact_prefill:
+            return "dynamic scales or exact prefill attention"
+        if any(r.kind != "self" for r in self.layers.values()) or self.memos:
+            return "the model has cross-attention K/V"
+        base = getattr(self.attention_config, "_attn_implementation", None)
+        if base is None or not (base.startswith("mmsdk_packed_kv_") or base in ("sdpa", "eager")):
+            return f"attention implementation {base!r} (sdpa or eager can be wrapped)"
+        return None
+
+    def static_cache(self, max_cache_len: int, *, fused: bool) -> Any:
+        """A packed cache with buffers for ``max_cache_len`` tokens; ``fused`` decode steps run the packed kernel."""
+        from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+        if fused:
+            from mmsdk.kernels.kv_decode import attention_implementation
+
+            self.attention_config._attn_implementation = attention_implementation(
+                self.attention_config._attn_implementation
+            )
+        layers = []
+        for index in range(self.num_layers):
+            ranges = self.layers.get(index, LayerRanges("self"))
+            keys = self.codec(ranges.k_amax, self.key_granularity)
+            values = self.codec(ranges.v_amax, self.value_granularity)
+            layers.append(PackedStaticLayer(keys, values, max_cache_len, fused))
+        return make_cache(layers)
+
+    def generation_cache(self, device: torch.device, max_cache_len: int) -> Any:
+        """The cache generate() gets: packed static with the kernel where possible, else :meth:`new_cache`."""
+        from mmsdk.kernels import note_fallback
+
+        reason = self.packed_decode_reason(device)
+        if reason is None:
+            return self.static_cache(max_cache_len, fused=True)
+        note_fallback("packed KV decode attention", reason)
+        return self.new_cache()
 
 
 class CrossKVMemo:
@@ -135,17 +184,24 @@ def _prepare_cache_for_generation(self: nn.Module, *args: Any, **kwargs: Any) ->
 
     original = type(self)._prepare_cache_for_generation
     result = original(self, *args, **kwargs)
-    model_kwargs = inspect.signature(original).bind(self, *args, **kwargs).arguments["model_kwargs"]
+    arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
+    model_kwargs = arguments["model_kwargs"]
     state: KVQuantState = getattr(self, ATTRIBUTE)
+    device = next(self.parameters()).device
     for name in ("cache", "past_key_values"):
         cache = model_kwargs.get(name)
         if type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False):
-            model_kwargs[name] = state.new_cache()
+            max_length = arguments.get("max_cache_length")
+            if device.type == "cuda" and isinstance(max_length, int) and max_length > 0:
+                model_kwargs[name] = state.generation_cache(device, max_length)
+            else:
+                model_kwargs[name] = state.new_cache()
     return result
 
 
 def install(model: nn.Module, state: KVQuantState, adapter: Any) -> None:
     """Attach ``state`` to ``model``: generate() then uses the quantized cache; recomputed cross K/V are memoised."""
+    state.attention_config = adapter.text_config(model)
     object.__setattr__(model, ATTRIBUTE, state)
     model._prepare_cache_for_generation = _prepare_cache_for_generation.__get__(model)  # type: ignore[method-assign]
     if not state.cross_attention:

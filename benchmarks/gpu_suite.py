@@ -1,0 +1,410 @@
+"""H200 suite: kernel micro-benchmarks, decode speed, memory waterfall and prefill on LLaVA-1.5-7B shapes.
+
+Random bf16 weights built on the GPU from the published configuration (no downloads). Every
+timing is a median after warm-up (triton.testing.do_bench for kernels, CUDA-synchronised wall
+clock over whole generate() calls for models). Results go to ``--out`` as JSON after every
+section, so a failing section leaves the others' numbers.
+
+    python benchmarks/gpu_suite.py --out results.json [--quick] [--sections micro,decode,memory,ttft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+COPY_BW = 4.27e12  # measured device-to-device copy on this H200 (techniques.md 7); re-measured below
+RESULTS: dict[str, Any] = {}
+COMPILE: list[bool] = [False]  # --compile: also time the torch.compile peers (minutes of compilation)
+
+
+def save(path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def bench(fn: Callable[[], Any], rep: int = 200) -> float:
+    """Median milliseconds of fn (CUDA events, L2 flushed between reps by do_bench)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def gbench(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Median milliseconds of one fn call, from a CUDA graph of ``calls`` calls (no Python launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return bench(graph.replay, rep=100) / calls
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ----------------------------------------------------------------------------------------------- env
+def section_env() -> dict[str, Any]:
+    import transformers
+    import triton
+
+    x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), rep=100)
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "copy_GBps": 2 * x.numel() * 2 / ms / 1e6}
+
+
+# --------------------------------------------------------------------------------------------- micro
+W4_SHAPES = {"qkv 12288x4096": (12288, 4096), "gate+up 22016x4096": (22016, 4096), "down 4096x11008": (4096, 11008),
+             "o_proj 4096x4096": (4096, 4096), "qwen gate+up 37888x3584": (37888, 3584)}
+
+
+def section_w4a16(quick: bool) -> list[dict[str, Any]]:
+    from mmsdk.kernels.w4a16 import int4_linear
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4, to_tinygemm
+
+    rows = []
+    for name, (n, k) in W4_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        packed = quantize_int4(w, 128, scale_dtype=torch.bfloat16)
+        dense = dequantize_int4(packed, torch.bfloat16)
+        tiny_w, tiny_sz = to_tinygemm(packed)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = int4_linear(x, packed.qweight, packed.scales, None, k, 128)
+            err = rel(out, x.float() @ dense.float().T)
+            t_bf16 = gbench(lambda: torch.nn.functional.linear(x, dense))
+            t_tiny = gbench(lambda: torch.ops.aten._weight_int4pack_mm(x, tiny_w, 128, tiny_sz))
+            t_ours = gbench(lambda: int4_linear(x, packed.qweight, packed.scales, None, k, 128))
+            packed_bytes = packed.qweight.numel() + packed.scales.numel() * 2 + x.numel() * 2 + m * n * 2
+            rows.append({"shape": name, "M": m, "rel_err": err, "bf16_us": t_bf16 * 1e3, "tinygemm_us": t_tiny * 1e3,
+                         "mmsdk_us": t_ours * 1e3, "speedup_vs_bf16": t_bf16 / t_ours,
+                         "speedup_vs_tinygemm": t_tiny / t_ours, "mmsdk_TBps": packed_bytes / t_ours / 1e9})
+            print(rows[-1], flush=True)
+        if quick and len(rows) >= 6:
+            break
+    return rows
+
+
+def section_kv(quick: bool) -> list[dict[str, Any]]:
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+    from mmsdk.plugins.quantizers.quantized_cache import Packed, StaticCodec
+
+    rows = []
+    for label, hq, hkv in (("llava MHA 32/32", 32, 32), ("qwen2-vl GQA 28/4", 28, 4)):
+        for ctx in (4096, 16384):
+            d = 128
+            scale = torch.rand(hkv, d, device="cuda") * 0.05 + 0.02
+            codec = StaticCodec("int4", scale)
+            kbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+            vbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+            kc, vc = codec.encode(kbf).data.contiguous(), codec.encode(vbf).data.contiguous()
+            length = torch.tensor([ctx], device="cuda")
+            q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+            out = decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5)
+            kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
+            err = rel(out, reference_decode_attention(q, kd, vd, d**-0.5))
+            t_ours = gbench(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5))
+            t_sdpa = gbench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
+            bytes_int4 = kc.numel() * 2
+            rows.append({"heads": label, "ctx": ctx, "rel_err": err, "mmsdk_int4_us": t_ours * 1e3,
+                         "sdpa_bf16_us": t_sdpa * 1e3, "time_ratio": t_ours / t_sdpa,
+                         "mmsdk_TBps": bytes_int4 / t_ours / 1e9})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def section_norm(quick: bool) -> list[dict[str, Any]]:
+    from mmsdk.kernels import norm_rope as ref
+    from mmsdk.kernels import norm_rope_gpu as gpu
+
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except Exception as error:  # liger missing: its columns stay empty
+        print("liger unavailable:", error)
+        LigerRMSNormFunction = liger_rotary_pos_emb = None  # noqa: N806
+    rows = []
+    eager_add = torch.compile(ref.add_rms_norm) if False else ref.add_rms_norm
+    for tokens in (1, 4096, 16384):
+        h = 4096
+        x, r = (torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        w = torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5
+        got, exp = gpu.add_rms_norm(x, r, w, 1e-6), ref.add_rms_norm(x, r, w, 1e-6)
+        row = {"op": "add+rmsnorm", "tokens": tokens, "rel_err": max(rel(got[0], exp[0]), rel(got[1], exp[1])),
+               "mmsdk_us": gbench(lambda: gpu.add_rms_norm(x, r, w, 1e-6)) * 1e3,
+               "eager_us": gbench(lambda: eager_add(x, r, w, 1e-6)) * 1e3}
+        if LigerRMSNormFunction is not None:  # liger: add in torch, then its norm (it has no fused add here)
+            row["liger_us"] = gbench(lambda: LigerRMSNormFunction.apply(x + r, w, 1e-6, 0.0, "llama")) * 1e3
+        row["mmsdk_TBps"] = 4 * x.numel() * 2 / row["mmsdk_us"] / 1e6
+        rows.append(row)
+        print(row, flush=True)
+        hq, hk, d = 32, 32, 128
+        q = torch.randn(1, hq, tokens, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, hk, tokens, d, device="cuda", dtype=torch.bfloat16)
+        ang = torch.randn(1, tokens, d // 2, device="cuda") * 100
+        cos, sin = (torch.cat([f(ang)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        got, exp = gpu.rope_qk(q, k, cos, sin), ref.rope_qk(q, k, cos, sin)
+        row = {"op": "rope q+k", "tokens": tokens, "rel_err": max(rel(got[0], exp[0]), rel(got[1], exp[1])),
+               "mmsdk_us": gbench(lambda: gpu.rope_qk(q, k, cos, sin)) * 1e3,
+               "eager_us": gbench(lambda: ref.rope_qk(q, k, cos, sin)) * 1e3}
+        if liger_rotary_pos_emb is not None:
+            row["liger_us"] = gbench(lambda: liger_rotary_pos_emb(q, k, cos, sin)) * 1e3
+        row["mmsdk_TBps"] = 2 * (q.numel() + k.numel()) * 2 / row["mmsdk_us"] / 1e6
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- models
+def llava_config() -> Any:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                              image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
+    text = LlamaConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                       rms_norm_eps=1e-5, pad_token_id=0)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=32000,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    config._attn_implementation = "sdpa"
+    config.text_config._attn_implementation = "sdpa"
+    config.vision_config._attn_implementation = "sdpa"
+    return config
+
+
+def build_llava() -> Any:
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlavaForConditionalGeneration(llava_config()).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.eos_token_id = None  # random weights: decode the full length every time
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def llava_inputs(batch: int, length: int, images: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1, 32000, (batch, length), device="cuda", generator=gen)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if images:
+        ids[:, 5:5 + 576] = 32000
+        out["pixel_values"] = torch.randn(batch, 3, 336, 336, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return out
+
+
+def attach_int4_kv(model: Any, adapter: Any, amax: float = 4.0) -> None:
+    """The int4-kv runtime with static ranges set directly (calibration needs a processor and data)."""
+    from mmsdk.plugins.quantizers.kv_cache import Int4KVConfig, _state
+    from mmsdk.plugins.quantizers.kv_runtime import LayerRanges, install
+
+    state = _state(model, adapter, "int4", Int4KVConfig())
+    layout = adapter.kv_layout(model)
+    shape = (layout.num_kv_heads, layout.head_dim)
+    for index in list(state.layers):
+        state.layers[index] = LayerRanges("self", torch.full(shape, amax), torch.full(shape, amax))
+    install(model, state, adapter)
+
+
+def optimized(model: Any, passes: tuple[Any, ...], kv: bool) -> Any:
+    from mmsdk import Optimizer
+
+    opt = Optimizer(model, None)
+    if passes:
+        opt.apply(*passes)
+    out = opt.model
+    if kv:
+        attach_int4_kv(out, opt.adapter)
+    return out
+
+
+def timed_generate(model: Any, inputs: dict[str, Any], new: int, reps: int, generate: Any = None) -> float:
+    run = generate or model.generate
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run(**inputs, max_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def decode_rate(model: Any, inputs: dict[str, Any], new: int, reps: int, generate: Any = None) -> dict[str, float]:
+    t1 = timed_generate(model, inputs, 1, reps, generate)
+    tn = timed_generate(model, inputs, new, reps, generate)
+    step = (tn - t1) / (new - 1)
+    return {"step_ms": step * 1e3, "tokens_per_s": 1.0 / step, "ttft_ms": t1 * 1e3}
+
+
+def lm_bytes(model: Any, kv_bytes_per_token: float, ctx: int) -> float:
+    """Bytes one decode step must read: decoder + head weights (not the embedding table) and the KV."""
+    lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    total = sum(t.numel() * t.element_size() for n, t in list(lm.named_parameters()) + list(lm.named_buffers())
+                if "embed_tokens" not in n)
+    head = model.lm_head
+    total += sum(t.numel() * t.element_size() for t in list(head.parameters()) + list(head.buffers()))
+    return total + kv_bytes_per_token * ctx
+
+
+def section_decode(quick: bool) -> list[dict[str, Any]]:
+    ctx, new, reps = (1024, 32, 1) if quick else (1024, 128, 3)
+    inputs = llava_inputs(1, ctx, images=False)
+    kv_bf16 = 32 * 2 * 32 * 128 * 2
+    kv_int4 = 32 * 2 * 32 * 128 * 0.5
+    rows = []
+
+    def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
+        row = {"variant": name, **decode_rate(model, inputs, new, reps, generate)}
+        row["bytes_per_step"] = lm_bytes(model, kv, ctx + new // 2)
+        row["floor_ms"] = row["bytes_per_step"] / COPY_BW * 1e3
+        row["fraction_of_limit"] = row["floor_ms"] / row["step_ms"]
+        rows.append(row)
+        print(row, flush=True)
+
+    model = build_llava()
+    record("HF bf16 eager generate", model, kv_bf16, type(model).generate.__get__(model))
+    if COMPILE[0]:
+        try:
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+            record("HF bf16 static cache + torch.compile", model, kv_bf16, type(model).generate.__get__(model))
+        except Exception as error:
+            rows.append({"variant": "HF bf16 static cache + torch.compile", "error": repr(error)[:500]})
+    del model
+    torch.cuda.empty_cache()
+    model = optimized(build_llava(), (), kv=False)
+    record("mmsdk bf16 (fast generate: static cache + CUDA graph)", model, kv_bf16)
+    del model
+    torch.cuda.empty_cache()
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+        model = build_llava()
+        quantize_(model.model.language_model, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+        record("torchao int4 weight-only (HF eager generate)", model, kv_bf16, type(model).generate.__get__(model))
+        if COMPILE[0]:
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+            record("torchao int4 weight-only + static cache + torch.compile", model, kv_bf16,
+                   type(model).generate.__get__(model))
+        del model
+    except Exception as error:
+        rows.append({"variant": "torchao int4 weight-only", "error": repr(error)[:500]})
+        traceback.print_exc()
+    torch.cuda.empty_cache()
+    model = optimized(build_llava(), ("int4-weight",), kv=True)
+    record("mmsdk int4-weight + int4-kv (fast generate)", model, kv_int4)
+    record("mmsdk int4-weight + int4-kv (HF generate, no graphs)", model, kv_int4,
+           lambda **kw: model._mmsdk_fast_generate(**kw))
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def section_memory(quick: bool) -> list[dict[str, Any]]:
+    batch, length, new = (4, 1024, 8) if quick else (4, 4096, 128)
+    inputs = llava_inputs(batch, length, images=True)
+    steps: list[tuple[str, tuple[Any, ...], bool, float]] = [
+        ("HF bf16", (), False, 1.0), ("int4-weight", ("int4-weight",), False, 1.0), ("int4-kv", (), True, 1.0),
+        ("token-prune 0.25", ({"name": "token-prune", "keep_ratio": 0.25},), False, 0.25),
+        ("all: int4-weight + int4-kv + token-prune 0.25", ("int4-weight", {"name": "token-prune", "keep_ratio": 0.25}),
+         True, 0.25)]
+    rows = []
+    for name, passes, kv, keep in steps:
+        try:
+            torch.cuda.empty_cache()
+            base = build_llava()
+            passes = tuple(_pass(p) for p in passes)
+            model = optimized(base, passes, kv) if (passes or kv) else base
+            weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+            tokens = length - int(576 * (1 - keep)) + new
+            kv_bytes = 32 * 2 * batch * 32 * 128 * tokens * (0.5 if kv else 2)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(**inputs, max_new_tokens=new, do_sample=False)
+            torch.cuda.synchronize()
+            rows.append({"row": name, "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
+                         "reserved_GB": torch.cuda.max_memory_reserved() / 1e9, "weights_GB": weights / 1e9,
+                         "kv_GB": kv_bytes / 1e9, "floor_GB": (weights + kv_bytes) / 1e9,
+                         "seconds": time.perf_counter() - start})
+            rows[-1]["peak_over_floor"] = rows[-1]["peak_GB"] / rows[-1]["floor_GB"]
+        except Exception as error:
+            traceback.print_exc()
+            rows.append({"row": name, "error": repr(error)[:500]})
+        print(rows[-1], flush=True)
+        model = base = None  # noqa: F841
+    return rows
+
+
+def _pass(entry: Any) -> Any:
+    if isinstance(entry, dict):
+        from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
+
+        return TokenPruneConfig(keep_ratio=entry["keep_ratio"])
+    return entry
+
+
+def section_ttft(quick: bool) -> list[dict[str, Any]]:
+    inputs = llava_inputs(1, 640, images=True)
+    rows = []
+    for keep in (None, 0.5, 0.25):
+        try:
+            torch.cuda.empty_cache()
+            base = build_llava()
+            model = optimized(base, (_pass({"keep_ratio": keep}),), False) if keep else base
+            t = timed_generate(model, inputs, 1, 3 if quick else 10, type(model).generate.__get__(model))
+            rows.append({"keep_ratio": keep or 1.0, "prompt_tokens": 640, "ttft_ms": t * 1e3})
+        except Exception as error:
+            traceback.print_exc()
+            rows.append({"keep_ratio": keep, "error": repr(error)[:500]})
+        print(rows[-1], flush=True)
+        model = base = None  # noqa: F841
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu_suite.json")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--sections", default="env,w4a16,kv,norm,decode,memory,ttft")
+    args = parser.parse_args()
+    COMPILE[0] = args.compile
+    RESULTS["command"] = "python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "") + ("--compile " if args.compile else "") + \
+        f"--sections {args.sections}"
+    sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv, "norm": section_norm,
+                "decode": section_decode, "memory": section_memory, "ttft": section_ttft}
+    for name in args.sections.split(","):
+        start = time.perf_counter()
+        try:
+            RESULTS[name] = sections[name](args.quick)
+        except Exception as error:
+            traceback.print_exc()
+            RESULTS[name] = {"error": repr(error)[:1000]}
+        RESULTS.setdefault("seconds", {})[name] = time.perf_counter() - start
+        save(args.out)
+        print(f"== {name} done in {time.perf_counter() - start:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

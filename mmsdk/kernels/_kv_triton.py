@@ -1,0 +1,172 @@
+"""Triton kernels behind mmsdk.kernels.kv_decode (imported only when a kernel is launched).
+
+Code formats (``FMT``): 0 = int4 (``q + 8`` two per byte, even channel low), 1 = int8, 2 = fp8 e4m3.
+Channels are handled as even/odd halves throughout, so int4 bytes unpack without shuffles.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def round_half_even(y):
+    """torch.round's rounding (ties to even) for fp32."""
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def encode(x, s, FMT: tl.constexpr):
+    """Codes of x (fp32) with scale s: int4 as 0..15 (fp32), int8 as int8, fp8 as e4m3."""
+    y = tl.math.div_rn(x, s)
+    if FMT == 0:
+        return tl.minimum(tl.maximum(round_half_even(y), -8.0), 7.0) + 8.0
+    elif FMT == 1:
+        return tl.minimum(tl.maximum(round_half_even(y), -128.0), 127.0).to(tl.int8)
+    else:
+        return tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, H, TMAX, D, HDP,
+           sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, FMT: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """Quantize token ``program_id(1)`` of one (batch, head) row of K and V and store it at ``length + l``."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    pos = tl.load(len_ptr) + tl.program_id(1)
+    rd = tl.arange(0, BLOCK_HD)
+    even, odd = 2 * rd, 2 * rd + 1
+    me, mo = even < D, odd < D
+    for which in tl.static_range(2):
+        if which == 0:
+            src = k_ptr + b * sk_b + h * sk_h + tl.program_id(1) * sk_t
+            scale_ptr, dst = ks_ptr, kc_ptr
+        else:
+            src = v_ptr + b * sv_b + h * sv_h + tl.program_id(1) * sv_t
+            scale_ptr, dst = vs_ptr, vc_ptr
+        xe = tl.load(src + even, mask=me, other=0.0).to(tl.float32)
+        xo = tl.load(src + odd, mask=mo, other=0.0).to(tl.float32)
+        se = tl.load(scale_ptr + h * D + even, mask=me, other=1.0)
+        so = tl.load(scale_ptr + h * D + odd, mask=mo, other=1.0)
+        ce = encode(xe, se, FMT)
+        co = encode(xo, so, FMT)
+        row = (bh.to(tl.int64) * TMAX + pos)
+        if FMT == 0:
+            co = tl.where(mo, co, 0.0)  # an odd head_dim pads its last byte's high nibble with 0
+            byte = ce.to(tl.uint8) | (co.to(tl.uint8) << 4)
+            tl.store(dst + row * HDP + rd, byte, mask=rd < HDP)
+        else:
+            tl.store(dst + row * D + even, ce, mask=me)
+            tl.store(dst + row * D + odd, co, mask=mo)
+
+
+@triton.jit
+def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
+    """Even- and odd-channel values (fp32, scale not applied) of code rows ``rows`` [BLOCK_T]."""
+    if FMT == 0:
+        byte = tl.load(c_ptr + rows[:, None] * HDP + rd[None, :], mask=t_ok[:, None] & (rd < HDP)[None, :], other=0)
+        return (byte & 15).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0
+    else:
+        base = c_ptr + rows[:, None] * D
+        ce = tl.load(base + 2 * rd[None, :], mask=t_ok[:, None] & (2 * rd < D)[None, :], other=0)
+        co = tl.load(base + 2 * rd[None, :] + 1, mask=t_ok[:, None] & (2 * rd + 1 < D)[None, :], other=0)
+        return ce.to(tl.float32), co.to(tl.float32)
+
+
+@triton.jit
+def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
+                   sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
+                   FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    b = bh // H_KV
+    hk = bh % H_KV
+    length = tl.load(len_ptr)
+    t_begin = split * SPLIT_T
+    t_end = tl.minimum(t_begin + SPLIT_T, length)
+    rg = tl.arange(0, BLOCK_G)
+    g_ok = rg < G
+    heads = hk * G + rg
+    rd = tl.arange(0, BLOCK_HD)
+    de, do = (2 * rd) < D, (2 * rd + 1) < D
+    q_row = q_ptr + b * sq_b + heads[:, None] * sq_h
+    qe = tl.load(q_row + 2 * rd[None, :], mask=g_ok[:, None] & de[None, :], other=0.0).to(tl.float32)
+    qo = tl.load(q_row + 2 * rd[None, :] + 1, mask=g_ok[:, None] & do[None, :], other=0.0).to(tl.float32)
+    # K's per-channel scale and the softmax scale fold into q once; exp2 replaces exp.
+    qe = qe * (tl.load(ks_ptr + hk * D + 2 * rd, mask=de, other=0.0) * qk_scale)[None, :]
+    qo = qo * (tl.load(ks_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0) * qk_scale)[None, :]
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc_e = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
+    acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
+    base = bh.to(tl.int64) * TMAX
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        t_ok = rt < t_end
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + b * sm_b + rt, mask=t_ok & (rt < mask_len), other=0)
+            t_ok = t_ok & (keep != 0)
+        ke, ko = load_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+        if USE_DOT:
+            s = tl.dot(qe, tl.trans(ke)) + tl.dot(qo, tl.trans(ko))
+        else:
+            s = tl.sum(qe[:, None, :] * ke[None, :, :], 2) + tl.sum(qo[:, None, :] * ko[None, :, :], 2)
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        ve, vo = load_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+        if USE_DOT:
+            acc_e = acc_e * alpha[:, None] + tl.dot(p, ve)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p, vo)
+        else:
+            acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
+            acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    slot = (b * (H_KV * G) + heads).to(tl.int64) * n_splits + split
+    out = po_ptr + slot[:, None] * (2 * BLOCK_HD) + rd[None, :]
+    tl.store(out, acc_e / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(out + BLOCK_HD, acc_o / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(pl_ptr + slot, lse, mask=g_ok)
+
+
+@triton.jit
+def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h,
+                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D]."""
+    bh = tl.program_id(0)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // G
+    rs = tl.arange(0, BLOCK_S)
+    s_ok = rs < n_splits
+    lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
+    total = tl.sum(w, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    rd = tl.arange(0, BLOCK_HD)
+    rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]
+    oe = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
+    oo = tl.sum(w[:, None] * tl.load(rows + BLOCK_HD, mask=s_ok[:, None], other=0.0), 0) / total
+    de, do = (2 * rd) < D, (2 * rd + 1) < D
+    oe = oe * tl.load(vs_ptr + hk * D + 2 * rd, mask=de, other=0.0)
+    oo = oo * tl.load(vs_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0)
+    dst = out_ptr + b * so_b + h * so_h
+    tl.store(dst + 2 * rd, oe.to(out_ptr.dtype.element_ty), mask=de)
+    tl.store(dst + 2 * rd + 1, oo.to(out_ptr.dtype.element_ty), mask=do)

@@ -1,0 +1,243 @@
+"""Greedy generation on CUDA with a static KV cache and one CUDA graph per decode step.
+
+``install(model, adapter)`` overrides ``generate`` on the model instance. On CUDA, for greedy
+decoding without padding, it runs:
+
+1. prefill and the first decode step through the model's own forward (images, token pruning,
+   M-RoPE offsets: everything the model and mmsdk's runtimes do stays in charge), into a static
+   cache (mmsdk's packed KV layers when a KV-cache pass is installed, else transformers'
+   ``StaticCache``);
+2. every later step by replaying one CUDA graph that embeds the last token, runs the language model
+   and the LM head, takes the argmax and advances the positions, all on the device; the host checks
+   for end-of-sequence every ``CHECK_EVERY`` steps.
+
+Anything else (CPU, sampling, beams, padding, streamers, extra logits processors, a cache passed in,
+a capture that fails) runs transformers' ``generate`` unchanged, and the ``mmsdk.kernels`` log says
+why once. The output equals transformers' greedy output: prompt ids followed by new ids, sequences
+that finished early padded with the pad token.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmsdk.kernels import note_fallback
+
+__all__ = ["CHECK_EVERY", "install", "unsupported_reason"]
+
+CHECK_EVERY = 16
+ATTRIBUTE = "_mmsdk_fast_generate"
+_PASSTHROUGH = {
+    "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
+    "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
+    "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "min_new_tokens",
+}
+_DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
+
+
+def install(model: nn.Module, adapter: Any) -> None:
+    """Make ``model.generate`` take the CUDA-graph path where it can (idempotent)."""
+    if getattr(model, ATTRIBUTE, None) is not None:
+        return
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        reason = unsupported_reason(model, args, kwargs)
+        if reason is not None:
+            if reason != "cpu":
+                note_fallback("fast generate", reason)
+            return original(*args, **kwargs)
+        try:
+            return _Generator(model, adapter, kwargs).run()
+        except Exception as error:  # never a wrong answer: anything unexpected reruns transformers' generate
+            note_fallback("fast generate", f"{type(error).__name__}: {error}")
+            return original(*args, **kwargs)
+
+    object.__setattr__(model, ATTRIBUTE, original)
+    model.generate = generate  # type: ignore[method-assign]
+
+
+class _Unsupported(Exception):
+    """The fast path cannot take this call; transformers' generate runs instead."""
+
+
+def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why this generate() call cannot take the fast path ("cpu" when not on CUDA; None when it can)."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return "cpu"
+    if args:
+        return "positional arguments to generate()"
+    extra = sorted(set(kwargs) - _PASSTHROUGH)
+    if extra:
+        return f"generate() options {extra} (the fast path does greedy decoding only)"
+    for key, default in _DEFAULTS.items():
+        value = kwargs.get(key, getattr(model.generation_config, key, default))
+        if value not in (default, None) and not (key == "min_new_tokens" and not value):
+            return f"{key}={value!r}"
+    config = model.generation_config
+    for key in ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+                "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "min_length"):
+        value = getattr(config, key, None)
+        if value not in (None, 0, 1.0):
+            return f"generation_config.{key}={value!r}"
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return "no 2-D input_ids"
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        return "padded batch (attention_mask has zeros)"
+    if kwargs.get("max_new_tokens") is None:
+        return "max_new_tokens not given"
+    return None
+
+
+class _Generator:
+    """One fast generate() call: static cache, eager prefill + first step, graph-replayed decode."""
+
+    def __init__(self, model: nn.Module, adapter: Any, kwargs: dict[str, Any], graphs: bool = True) -> None:
+        self.model, self.adapter, self.graphs = model, adapter, graphs
+        self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        self.first_position = 0
+        self.kwargs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
+                                                                     "use_cache", "pad_token_id", "eos_token_id",
+                                                                     "min_new_tokens")}
+        self.ids: torch.Tensor = kwargs["input_ids"]
+        self.new_tokens = int(kwargs["max_new_tokens"])
+        config = model.generation_config
+        eos = kwargs.get("eos_token_id", config.eos_token_id)
+        self.eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.ids.device)
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        self.pad = int(pad if pad is not None else (self.eos[0].item() if self.eos.numel() else 0))
+
+    def _cache(self, max_len: int) -> Any:
+        from mmsdk.plugins.quantizers.kv_runtime import installed_state
+
+        state = installed_state(self.model)
+        if state is not None:
+            reason = state.packed_decode_reason(self.ids.device) if self.graphs else None
+            if reason is not None:
+                raise _Unsupported(f"the quantized KV cache cannot be static here ({reason})")
+            cache = state.static_cache(max_len, fused=self.graphs)
+            for layer in cache.layers:  # the batch has no padding (checked before)
+                layer.unpadded = True
+            return cache
+        from transformers.cache_utils import StaticCache
+
+        return StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
+
+    @torch.inference_mode()
+    def run(self) -> torch.Tensor:
+        batch, prompt = self.ids.shape
+        if self.new_tokens <= 0:
+            return self.ids
+        cache = self._cache(prompt + self.new_tokens + 1)
+        mask = self.kwargs.get("attention_mask")
+        out = self.model(**self.kwargs, **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
+        tokens = torch.full((batch, self.new_tokens), self.pad, dtype=self.ids.dtype, device=self.ids.device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.ids.device)
+        token = self._pick(out.logits[:, -1], finished)
+        tokens[:, 0] = token
+        if self.new_tokens == 1:
+            return self._finish(tokens)
+        seen = self._first_step(token, mask, cache, prompt)
+        tokens[:, 1] = self._pick(seen["_logits"], finished)
+        if self.new_tokens > 2:
+            self._decode(seen, tokens, finished)
+        return self._finish(tokens)
+
+    def _pick(self, logits: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+        """Greedy token per row (pad where finished); marks rows that produced an end token."""
+        token = logits.argmax(-1)
+        token = torch.where(finished, torch.full_like(token, self.pad), token)
+        if self.eos.numel():
+            finished |= torch.isin(token, self.eos)
+        return token
+
+    def _first_step(self, token: torch.Tensor, mask: Any, cache: Any, prompt: int) -> dict[str, Any]:
+        """Run the first decode step through the full model, recording what the language model receives."""
+        language = self.adapter.language_model(self.model)
+        seen: dict[str, Any] = {}
+
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            seen.update(kwargs)
+
+        self.first_position = int(cache.get_seq_length())
+        handle = language.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            # no mask: the batch has no padding, and a 2-D mask makes some models rebuild all positions
+            out = self.model(input_ids=token[:, None], **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
+        finally:
+            handle.remove()
+        if seen.get("inputs_embeds") is None:
+            raise _Unsupported("the language model got no inputs_embeds on a decode step")
+        seen["_logits"] = out.logits[:, -1]
+        return seen
+
+    def _decode(self, seen: dict[str, Any], tokens: torch.Tensor, finished: torch.Tensor) -> None:
+        """Steps 3.. : one eager warm-up step, then graph replays (eager steps if capture fails)."""
+        language = self.adapter.language_model(self.model)
+        embed = self.model.get_input_embeddings()
+        head = self.adapter.lm_head(self.model)
+        device = tokens.device
+        token = tokens[:, 1].clone()
+        index = torch.tensor([2], device=device)
+        positions = seen.get("position_ids")
+        if isinstance(positions, torch.Tensor):
+            positions = positions.clone() + 1
+        else:  # the language model counts positions from the cache; in a graph they must live on the device
+            positions = torch.full((1, 1), self.first_position + 1, dtype=torch.long, device=device)
+        fixed = {k: v for k, v in seen.items()
+                 if k not in ("inputs_embeds", "attention_mask", "position_ids", "cache_position", "_logits")}
+
+        def step() -> None:
+            hidden = language(inputs_embeds=embed(token[:, None]), attention_mask=None, position_ids=positions, **fixed)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden.last_hidden_state
+            new = self._pick(head(hidden[:, -1]), finished)
+            tokens.index_copy_(1, index, new[:, None])
+            token.copy_(new)
+            index.add_(1)
+            positions.add_(1)
+
+        if self.graphs:  # warm up on a side stream, as graph capture wants
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            step()
+        remaining = self.new_tokens - 3
+        if remaining <= 0:
+            return
+        replay = self._capture(step, device)
+        for i in range(remaining):
+            replay()
+            if (i + 1) % CHECK_EVERY == 0 and bool(finished.all()):
+                break
+
+    def _capture(self, step: Any, device: torch.device) -> Any:
+        """``step`` as a CUDA graph replay, or ``step`` itself when it cannot be captured (logged)."""
+        if not self.graphs:
+            return step
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                step()
+        except Exception as error:  # a host sync or an uncapturable op in the model: run the steps eagerly
+            raise _Unsupported(f"the decode step could not be captured ({type(error).__name__}: {error})") from error
+        return graph.replay
+
+    def _finish(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Prompt + new tokens, cut where every row has finished (as transformers stops)."""
+        if self.eos.numel():
+            ended = torch.isin(tokens, self.eos)
+            done_at = torch.where(ended.any(1), ended.int().argmax(1), tokens.shape[1] - 1)
+            tokens = tokens[:, : int(done_at.max().item()) + 1]
+        return torch.cat([self.ids, tokens], dim=1)

@@ -1,0 +1,160 @@
+"""Decode attention over a packed INT4 / INT8 / FP8 KV cache, and the fused quantize-and-append.
+
+The cache stores, per layer, codes ``[B, H_kv, T_max, D/2]`` uint8 (int4, ``q + 8`` two per byte,
+even channel low: the layout of :class:`~mmsdk.plugins.quantizers.quantized_cache.StaticCodec`) or
+``[B, H_kv, T_max, D]`` int8 / float8_e4m3fn, with static scales per (KV head, channel). The number
+of valid tokens lives in a device tensor, so a CUDA graph replays the same launches at every step.
+
+:func:`decode_attention` is flash-decoding: the sequence is cut into splits, one program per
+(batch, KV head, split) loads each K/V tile once for all the query heads of its group (GQA),
+dequantizes it in registers (K's scale is folded into q, V's into the output) and keeps an online
+softmax; a second kernel merges the splits. No full-precision copy of the cache is ever made.
+
+:func:`attention_implementation` registers, under a name of its own in transformers' attention
+registry, a function that runs this kernel when the cache layer hands it a packed marker instead
+of K/V tensors (decode steps on CUDA) and the model's original attention otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmsdk.kernels import note_fallback, triton_ready
+
+__all__ = ["FORMATS", "append_kv", "attention_implementation", "decode_attention", "reference_decode_attention"]
+
+FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
+_TARGET_PROGRAMS = 528  # about four per multiprocessor on an H100/H200
+_PREFIX = "mmsdk_packed_kv_"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+              key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str) -> None:
+    """Quantize ``key``/``value`` [B, H, L, D] and write them at positions ``length .. length + L`` (one launch)."""
+    from mmsdk.kernels import _kv_triton
+
+    b, h, n, d = key.shape
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    half = key_codes.shape[-1] if fmt == "int4" else (d + 1) // 2
+    _kv_triton.append[(b * h, n)](
+        key, value, key_codes, value_codes, key_scale, value_scale, length, h, key_codes.shape[2], d, half,
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+        FMT=FORMATS[fmt], BLOCK_HD=_pow2(half), num_warps=1,
+    )
+
+
+def _splits(rows: int, t_max: int, block_t: int) -> tuple[int, int]:
+    """(number of splits, tokens per split) so that about ``_TARGET_PROGRAMS`` programs cover ``t_max``."""
+    wanted = max(1, min(-(-t_max // block_t), -(-_TARGET_PROGRAMS // rows)))
+    split_t = -(-(-(-t_max // wanted)) // block_t) * block_t
+    return -(-t_max // split_t), split_t
+
+
+def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                     key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
+                     scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
+
+    ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens.
+    """
+    from mmsdk.kernels import _kv_triton
+
+    b, hq, _, d = query.shape
+    h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
+    group = hq // h_kv
+    half = (d + 1) // 2
+    block_hd = _pow2(half)
+    use_dot = group >= 3 and block_hd >= 16
+    block_g = max(16, _pow2(group)) if use_dot else _pow2(group)
+    block_t = 64 if use_dot or block_g * block_hd <= 64 else 32
+    n_splits, split_t = _splits(b * h_kv, t_max, block_t)
+    partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
+    lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
+    out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
+    mask_arg = mask if mask is not None else lse
+    _kv_triton.decode_partial[(b * h_kv, n_splits)](
+        query, key_codes, value_codes, key_scale, length, mask_arg, partial, lse,
+        query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
+        mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
+        split_t, float(scaling) * _kv_triton.LOG2E,
+        FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
+        BLOCK_HD=block_hd, num_warps=4, num_stages=2,
+    )
+    _kv_triton.decode_combine[(b * hq,)](
+        partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2),
+        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, num_warps=4 if block_hd >= 64 else 1,
+    )
+    return out
+
+
+def reference_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 reference of :func:`decode_attention` on dequantized K/V [B, Hkv, T, D]: ``[B, 1, Hq, D]``."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = (query.double() @ k.transpose(-1, -2)) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, : k.shape[2]].bool(), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def _mask_row(mask: Any, batch: int) -> torch.Tensor | None:
+    """The last query row of a 4-D attention mask as [B, L] (bool kept, additive turned into bool)."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    row = mask[:, 0, -1, :] if mask.dim() == 4 else mask
+    if row.dtype != torch.bool:
+        row = row > torch.finfo(row.dtype).min / 2
+    return row.expand(batch, -1)
+
+
+def _make_attention(base: str) -> Any:
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                  *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        layer = getattr(key, "_mmsdk_packed", None)
+        unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+        if layer is not None and (unsupported or query.shape[2] != 1 or not triton_ready(query)):
+            note_fallback("packed KV decode attention", f"{unsupported or 'query length > 1 or no CUDA'}")
+            key, value, layer = layer.keys, layer.values, None
+        if layer is None:
+            fallback = ALL_ATTENTION_FUNCTIONS.get(base) if base != "eager" else None
+            if fallback is None:
+                from transformers.models.llama.modeling_llama import eager_attention_forward as fallback
+            return fallback(module, query, key, value, attention_mask, *args, **kwargs)
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        # an unpadded batch needs no mask on a decode step; a graph-captured mask would also freeze its length
+        row = None if layer.unpadded else _mask_row(attention_mask, query.shape[0])
+        return layer.attend(query, scaling, row), None
+
+    attention.__name__ = f"{_PREFIX}{base}"
+    return attention
+
+
+def attention_implementation(base: str) -> str | None:
+    """Register (once) and return the attention implementation that wraps ``base`` with the packed kernel.
+
+    None when ``base`` is not one the wrapper can fall back to (flash / flex implementations take
+    no 4-D mask of the form the kernel reads).
+    """
+    if base.startswith(_PREFIX):
+        return base
+    if base not in ("sdpa", "eager"):
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    name = f"{_PREFIX}{base}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make_attention(base))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name

@@ -1,0 +1,187 @@
+"""W4A16 matmul that reads mmsdk's packed INT4 weights (ONNX MatMulNBits layout) directly.
+
+The layout (see mmsdk/plugins/quantizers/packing.py): ``qweight`` uint8 ``[N, K/G, G/2]`` (even k
+in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N, ceil(K/G / 2)]``
+(block ``2j`` in the low nibble of byte ``j``; absent means 8). ``w = (q - zero_point) * scale``.
+
+* Few rows (``M <= FUSED_MAX_M``, decode): one fused kernel. Each program owns ``BLOCK_N`` output
+  columns, walks K in ``BLOCK_K`` steps, dequantizes the even and odd nibbles in registers and
+  multiplies them with the even and odd activation columns on the tensor cores. Nothing but the
+  packed bytes, the scales and the activations is read; no weight copy exists outside registers.
+* Many rows (prefill): the weight is dequantized once per call into a transient bf16/fp16 tensor
+  by a Triton kernel and multiplied by cuBLAS (compute-bound there, so the tensor cores' best
+  kernel wins; the copy lives only for that call).
+
+Block configurations are chosen per shape by timing a few candidates on first use (CUDA only;
+during CUDA-graph capture the first candidate is taken).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+
+from mmsdk.kernels import interpreting, note_fallback, triton_ready
+
+__all__ = ["FUSED_MAX_M", "dequantize_packed", "int4_linear", "unsupported_reason", "w4a16_matmul"]
+
+FUSED_MAX_M = 64
+DTYPES = (torch.bfloat16, torch.float16)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates per row bucket; BLOCK_K is raised to the group size.
+_CANDIDATES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
+    16: ((32, 256, 4, 4), (16, 512, 4, 3), (32, 512, 4, 3), (64, 256, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3)),
+    32: ((64, 128, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3)),
+    64: ((64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)),
+}
+
+
+def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_size: int) -> str | None:
+    """Why the Triton path cannot take these inputs (None when it can)."""
+    if not triton_ready(x, qweight, scales):
+        return "inputs are not CUDA tensors on one device, or Triton is missing"
+    if x.dtype not in DTYPES:
+        return f"activation dtype {x.dtype} (the kernel takes bfloat16 or float16)"
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"group size {block_size} (the kernel takes powers of two >= 16)"
+    if qweight.dtype != torch.uint8 or qweight.dim() != 3 or qweight.shape[-1] * 2 != block_size:
+        return f"qweight {tuple(qweight.shape)} {qweight.dtype} is not uint8 [N, K/{block_size}, {block_size // 2}]"
+    return None
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    in_features: int,
+    block_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back)."""
+    reason = unsupported_reason(x, qweight, scales, block_size)
+    if reason is not None:
+        note_fallback("w4a16", reason)
+        return None
+    flat = x.reshape(-1, in_features)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.shape[0] <= FUSED_MAX_M:
+        out = w4a16_matmul(flat, qweight, scales, zero_points, block_size, bias)
+    else:
+        weight = dequantize_packed(qweight, scales, zero_points, in_features, block_size, x.dtype)
+        out = torch.nn.functional.linear(flat, weight, None if bias is None else bias.to(x.dtype))
+    return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    block_size: int,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Fused kernel: ``x`` [M, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]`` in x's dtype."""
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    kp = k_blocks * block_size
+    if k_in > kp:
+        raise ValueError(f"x has {k_in} columns but the packed weight holds only {kp} (K padded to groups).")
+    bucket = 16 if m <= 16 else (32 if m <= 32 else 64)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    key = (bucket, n, kp, block_size, x.dtype, zero_points is not None, bias is not None)
+
+    def launch(cfg: tuple[int, int, int, int]) -> None:
+        _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, bucket, cfg)
+
+    cfg = config or _tuned(key, launch, _CANDIDATES[bucket], block_size)
+    launch(cfg)
+    return out
+
+
+def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                  bias: torch.Tensor | None, out: torch.Tensor, group: int, block_m: int,
+                  cfg: tuple[int, int, int, int]) -> None:
+    import triton
+
+    block_n, block_k, warps, stages = _fit(cfg, group)
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _kernels().fused[grid](
+        x, qweight, scales, zero_points if zero_points is not None else scales, bias if bias is not None else scales,
+        out, m, n, k_in, k_blocks * group, x.stride(0), out.stride(0),
+        zero_points.stride(0) if zero_points is not None else 0,
+        GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )
+
+
+def _fit(cfg: tuple[int, int, int, int], group: int) -> tuple[int, int, int, int]:
+    block_n, block_k, warps, stages = cfg
+    return block_n, max(block_k, group), warps, stages
+
+
+class _Tuning:
+    """Chosen configuration per problem key (one instance per process, created on first use)."""
+
+    def __init__(self) -> None:
+        self.chosen: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
+
+
+@cache
+def _tuning() -> _Tuning:
+    return _Tuning()
+
+
+def _tuned(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[int, int, int, int], ...],
+           group: int) -> tuple[int, int, int, int]:
+    """The fastest candidate for ``key`` (timed once on CUDA; the first one under the interpreter or a capture)."""
+    table = _tuning().chosen
+    if key in table:
+        return table[key]
+    if interpreting() or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    from triton.testing import do_bench
+
+    timings = []
+    for cfg in dict.fromkeys(_fit(c, group) for c in candidates):
+        try:
+            timings.append((do_bench(lambda c=cfg: launch(c), warmup=5, rep=25), cfg))
+        except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
+            note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
+    table[key] = min(timings)[1] if timings else candidates[0]
+    return table[key]
+
+
+def dequantize_packed(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    in_features: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``[N, in_features]`` weight in ``dtype``, unpacked by one Triton kernel (transient, for prefill)."""
+    import triton
+
+    n, k_blocks, _ = qweight.shape
+    out = torch.empty(n, in_features, device=qweight.device, dtype=dtype)
+    block_n, block_k = 32, max(256, block_size)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(in_features, block_k))
+    _kernels().dequant[grid](
+        qweight, scales, zero_points if zero_points is not None else scales, out, n, in_features,
+        k_blocks * block_size, zero_points.stride(0) if zero_points is not None else 0,
+        GROUP=block_size, HAS_ZP=zero_points is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
+def _kernels() -> Any:
+    """The Triton kernels (a separate module, so importing this one does not import Triton)."""
+    from mmsdk.kernels import _w4a16_triton
+
+    return _w4a16_triton

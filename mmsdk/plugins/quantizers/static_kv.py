@@ -1,0 +1,151 @@
+"""A preallocated packed KV cache layer for CUDA: written in place, read by the packed decode kernel.
+
+:class:`PackedStaticLayer` holds the same codes as :class:`QuantizedKVLayer` with static scales
+(int4 two per byte, int8, fp8), but in buffers sized for the whole generation, with the token
+count in a device tensor. New tokens are quantized and written by one Triton launch per layer;
+on decode steps ``update`` hands the attention call a marker instead of K/V tensors, and the
+registered attention function (:func:`mmsdk.kernels.kv_decode.attention_implementation`) runs
+:func:`~mmsdk.kernels.kv_decode.decode_attention` over the codes. Nothing is reallocated between
+steps, so a CUDA graph can replay the decode step. Prefill reads the stored codes back
+dequantized (what the dynamic layer does), so both layers compute the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmsdk.plugins.quantizers.quantized_cache import FP8, Packed, QuantizedKVLayer, StaticCodec
+
+__all__ = ["PackedStaticLayer", "fused_supported"]
+
+CODE_DTYPES = {"int4": torch.uint8, "int8": torch.int8, "fp8": FP8}
+
+
+def fused_supported(key_codec: Any, value_codec: Any, exact_new: bool) -> bool:
+    """True when the packed decode kernel computes what the dequantizing layer computes for these codecs."""
+    return (
+        isinstance(key_codec, StaticCodec)
+        and isinstance(value_codec, StaticCodec)
+        and key_codec.fmt == value_codec.fmt
+        and key_codec.fmt in CODE_DTYPES
+        and not exact_new
+    )
+
+
+class PackedStaticLayer(QuantizedKVLayer):
+    """Packed K/V for up to ``max_cache_len`` tokens in fixed buffers; decode steps return markers."""
+
+    def __init__(self, key_codec: StaticCodec, value_codec: StaticCodec, max_cache_len: int, fused: bool) -> None:
+        super().__init__(key_codec, value_codec, 0, False)
+        self.max_cache_len = max_cache_len
+        self.fused = fused
+        self.fmt = key_codec.fmt
+        self.key_codes: torch.Tensor | None = None
+        self.value_codes: torch.Tensor | None = None
+        self.length: torch.Tensor | None = None  # device int64 [1]: tokens stored
+        self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        batch, heads, _, dim = key_states.shape
+        width = (dim + 1) // 2 if self.fmt == "int4" else dim
+        shape = (batch, heads, self.max_cache_len, width)
+        device = key_states.device
+        self.key_codes = torch.zeros(shape, dtype=CODE_DTYPES[self.fmt], device=device)
+        self.value_codes = torch.zeros(shape, dtype=CODE_DTYPES[self.fmt], device=device)
+        self.length = torch.zeros(1, dtype=torch.int64, device=device)
+        self.key_scale = self.key_codec.scale.to(device).expand(heads, dim).contiguous()
+        self.value_scale = self.value_codec.scale.to(device).expand(heads, dim).contiguous()
+        self._markers = (torch.empty(0), torch.empty(0))
+        for marker in self._markers:
+            marker._mmsdk_packed = self  # type: ignore[attr-defined]
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._dequantized(self.key_codes, self.key_codec)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("PackedStaticLayer.keys is read-only; use update().")
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._dequantized(self.value_codes, self.value_codec)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("PackedStaticLayer.values is read-only; use update().")
+
+    def _dequantized(self, codes: torch.Tensor | None, codec: StaticCodec) -> torch.Tensor | None:
+        if not self.is_initialized or codes is None:
+            return None
+        return codec.decode(Packed(codes[:, :, : self.cumulative_length]), self.dtype, self.head_dim)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        count = key_states.shape[-2]
+        if self.cumulative_length + count > self.max_cache_len:
+            raise ValueError(
+                f"the packed KV cache holds {self.max_cache_len} tokens but {self.cumulative_length + count} were "
+                "written: generate() sizes it from max_length / max_new_tokens; pass a larger one."
+            )
+        self._append(key_states, value_states)
+        self.cumulative_length += count
+        if count == 1 and self.fused:
+            return self._markers  # type: ignore[return-value]
+        return self.keys, self.values  # type: ignore[return-value]
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        assert self.length is not None and self.key_codes is not None and self.value_codes is not None
+        from mmsdk.kernels import note_fallback, triton_ready
+
+        if triton_ready(key_states, self.key_codes):
+            from mmsdk.kernels.kv_decode import append_kv
+
+            append_kv(key_states, value_states, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
+                      self.length, self.fmt)
+        else:
+            note_fallback("packed KV append", "not a CUDA tensor or no Triton")
+            positions = torch.arange(key_states.shape[-2], device=self.length.device) + self.length
+            self.key_codes.index_copy_(2, positions, self.key_codec.encode(key_states).data)
+            self.value_codes.index_copy_(2, positions, self.value_codec.encode(value_states).data)
+        self.length.add_(key_states.shape[-2])
+
+    def attend(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention of ``query`` [B, Hq, 1, D] over the stored tokens: ``[B, 1, Hq, D]``."""
+        from mmsdk.kernels.kv_decode import decode_attention
+
+        return decode_attention(query, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
+                                self.length, self.fmt, scaling, mask)
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def nbytes(self) -> int:
+        """Bytes of the code buffers (allocated for the whole generation)."""
+        return sum(t.numel() * t.element_size() for t in (self.key_codes, self.value_codes) if t is not None)
+
+    def reset(self) -> None:
+        self.cumulative_length = 0
+        if self.length is not None:
+            self.length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("PackedStaticLayer.crop takes the negative number of tokens to remove.")
+        self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
+        if self.length is not None:
+            self.length.fill_(self.cumulative_length)
+
+    def _map(self, fn: Any) -> None:
+        if self.key_codes is not None and self.value_codes is not None:
+            self.key_codes, self.value_codes = fn(self.key_codes).contiguous(), fn(self.value_codes).contiguous()

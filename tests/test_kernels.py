@@ -1,0 +1,148 @@
+"""Triton kernels against the torch reference ops, on fresh random inputs.
+
+On CPU the kernels run under Triton's interpreter (fp16/fp32: the interpreter mishandles bf16),
+which checks their indexing and arithmetic; on CUDA the compiled kernels run in bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmsdk.kernels import norm_rope as ref
+from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+from mmsdk.plugins.quantizers.quantized_cache import Packed, StaticCodec
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # must be set before Triton first compiles anything
+
+
+@pytest.fixture(params=["interpreter", "cuda"])
+def target(request):
+    """(device, dtype, tolerance) for one kernel backend, skipping where it cannot run."""
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    if request.param == "cuda":
+        if not CUDA:
+            pytest.skip("needs an NVIDIA GPU")
+        return "cuda", torch.bfloat16, 1e-2  # bf16 rounding of outputs: ~4e-3 relative
+    if CUDA or not INTERPRETING:
+        pytest.skip("interpreter checks run in their own process (test_kernels_under_the_interpreter)")
+    from tests import _interpreter
+
+    _interpreter.patch()
+    return "cpu", torch.float16, 2e-3  # fp16 rounding: ~3e-4 relative measured
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_matches_dequantized_matmul(target, symmetric):
+    from mmsdk.kernels.w4a16 import dequantize_packed, int4_linear, w4a16_matmul
+
+    device, dtype, tol = target
+    for m, n, k, group in ((1, 48, 256, 128), (5, 40, 200, 64), (17, 33, 96, 32)):
+        packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+        x = torch.randn(m, k, device=device).to(dtype)
+        bias = torch.randn(n, device=device).to(dtype)
+        weight = dequantize_int4(packed, torch.float32)
+        expected = x.float() @ weight.T + bias.float()
+        config = (32, 128, 4, 1) if device == "cpu" else None
+        out = w4a16_matmul(x, packed.qweight, packed.scales, packed.zero_points, group, bias, config=config)
+        assert _rel(out, expected) < tol  # interpreter fp16 ~3e-4, H200 bf16 ~3e-3
+        dense = dequantize_packed(packed.qweight, packed.scales, packed.zero_points,
+                                  k, group, dtype)
+        assert _rel(dense, weight) < tol
+        if device == "cuda":  # prefill rows go through the transient dequantized weight
+            rows = torch.randn(80, k, device=device).to(dtype)
+            got = int4_linear(rows, packed.qweight, packed.scales, packed.zero_points, k, group, bias)
+            assert _rel(got, rows.float() @ weight.T + bias.float()) < tol
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_packed_kv_append_and_decode_attention(target, fmt):
+    from mmsdk.kernels.kv_decode import append_kv, decode_attention, reference_decode_attention
+
+    device, dtype, tol = target
+    for batch, hq, hkv, dim, t_max, length in ((2, 4, 1, 16, 100, 37), (1, 6, 2, 32, 160, 130)):
+        scales = [(torch.rand(hkv, dim, device=device) * 0.3 + 0.05) for _ in range(2)]
+        codecs = [StaticCodec(fmt, s) for s in scales]
+        width = (dim + 1) // 2 if fmt == "int4" else dim
+        codes = [torch.zeros(batch, hkv, t_max, width, device=device,
+                             dtype=torch.uint8 if fmt == "int4" else torch.int8) for _ in range(2)]
+        keys, values = (torch.randn(batch, hkv, length, dim, device=device).to(dtype) for _ in range(2))
+        count = torch.zeros(1, dtype=torch.int64, device=device)
+        for lo, hi in ((0, length - 1), (length - 1, length)):  # a prefill, then one decode token
+            append_kv(keys[:, :, lo:hi], values[:, :, lo:hi], *codes, *scales, count, fmt)
+            count.add_(hi - lo)
+        assert torch.equal(codes[0][:, :, :length], codecs[0].encode(keys).data)
+        assert torch.equal(codes[1][:, :, :length], codecs[1].encode(values).data)
+        k_deq = codecs[0].decode(Packed(codes[0][:, :, :length]), torch.float32, dim)
+        v_deq = codecs[1].decode(Packed(codes[1][:, :, :length]), torch.float32, dim)
+        query = torch.randn(batch, hq, 1, dim, device=device).to(dtype)
+        mask = torch.rand(batch, length + 3, device=device) > 0.3
+        for m in (None, mask):
+            out = decode_attention(query, *codes, *scales, count, fmt, dim**-0.5, m)
+            assert _rel(out, reference_decode_attention(query, k_deq, v_deq, dim**-0.5, m)) < tol
+
+
+def test_fused_norm_and_rope_kernels(target):
+    from mmsdk.kernels import norm_rope_gpu as gpu
+
+    device, dtype, tol = target
+    x, residual = (torch.randn(3, 5, 80, device=device).to(dtype) for _ in range(2))
+    weight = (torch.rand(80, device=device) + 0.5).to(dtype)
+    pairs = zip(gpu.add_rms_norm(x, residual, weight, 1e-6), ref.add_rms_norm(x, residual, weight, 1e-6), strict=True)
+    for got, expected in pairs:
+        assert _rel(got, expected) < tol
+    assert _rel(gpu.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6)) < tol
+    q, k = torch.randn(2, 3, 7, 32, device=device).to(dtype), torch.randn(2, 1, 7, 32, device=device).to(dtype)
+    angles = torch.randn(2, 7, 16, device=device) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    for got, expected in zip(gpu.rope_qk(q, k, cos, sin), ref.rope_qk(q, k, cos, sin), strict=True):
+        assert _rel(got, expected) < tol
+    q_t, k_t = q.transpose(1, 2), k.transpose(1, 2)  # [B, L, H, D] views, rotated with unsqueeze_dim=2
+    for got, expected in zip(gpu.rope_qk(q_t, k_t, cos, sin, 2), ref.rope_qk(q_t, k_t, cos, sin, 2), strict=True):
+        assert _rel(got, expected) < tol
+    qw, kw = ((torch.rand(32, device=device) + 0.5).to(dtype) for _ in range(2))
+    got = gpu.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin)
+    for a, b in zip(got, ref.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin), strict=True):
+        assert _rel(a, b) < tol
+    positions = torch.randint(0, 8000, (3, 2, 9), device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, device=device).float() / 16))
+    streams = ref.mrope_streams([2, 3, 3])
+    for a, b in zip(gpu.mrope_cos_sin(positions, inv_freq, streams, 1.0, dtype),
+                    ref.mrope_cos_sin(positions, inv_freq, streams, 1.0, dtype), strict=True):
+        assert _rel(a, b) < tol
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+def test_bad_inputs_fall_back_or_refuse():
+    from mmsdk.kernels.w4a16 import int4_linear, unsupported_reason
+
+    packed = quantize_int4(torch.randn(64, 128, device="cuda"), 32, scale_dtype=torch.float32)
+    x = torch.randn(2, 128, device="cuda")  # fp32 activations: the kernel takes bf16/fp16 only
+    assert "dtype" in unsupported_reason(x, packed.qweight, packed.scales, 32)
+    assert int4_linear(x, packed.qweight, packed.scales, None, 128, 32) is None  # caller dequantizes instead
+    assert "group size" in unsupported_reason(x.half(), packed.qweight, packed.scales, 24)
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
+def test_kernels_under_the_interpreter():
+    """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~15 s)."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                             "-k", "interpreter"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "5 passed" in result.stdout, result.stdout[-2000:]
