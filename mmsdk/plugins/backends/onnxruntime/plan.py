@@ -66,6 +66,12 @@ class ExportPlan:
     def explicit_positions(self) -> bool:
         """The decoder rotates q/k itself from ``position_ids`` (GQA's built-in RoPE cannot serve)."""
         return self.token_reduction or (self.sparse is not None and self.sparse.kind == "self")
+
+    @property
+    def sparse_key_state(self) -> bool:
+        """sparse-xattn on self-attention over a quantized cache: the decoder carries the image keys' block sums."""
+        return self.kv is not None and self.sparse is not None and self.sparse.kind == "self"
+
     notes: dict[str, object] = field(default_factory=dict)
 
     def cross_with_kv(self) -> tuple[CrossPlan, ...]:
