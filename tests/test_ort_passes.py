@@ -103,7 +103,6 @@ def test_gated_xattn_skipped_layers_leave_the_graphs(tmp_path):
 
 @pytest.mark.parametrize(("name", "passes", "message"), [
     ("tiny:llava", ("fp8-kv",), "no FP8 KV-cache kernel"),
-    ("tiny:llava", ("sparse-xattn", "int8-kv"), "quantized KV cache"),
     ("tiny:mllama", ("token-prune",), "cross-attention model"),
 ])
 def test_inexpressible_combinations_are_refused_before_writing(name, passes, message, tmp_path):

@@ -238,7 +238,7 @@ class DecoderBuilder:
 
     def sparse_bias(self, q: str, k: str, index: int, bias: str) -> str:
         """The padding bias with sparse-xattn's dropped text-to-image entries set to the mask value."""
-        from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries, dropped_from_key_sums
+        from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries, dropped_from_key_sums, repeat_kv_heads
 
         g, layout, rule = self.g, self.layout, self.plan.sparse
         assert rule is not None  # only called for sparse-xattn
@@ -254,19 +254,13 @@ class DecoderBuilder:
 
                 assert self.plan.kv is not None  # sparse_key_state says so
                 sums = image_key_sums(g, k_new, image_cols, self.plan.kv, index, rule, kv_heads, dim)
-                dropped = dropped_from_key_sums(g, q4, self.repeat_heads(sums), text_rows, image_cols, rule)
+                dropped = dropped_from_key_sums(g, q4, repeat_kv_heads(g, sums, heads, kv_heads, dim), text_rows,
+                                                image_cols, rule)
             else:
                 past = N.past_key(index) if g.float_type == FLOAT else g.op("Cast", [N.past_key(index)], to=FLOAT)
-                keys = self.repeat_heads(g.op("Concat", [past, k_new], axis=2))  # [B, heads, T, D]: cache + this call
+                keys = repeat_kv_heads(g, g.op("Concat", [past, k_new], axis=2), heads, kv_heads, dim)  # cache + this call
                 dropped = dropped_entries(g, q4, keys, text_rows, image_cols, rule)
             return g.op("Where", [dropped, g.const("neg", float_min(g)), bias], hint="sparse_bias")
-
-    def repeat_heads(self, x: str) -> str:
-        """[B, kv_heads, L, D] -> [B, heads, L, D], KV head j serving query heads j*g .. j*g+g-1."""
-        g, layout = self.g, self.layout
-        group = g.op("Expand", [g.op("Unsqueeze", [x, g.ints("ax2", [2])]),
-                                g.ints("group", [1, 1, layout.num_heads // layout.num_kv_heads, 1, 1])])
-        return g.op("Reshape", [group, g.ints("heads_shape", [0, layout.num_heads, -1, layout.head_dim])])
 
     def image_masks(self) -> tuple[str, str]:
         """(text_rows [B, S], image_cols [B, T]) as bool, from ``image_token_mask``; made once per graph."""

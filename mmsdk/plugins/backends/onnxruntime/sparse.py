@@ -22,7 +22,7 @@ from mmsdk.plugins.backends.onnxruntime.graph import INT64
 if TYPE_CHECKING:
     from mmsdk.plugins.backends.onnxruntime.graph import GraphBuilder
 
-__all__ = ["SparseRule", "dropped_entries", "dropped_from_key_sums", "pad_blocks"]
+__all__ = ["SparseRule", "dropped_entries", "dropped_from_key_sums", "pad_blocks", "repeat_kv_heads"]
 
 BOOL = 9
 
@@ -166,6 +166,12 @@ def pad_blocks(g: GraphBuilder, x: str, blocks: str, hint: str) -> str:
     pads = g.op("Concat", [g.ints(f"{hint}.pad_lead", [0] * 6), g.op("Unsqueeze", [missing, g.ints(f"{hint}.pax", [0])]),
                            g.ints(f"{hint}.pad_last", [0])], axis=0)
     return g.op("Pad", [x, pads], hint=f"{hint}.pad")
+
+
+def repeat_kv_heads(g: GraphBuilder, x: str, heads: int, kv_heads: int, dim: int) -> str:
+    """[B, kv_heads, L, D] -> [B, heads, L, D], KV head j serving query heads j*g .. j*g+g-1 (repeat_interleave)."""
+    group = g.op("Expand", [g.op("Unsqueeze", [x, g.ints("ax2", [2])]), g.ints("group", [1, 1, heads // kv_heads, 1, 1])])
+    return g.op("Reshape", [group, g.ints("heads_shape", [0, heads, -1, dim])])
 
 
 def _dropped(g: GraphBuilder, q: str, k_mean: str, k_tot: str, text_rows: str, image_cols: str, grid: _Grid,
