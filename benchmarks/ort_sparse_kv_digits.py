@@ -58,7 +58,7 @@ def evaluate(session: Any, name: str, examples: list, work: Path) -> dict[str, A
     gold = [normalize_answer(e.answer) for e in examples]
 
     def accuracy(answers: list[str]) -> float:
-        return sum(a == g for a, g in zip(answers, gold)) / len(gold)
+        return sum(a == g for a, g in zip(answers, gold, strict=True)) / len(gold)
 
     base = session.models.get(name).build()
     row: dict[str, Any] = {"torch unoptimized": accuracy(torch_answers(Optimizer(base.model, base.processor,
@@ -72,7 +72,7 @@ def evaluate(session: Any, name: str, examples: list, work: Path) -> dict[str, A
         want, got = torch_answers(opt, loaded.processor, examples, batch), ort_answers(pipe, examples, batch)
         row[f"torch (batch {batch})"] = accuracy(want)
         row[f"ORT (batch {batch})"] = accuracy(got)
-        row[f"answers differing (batch {batch})"] = sum(a != b for a, b in zip(want, got))
+        row[f"answers differing (batch {batch})"] = sum(a != b for a, b in zip(want, got, strict=True))
     return row
 
 

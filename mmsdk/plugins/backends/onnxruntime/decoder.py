@@ -258,7 +258,8 @@ class DecoderBuilder:
                                                 image_cols, rule)
             else:
                 past = N.past_key(index) if g.float_type == FLOAT else g.op("Cast", [N.past_key(index)], to=FLOAT)
-                keys = repeat_kv_heads(g, g.op("Concat", [past, k_new], axis=2), heads, kv_heads, dim)  # cache + this call
+                keys = g.op("Concat", [past, k_new], axis=2)  # [B, kv_heads, T, D]: cache + this call
+                keys = repeat_kv_heads(g, keys, heads, kv_heads, dim)
                 dropped = dropped_entries(g, q4, keys, text_rows, image_cols, rule)
             return g.op("Where", [dropped, g.const("neg", float_min(g)), bias], hint="sparse_bias")
 

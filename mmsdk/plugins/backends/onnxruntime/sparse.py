@@ -163,20 +163,22 @@ def pad_blocks(g: GraphBuilder, x: str, blocks: str, hint: str) -> str:
     """x [B, H, n, d] zero-padded along axis 2 to ``blocks`` (int64 scalar, >= n)."""
     missing = g.op("Sub", [blocks, _length(g, x, 2, f"{hint}.two_p")])
     # Pad's pads: every axis's begin, then every axis's end; only the end of axis 2 grows
-    pads = g.op("Concat", [g.ints(f"{hint}.pad_lead", [0] * 6), g.op("Unsqueeze", [missing, g.ints(f"{hint}.pax", [0])]),
-                           g.ints(f"{hint}.pad_last", [0])], axis=0)
+    end = g.op("Unsqueeze", [missing, g.ints(f"{hint}.pax", [0])])
+    pads = g.op("Concat", [g.ints(f"{hint}.pad_lead", [0] * 6), end, g.ints(f"{hint}.pad_last", [0])], axis=0)
     return g.op("Pad", [x, pads], hint=f"{hint}.pad")
 
 
 def repeat_kv_heads(g: GraphBuilder, x: str, heads: int, kv_heads: int, dim: int) -> str:
     """[B, kv_heads, L, D] -> [B, heads, L, D], KV head j serving query heads j*g .. j*g+g-1 (repeat_interleave)."""
-    group = g.op("Expand", [g.op("Unsqueeze", [x, g.ints("ax2", [2])]), g.ints("group", [1, 1, heads // kv_heads, 1, 1])])
+    group = g.op("Expand", [g.op("Unsqueeze", [x, g.ints("ax2", [2])]),
+                            g.ints("group", [1, 1, heads // kv_heads, 1, 1])])
     return g.op("Reshape", [group, g.ints("heads_shape", [0, heads, -1, dim])])
 
 
 def _dropped(g: GraphBuilder, q: str, k_mean: str, k_tot: str, text_rows: str, image_cols: str, grid: _Grid,
              rule: SparseRule) -> str:
-    q_mean, q_tot = _block_means(g, q, g.op("Cast", [text_rows], to=1), _one_hot(g, grid.q_ids, grid.q_blocks, "q"), "q")
+    q_onehot = _one_hot(g, grid.q_ids, grid.q_blocks, "q")
+    q_mean, q_tot = _block_means(g, q, g.op("Cast", [text_rows], to=1), q_onehot, "q")
     scores = g.op("ReduceMean", [g.op("MatMul", [q_mean, g.op("Transpose", [k_mean], perm=[0, 1, 3, 2])]),
                                  g.ints("heads", [1])], keepdims=0)  # [B, NQ, NK], head mean
     keep = _top_blocks(g, scores, _visible(g, q_tot, k_tot, grid, rule), grid, rule.density)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from mmsdk.plugins.backends.onnxruntime.kvcache import KVQuant
     from mmsdk.plugins.backends.onnxruntime.sparse import SparseRule
 
-__all__ = ["declare_image_key_state", "image_key_sums", "BLOCKS_PAST", "BLOCKS_PRESENT"]
+__all__ = ["BLOCKS_PAST", "BLOCKS_PRESENT", "declare_image_key_state", "image_key_sums"]
 
 BLOCKS_PAST = "past_image_key_blocks"
 BLOCKS_PRESENT = "image_key_blocks"
