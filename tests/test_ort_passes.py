@@ -62,7 +62,8 @@ def test_pass_combinations_keep_torch_tokens(name, passes, tmp_path):
     opt = _optimizer(name, *passes).calibrate(CALIBRATION).apply(*items)
     result = opt.export("onnxruntime", tmp_path / "out")
     _parity(opt, tmp_path / "out")
-    # measured relative last-token logit error: <= 3e-7 float, <= 1.7e-2 with a 4/8-bit KV cache
+    # measured relative last-token logit error against generate(): <= 1.5e-7 for every combination here,
+    # 4/8-bit KV caches included (one K value rounding the other way would cost ~1e-3)
     assert result.manifest.details["verification"]["relative_logit_error"] < 0.05
 
 
@@ -103,7 +104,6 @@ def test_gated_xattn_skipped_layers_leave_the_graphs(tmp_path):
 
 @pytest.mark.parametrize(("name", "passes", "message"), [
     ("tiny:llava", ("fp8-kv",), "no FP8 KV-cache kernel"),
-    ("tiny:llava", ("sparse-xattn", "int8-kv"), "quantized KV cache"),
     ("tiny:mllama", ("token-prune",), "cross-attention model"),
 ])
 def test_inexpressible_combinations_are_refused_before_writing(name, passes, message, tmp_path):

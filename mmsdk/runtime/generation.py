@@ -103,6 +103,9 @@ def _prefill_state(pipe: OrtPipeline, prepared: Prepared, encoded: Encoded, bind
         image_mask = (ids == spec.image_token_id).astype(np.int64) * mask
     past = {name: empty_ortvalue([batch, spec.num_kv_heads, 0, spec.cache_last_dim], spec.cache_dtype)
             for layer in spec.self_layers for name in (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value")}
+    if spec.image_key_sums:  # handed on like the cache (present.* -> past_key_values.*)
+        past.update({spec.image_key_sums % layer: empty_ortvalue([batch, spec.num_kv_heads, 0, spec.head_dim],
+                                                                 np.float32) for layer in spec.self_layers})
     embeds = _embed(pipe, ids, encoded.features, binding)
     return _State(embeds, mask, positions, past, prepared.cross_mask, image_mask, deltas, next_position)
 

@@ -40,6 +40,8 @@ class ExportSpec:
     cross_mask_input: str | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+    # sparse-xattn over a quantized cache: per-layer float32 state [B, kv_heads, blocks, head_dim] (name template)
+    image_key_sums: str | None = None
 
     @classmethod
     def from_details(cls, details: Mapping[str, Any]) -> ExportSpec:
@@ -73,4 +75,5 @@ class ExportSpec:
             cross_layers=tuple(cross.get("layers", ())), cross_mask_input=cross.get("mask_input"),
             eos_token_ids=tuple(int(e) for e in gen.get("eos_token_ids") or ()),
             pad_token_id=gen.get("pad_token_id"),
+            image_key_sums=(dec.get("sparse_xattn") or {}).get("image_key_sums"),
         )

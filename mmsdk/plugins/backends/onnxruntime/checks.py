@@ -41,7 +41,10 @@ PASS_SUPPORT: dict[str, str] = {
     "token-merge": "the same merge runs in vision.onnx, which outputs the merged features and their slots; "
     "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
     "sparse-xattn": "the block layout is computed in the decoder graph on every call (pooled q.k, TopK) and folded "
-    "into the attention bias of GroupQueryAttention (self) or MultiHeadAttention (cross)",
+    "into the attention bias of GroupQueryAttention (self) or MultiHeadAttention (cross); with int4-kv / int8-kv "
+    "on self-attention, the image keys' block sums (quantized and dequantized as the cache stores them) are "
+    "carried between calls (past_key_values.{i}.image_key_sums -> present.{i}.image_key_sums), so the ranking "
+    "matches the torch model",
 }
 # Passes the backend refuses, with the reason (checked before any pass-specific work).
 _NOT_YET = ("changes how the model computes without a module or weight the graph builder can read, and this "
@@ -104,19 +107,8 @@ def make_plan(context: ExportContext, options: OrtOptions) -> ExportPlan:
         cross=cross,
         cross_kv_quant=decided.get("cross_kv_quant", {}),
         token_reduction=bool(decided.get("token_reduction")),
-        sparse=_sparse_with_cache(decided),
+        sparse=decided.get("sparse"),
     )
-
-
-def _sparse_with_cache(decided: dict[str, Any]) -> SparseRule | None:
-    rule = decided.get("sparse")
-    if rule is not None and rule.kind == "self" and decided.get("kv") is not None:
-        raise IncompatiblePassError(
-            "sparse-xattn ranks image-key blocks by the cached keys, and with a quantized KV cache those live inside "
-            "GroupQueryAttention in int8/int4, where the graph cannot read them.",
-            fix="export sparse-xattn with a float KV cache (drop int4-kv / int8-kv), or drop sparse-xattn.",
-        )
-    return rule
 
 
 def _check_unknown(context: ExportContext, options: OrtOptions) -> None:
@@ -165,7 +157,8 @@ def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str
             f"pass {result.name!r} recorded no calibrated K/V ranges, so there are no k_scale / v_scale to export.",
             fix="calibrate before exporting (opt.calibrate(samples)), with static scales.",
         )
-    kv, cross = kv_from_record(record, fmt, f"{result.name}: {record.get('method', 'minmax')} ranges")
+    exact_new = getattr(result.config, "prefill_attention", "quantized") == "exact"
+    kv, cross = kv_from_record(record, fmt, f"{result.name}: {record.get('method', 'minmax')} ranges", exact_new)
     missing = sorted(set(context.adapter.kv_layout(context.model).self_attention_layers) - set(kv.k_scales))
     if missing:
         raise ExportError(f"pass {result.name!r} recorded no K/V ranges for decoder layers {missing}.",
@@ -179,7 +172,7 @@ def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str
 
 
 def _sparse_xattn_pass(context: ExportContext, result: PassResult, decided: dict[str, Any]) -> None:
-    """sparse-xattn: its rule, computed in the graph (sparse.py); float self-attention caches only."""
+    """sparse-xattn: its rule, computed in the graph (sparse.py; sparse_cache.py with a quantized cache)."""
     kind = "cross" if context.adapter.cross_attention_blocks(context.model) else "self"
     decided["sparse"] = SparseRule(int(result.config.block_size), float(result.config.density), kind)
 

@@ -157,6 +157,10 @@ class DecoderBuilder:
         for i in layout.self_attention_layers:
             for name in (N.past_key(i), N.past_value(i)):
                 g.input(name, ctype, [N.BATCH, layout.num_kv_heads, N.PAST, last])
+        if self.plan.sparse_key_state:
+            from mmsdk.plugins.backends.onnxruntime.sparse_cache import declare_image_key_state
+
+            declare_image_key_state(g, layout.self_attention_layers, layout.num_kv_heads, layout.head_dim)
         if self.plan.cross:
             from mmsdk.plugins.backends.onnxruntime.xattn import declare_cross_inputs
 
@@ -234,28 +238,42 @@ class DecoderBuilder:
 
     def sparse_bias(self, q: str, k: str, index: int, bias: str) -> str:
         """The padding bias with sparse-xattn's dropped text-to-image entries set to the mask value."""
-        from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries
+        from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries, dropped_from_key_sums, repeat_kv_heads
 
-        g, layout = self.g, self.layout
+        g, layout, rule = self.g, self.layout, self.plan.sparse
+        assert rule is not None  # only called for sparse-xattn
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
         with g.scope("sparse_xattn"):
             q4 = g.op("Transpose", [g.op("Reshape", [q, g.ints("q_shape", [0, 0, heads, dim])])], perm=[0, 2, 1, 3])
             k_new = g.op("Transpose", [g.op("Reshape", [k, g.ints("k_shape", [0, 0, kv_heads, dim])])], perm=[0, 2, 1, 3])
-            keys = g.op("Concat", [N.past_key(index), k_new], axis=2)  # [B, kv_heads, T, D]: cache + this call
-            group = g.op("Expand", [g.op("Unsqueeze", [keys, g.ints("ax2", [2])]),
-                                    g.ints("group", [1, 1, heads // kv_heads, 1, 1])])
-            keys = g.op("Reshape", [group, g.ints("heads_shape", [0, heads, -1, dim])])
             if g.float_type != FLOAT:
-                q4, keys = (g.op("Cast", [t], to=FLOAT) for t in (q4, keys))
-            if "image_cols" not in self.shared:
-                images = g.op("Cast", [N.IMAGE_TOKEN_MASK], to=9)
-                seq = g.op("Gather", [g.op("Shape", [N.INPUTS_EMBEDS]), g.const("one", np.int64(1))], axis=0)
-                start = g.op("Unsqueeze", [g.op("Neg", [seq]), g.ints("ax0", [0])])
-                self.shared["image_cols"] = images
-                self.shared["text_rows"] = g.op("Not", [g.op("Slice", [images, start, g.ints("end", [2**62]),
-                                                                       g.ints("axis", [1])])])
-            dropped = dropped_entries(g, q4, keys, self.shared["text_rows"], self.shared["image_cols"], self.plan.sparse)
+                q4, k_new = (g.op("Cast", [t], to=FLOAT) for t in (q4, k_new))
+            text_rows, image_cols = self.image_masks()
+            if self.plan.sparse_key_state:  # quantized cache: rank by the carried image-key block sums
+                from mmsdk.plugins.backends.onnxruntime.sparse_cache import image_key_sums
+
+                assert self.plan.kv is not None  # sparse_key_state says so
+                sums = image_key_sums(g, k_new, image_cols, self.plan.kv, index, rule, kv_heads, dim)
+                dropped = dropped_from_key_sums(g, q4, repeat_kv_heads(g, sums, heads, kv_heads, dim), text_rows,
+                                                image_cols, rule)
+            else:
+                past = N.past_key(index) if g.float_type == FLOAT else g.op("Cast", [N.past_key(index)], to=FLOAT)
+                keys = g.op("Concat", [past, k_new], axis=2)  # [B, kv_heads, T, D]: cache + this call
+                keys = repeat_kv_heads(g, keys, heads, kv_heads, dim)
+                dropped = dropped_entries(g, q4, keys, text_rows, image_cols, rule)
             return g.op("Where", [dropped, g.const("neg", float_min(g)), bias], hint="sparse_bias")
+
+    def image_masks(self) -> tuple[str, str]:
+        """(text_rows [B, S], image_cols [B, T]) as bool, from ``image_token_mask``; made once per graph."""
+        g = self.g
+        if "image_cols" not in self.shared:
+            images = g.op("Cast", [N.IMAGE_TOKEN_MASK], to=9)
+            seq = g.op("Gather", [g.op("Shape", [N.INPUTS_EMBEDS]), g.const("one", np.int64(1))], axis=0)
+            start = g.op("Unsqueeze", [g.op("Neg", [seq]), g.ints("ax0", [0])])
+            self.shared["image_cols"] = images
+            self.shared["text_rows"] = g.op("Not", [g.op("Slice", [images, start, g.ints("end", [2**62]),
+                                                                   g.ints("axis", [1])])])
+        return self.shared["text_rows"], self.shared["image_cols"]
 
     def projected_qkv(self, x: str, attention: nn.Module) -> tuple[list[str], list[str]]:
         """(query, key, value) for GQA and its (cos_cache, sin_cache) inputs.

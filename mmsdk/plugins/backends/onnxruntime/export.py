@@ -116,6 +116,9 @@ def describe(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, vision: 
     }
     if sections:
         decoder["spatial_merge_size"] = int(model.config.vision_config.spatial_merge_size)
+    if plan.sparse is not None and plan.sparse.kind == "self":  # extra decoder inputs the runtime feeds
+        decoder["sparse_xattn"] = {"image_token_mask": N.IMAGE_TOKEN_MASK, "block_size": plan.sparse.block,
+                                   "image_key_sums": N.PAST_IMAGE_KEY_SUMS if plan.sparse_key_state else None}
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None)
     head = adapter.lm_head(model)

@@ -33,6 +33,13 @@ def write_if_supported(context: ExportContext, details: Mapping[str, Any], stagi
     if details["vision"].get("slots_output"):
         return {"written": False, "reason": "vision-token reduction (token-prune / token-merge) shortens the prompt, "
                 "which ORT GenAI's Qwen2.5-VL pipeline does not do; use mmsdk's runtime"}
+    sparse = details["decoder"].get("sparse_xattn")
+    if sparse:
+        carried = (" and, with a quantized KV cache, carries the image keys' block sums between steps as extra "
+                   "past/present tensors" if sparse.get("image_key_sums") else "")
+        return {"written": False, "reason": "sparse-xattn's decoder takes image_token_mask" + carried + ", which ORT "
+                "GenAI's Qwen2.5-VL pipeline does not feed (it passes only the KV cache between steps); use "
+                "mmsdk's runtime"}
     from mmsdk.plugins.backends.onnxruntime.genai_files import write_genai_files
 
     return write_genai_files(context, details, staging, model_type)

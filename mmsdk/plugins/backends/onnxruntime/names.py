@@ -27,6 +27,8 @@ __all__ = [
     "present_value",
     "cross_key",
     "cross_value",
+    "past_image_key_sums",
+    "present_image_key_sums",
 ]
 
 INPUT_IDS = "input_ids"
@@ -43,6 +45,9 @@ PRESENT_KEY = "present.%d.key"
 PRESENT_VALUE = "present.%d.value"
 CROSS_KEY = "cross_key_values.%d.key"
 CROSS_VALUE = "cross_key_values.%d.value"
+# sparse-xattn with a quantized KV cache: per-block sums of the (dequantized) image keys, carried like the cache
+PAST_IMAGE_KEY_SUMS = "past_key_values.%d.image_key_sums"
+PRESENT_IMAGE_KEY_SUMS = "present.%d.image_key_sums"
 
 # Symbolic axis names (the ones the GenAI model builder writes).
 BATCH = "batch_size"
@@ -73,3 +78,11 @@ def cross_key(layer: int) -> str:
 
 def cross_value(layer: int) -> str:
     return CROSS_VALUE % layer
+
+
+def past_image_key_sums(layer: int) -> str:
+    return PAST_IMAGE_KEY_SUMS % layer
+
+
+def present_image_key_sums(layer: int) -> str:
+    return PRESENT_IMAGE_KEY_SUMS % layer

@@ -64,8 +64,21 @@ class ExportPlan:
 
     @property
     def explicit_positions(self) -> bool:
-        """The decoder rotates q/k itself from ``position_ids`` (GQA's built-in RoPE cannot serve)."""
-        return self.token_reduction or (self.sparse is not None and self.sparse.kind == "self")
+        """The decoder rotates q/k itself from ``position_ids`` (GQA's built-in RoPE cannot serve).
+
+        GQA's RoPE numbers positions over the whole row, left padding included. Attention scores only
+        see position differences, so that is exact in float; but a quantized cache stores K after
+        RoPE, and K rotated by another angle rounds differently: with int4/int8 K the rows of a
+        padded batch would not match the torch model's (which rotates by the real positions).
+        """
+        return (self.token_reduction or self.kv is not None
+                or (self.sparse is not None and self.sparse.kind == "self"))
+
+    @property
+    def sparse_key_state(self) -> bool:
+        """sparse-xattn on self-attention over a quantized cache: the decoder carries the image keys' block sums."""
+        return self.kv is not None and self.sparse is not None and self.sparse.kind == "self"
+
     notes: dict[str, object] = field(default_factory=dict)
 
     def cross_with_kv(self) -> tuple[CrossPlan, ...]:

@@ -22,7 +22,7 @@ from mmsdk.plugins.backends.onnxruntime.graph import INT64
 if TYPE_CHECKING:
     from mmsdk.plugins.backends.onnxruntime.graph import GraphBuilder
 
-__all__ = ["SparseRule", "dropped_entries"]
+__all__ = ["SparseRule", "dropped_entries", "dropped_from_key_sums", "pad_blocks", "repeat_kv_heads"]
 
 BOOL = 9
 
@@ -71,9 +71,9 @@ class _Grid:
     block: str
 
 
-def _grid(g: GraphBuilder, q: str, k: str, rule: SparseRule) -> _Grid:
+def _grid(g: GraphBuilder, q: str, t_len: str, rule: SparseRule) -> _Grid:
+    """Block ids and counts for queries q [B, H, S, d] against ``t_len`` keys (int64 scalar)."""
     s_len = g.op("Gather", [g.op("Shape", [q]), g.const("two", np.int64(2))], axis=0)
-    t_len = g.op("Gather", [g.op("Shape", [k]), g.const("two_k", np.int64(2))], axis=0)
     block, one = g.const("block", np.int64(rule.block)), g.const("one", np.int64(1))
     offset = g.op("Sub", [t_len, s_len]) if rule.kind == "self" else g.const("no_offset", np.int64(0))
 
@@ -84,6 +84,10 @@ def _grid(g: GraphBuilder, q: str, k: str, rule: SparseRule) -> _Grid:
     return _Grid(t_len, g.op("Div", [g.op("Add", [_arange(g, s_len), offset]), block]),
                  g.op("Div", [_arange(g, t_len), block]), k_blocks if rule.kind == "self" else count(s_len),
                  k_blocks, block)
+
+
+def _length(g: GraphBuilder, x: str, axis: int, hint: str) -> str:
+    return g.op("Gather", [g.op("Shape", [x]), g.const(hint, np.int64(axis))], axis=0)
 
 
 def _visible(g: GraphBuilder, q_tot: str, k_tot: str, grid: _Grid, rule: SparseRule) -> str:
@@ -129,15 +133,57 @@ def dropped_entries(g: GraphBuilder, q: str, k: str, text_rows: str, image_cols:
     positions (causal, absolute block grid); cross-attention blocks count from the first query.
     """
     with g.scope(hint):
-        grid = _grid(g, q, k, rule)
-        q_mean, q_tot = _block_means(g, q, g.op("Cast", [text_rows], to=1), _one_hot(g, grid.q_ids, grid.q_blocks, "q"), "q")
-        k_mean, k_tot = _block_means(g, k, g.op("Cast", [image_cols], to=1), _one_hot(g, grid.k_ids, grid.k_blocks, "k"),
-                                     "k")
-        scores = g.op("ReduceMean", [g.op("MatMul", [q_mean, g.op("Transpose", [k_mean], perm=[0, 1, 3, 2])]),
-                                     g.ints("heads", [1])], keepdims=0)  # [B, NQ, NK], head mean
-        keep = _top_blocks(g, scores, _visible(g, q_tot, k_tot, grid, rule), grid, rule.density)
-        per_entry = g.op("Gather", [g.op("Gather", [keep, grid.q_ids], axis=1), grid.k_ids], axis=2)  # [B, S, T]
-        cross = g.op("And", [g.op("Unsqueeze", [text_rows, g.ints("ax2c", [2])]),
-                             g.op("Unsqueeze", [image_cols, g.ints("ax1c", [1])])])
-        return g.op("Unsqueeze", [g.op("And", [cross, g.op("Not", [per_entry])]), g.ints("heads_ax", [1])],
-                    hint="dropped")
+        grid = _grid(g, q, _length(g, k, 2, "two_k"), rule)
+        k_mean, k_tot = _block_means(g, k, g.op("Cast", [image_cols], to=1),
+                                     _one_hot(g, grid.k_ids, grid.k_blocks, "k"), "k")
+        return _dropped(g, q, k_mean, k_tot, text_rows, image_cols, grid, rule)
+
+
+def dropped_from_key_sums(g: GraphBuilder, q: str, key_sums: str, text_rows: str, image_cols: str, rule: SparseRule,
+                          hint: str = "sparse") -> str:
+    """:func:`dropped_entries` from the image keys' block sums instead of the keys themselves.
+
+    ``key_sums`` [B, H, NB, d] (float32, KV heads repeated): per key block, the sum of its image
+    keys, for the first NB blocks (blocks past NB hold no image key). The block means, and so the
+    layout, are those of :func:`dropped_entries` on the keys that produced the sums.
+    """
+    with g.scope(hint):
+        grid = _grid(g, q, _length(g, image_cols, 1, "one_t"), rule)
+        weights = g.op("Cast", [image_cols], to=1)
+        member = g.op("Mul", [g.op("Unsqueeze", [weights, g.ints("k.ax2", [2])]),
+                              g.op("Unsqueeze", [_one_hot(g, grid.k_ids, grid.k_blocks, "k"), g.ints("k.ax0", [0])])])
+        k_tot = g.op("ReduceSum", [member, g.ints("k.ax1r", [1])], keepdims=0)  # [B, NK] image keys per block
+        sums = pad_blocks(g, key_sums, grid.k_blocks, "k")
+        safe = g.op("Max", [k_tot, g.const("k.one", np.float32(1.0), keep_dtype=True)])
+        k_mean = g.op("Div", [sums, g.op("Unsqueeze", [safe, g.ints("k.ax13", [1, 3])])])
+        return _dropped(g, q, k_mean, k_tot, text_rows, image_cols, grid, rule)
+
+
+def pad_blocks(g: GraphBuilder, x: str, blocks: str, hint: str) -> str:
+    """x [B, H, n, d] zero-padded along axis 2 to ``blocks`` (int64 scalar, >= n)."""
+    missing = g.op("Sub", [blocks, _length(g, x, 2, f"{hint}.two_p")])
+    # Pad's pads: every axis's begin, then every axis's end; only the end of axis 2 grows
+    end = g.op("Unsqueeze", [missing, g.ints(f"{hint}.pax", [0])])
+    pads = g.op("Concat", [g.ints(f"{hint}.pad_lead", [0] * 6), end, g.ints(f"{hint}.pad_last", [0])], axis=0)
+    return g.op("Pad", [x, pads], hint=f"{hint}.pad")
+
+
+def repeat_kv_heads(g: GraphBuilder, x: str, heads: int, kv_heads: int, dim: int) -> str:
+    """[B, kv_heads, L, D] -> [B, heads, L, D], KV head j serving query heads j*g .. j*g+g-1 (repeat_interleave)."""
+    group = g.op("Expand", [g.op("Unsqueeze", [x, g.ints("ax2", [2])]),
+                            g.ints("group", [1, 1, heads // kv_heads, 1, 1])])
+    return g.op("Reshape", [group, g.ints("heads_shape", [0, heads, -1, dim])])
+
+
+def _dropped(g: GraphBuilder, q: str, k_mean: str, k_tot: str, text_rows: str, image_cols: str, grid: _Grid,
+             rule: SparseRule) -> str:
+    q_onehot = _one_hot(g, grid.q_ids, grid.q_blocks, "q")
+    q_mean, q_tot = _block_means(g, q, g.op("Cast", [text_rows], to=1), q_onehot, "q")
+    scores = g.op("ReduceMean", [g.op("MatMul", [q_mean, g.op("Transpose", [k_mean], perm=[0, 1, 3, 2])]),
+                                 g.ints("heads", [1])], keepdims=0)  # [B, NQ, NK], head mean
+    keep = _top_blocks(g, scores, _visible(g, q_tot, k_tot, grid, rule), grid, rule.density)
+    per_entry = g.op("Gather", [g.op("Gather", [keep, grid.q_ids], axis=1), grid.k_ids], axis=2)  # [B, S, T]
+    cross = g.op("And", [g.op("Unsqueeze", [text_rows, g.ints("ax2c", [2])]),
+                         g.op("Unsqueeze", [image_cols, g.ints("ax1c", [1])])])
+    return g.op("Unsqueeze", [g.op("And", [cross, g.op("Not", [per_entry])]), g.ints("heads_ax", [1])],
+                hint="dropped")

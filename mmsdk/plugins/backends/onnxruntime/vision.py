@@ -125,7 +125,7 @@ def _project_kv(attention: nn.Module, names: dict[str, str], states: torch.Tenso
     heads, dim = layout.num_heads, layout.head_dim
     out = []
     for index, role in enumerate(("k", "v")):
-        projected = getattr(attention, names[role])(states)
+        projected = _unmemoised(getattr(attention, names[role]))(states)
         kv_heads = projected.shape[-1] // dim
         x = projected.view(batch, length, kv_heads, dim).transpose(1, 2)
         norm = getattr(attention, recipe.k_norm, None) if role == "k" and recipe and recipe.k_norm else None
@@ -138,6 +138,21 @@ def _project_kv(attention: nn.Module, names: dict[str, str], states: torch.Tenso
             x = torch.clamp(torch.round(x / scale), -qmax, qmax - 1) * scale
         out.append(x.repeat_interleave(heads // kv_heads, dim=1).contiguous())
     return out
+
+
+def _unmemoised(projection: nn.Module) -> Any:
+    """The projection itself, without a KV pass's once-per-image memo (whose rounding _project_kv reproduces).
+
+    The memo keys on the input's storage pointer, which torch.export's fake tensors do not have, and
+    packs two int4 codes per byte with ``|``, which TorchScript cannot export for uint8; the graph
+    needs neither, only the same quantize-dequantize, done once.
+    """
+    try:
+        from mmsdk.plugins.quantizers.kv_runtime import CrossKVMemo
+    except ImportError:  # the KV-cache plugin is not installed: nothing can have wrapped the projection
+        return projection
+    forward = projection.__dict__.get("forward")
+    return forward.original if isinstance(forward, CrossKVMemo) else projection
 
 
 def build_vision(model: nn.Module, adapter: ModelAdapter, plan: ExportPlan, sample: Mapping[str, Any]) -> VisionGraph:
