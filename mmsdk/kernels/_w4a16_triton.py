@@ -71,3 +71,81 @@ def dequant(w_ptr, s_ptr, z_ptr, out_ptr, N, K_out, KP, stride_zn,
     rk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rn[:, None] * K_out + rk[None, :], tile.to(out_ptr.dtype.element_ty),
              mask=n_ok[:, None] & (rk[None, :] < K_out))
+
+
+@triton.jit
+def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm, stride_zn,
+         GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DOT: tl.constexpr):
+    """``x @ W.T`` over one K split (few rows, decode): fp32 partial at ``out[split]``, or with ``DIRECT``
+    (one split) the finished ``[M, N]`` output with bias, in out's dtype.
+
+    The packed bytes are read as int32 words (8 nibbles, k = 8 * word + nibble in the MatMulNBits
+    layout), ``BLOCK_G`` whole groups per step, so each group's scale is loaded once. A nibble turns
+    into its fp32 value by OR-ing it into the mantissa of 2^23 (no int-to-float conversion). With
+    ``DOT`` the dequantized tile goes to the tensor cores; otherwise each row is a multiply-reduce
+    in registers, with the zero point folded out: ``s * (sum q x - z sum x)``.
+    """
+    WPG: tl.constexpr = GROUP // 8
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_blocks = KW // WPG
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rg, rw, rs = tl.arange(0, BLOCK_G), tl.arange(0, WPG), tl.arange(0, 8)
+    n_ok = rn < N
+    k_in = (rg[:, None, None] * GROUP + rw[None, :, None] * 8 + rs[None, None, :])  # [BG, WPG, 8] within a step
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    g_begin = split * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, k_blocks)
+    for g0 in range(g_begin, g_end, BLOCK_G):
+        g = g0 + rg
+        g_ok = g < g_end
+        ok2 = n_ok[:, None] & g_ok[None, :]
+        words = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * KW + g[None, :, None] * WPG + rw[None, None, :],
+                        mask=ok2[:, :, None], other=0)
+        nib = (words[:, :, :, None] >> (rs * 4)[None, None, None, :]) & 15
+        q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # [BN, BG, WPG, 8], exact 0..15
+        s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok2, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok2, other=0)
+            z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N, BLOCK_G), 8.0, tl.float32)
+        k = g0 * GROUP + k_in
+        x_ok = (g_ok[:, None, None]) & (k < K_in)
+        if DOT:
+            wq = (q - z[:, :, None, None]) * s[:, :, None, None]
+            wt = tl.reshape(wq, (BLOCK_N, BLOCK_G * GROUP)).to(x_ptr.dtype.element_ty)
+            kk = tl.reshape(k, (BLOCK_G * GROUP,))
+            kk_ok = tl.reshape(x_ok, (BLOCK_G * GROUP,))
+            xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kk_ok[None, :],
+                         other=0.0)
+            acc += tl.dot(xt, tl.trans(wt))
+        else:
+            for i in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + i
+                x = tl.load(x_ptr + row * stride_xm + k, mask=x_ok & (row < M), other=0.0).to(tl.float32)
+                d = tl.sum(tl.sum(q * x[None, :, :, :], 3), 2)  # [BN, BG]
+                xs = tl.sum(tl.sum(x, 2), 1)  # [BG]
+                part = tl.sum(s * (d - z * xs[None, :]), 1)  # [BN]
+                acc = tl.where((tl.arange(0, BLOCK_M) == i)[:, None], acc + part[None, :], acc)
+    dst = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & n_ok[None, :])
+    else:
+        tl.store(dst, acc, mask=(rm < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(p_ptr + s * MN + r, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + r % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
