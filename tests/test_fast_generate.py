@@ -47,9 +47,12 @@ def test_chunked_prefill_matches_whole_prefill_on_cpu(name, passes, session, tin
     generator = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False)
     generator.prefill_chunk = 5  # several chunks, the last one short
     calls = []
-    language = opt.adapter.language_model(model)
-    handle = language.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["inputs_embeds"].shape[1]),
-                                              with_kwargs=True)
+    layer = opt.adapter.decoder_layers(model)[0]  # sees every chunk (the chunks call forward, not __call__)
+
+    def record(module, args, kwargs):
+        calls.append((args[0] if args else kwargs["hidden_states"]).shape[1])
+
+    handle = layer.register_forward_pre_hook(record, with_kwargs=True)
     try:
         got = generator.run()
     finally:
