@@ -95,6 +95,8 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
     n_ok = rn < N
     k_in = (rg[:, None, None] * GROUP + rw[None, :, None] * 8 + rs[None, None, :])  # [BG, WPG, 8] within a step
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)  # one row: per-thread partials, reduced once
+    k2 = rg[:, None] * GROUP + rw[None, :] * 8
     g_begin = split * groups_per_split
     g_end = tl.minimum(g_begin + groups_per_split, k_blocks)
     for g0 in range(g_begin, g_end, BLOCK_G):
@@ -103,17 +105,29 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
         ok2 = n_ok[:, None] & g_ok[None, :]
         words = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * KW + g[None, :, None] * WPG + rw[None, None, :],
                         mask=ok2[:, :, None], other=0)
-        nib = (words[:, :, :, None] >> (rs * 4)[None, None, None, :]) & 15
-        q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # [BN, BG, WPG, 8], exact 0..15
         s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok2, other=0.0).to(tl.float32)
         if HAS_ZP:
             zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok2, other=0)
             z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
         else:
             z = tl.full((BLOCK_N, BLOCK_G), 8.0, tl.float32)
-        k = g0 * GROUP + k_in
-        x_ok = (g_ok[:, None, None]) & (k < K_in)
-        if DOT:
+        if BLOCK_M == 1 and not DOT:
+            # nibble by nibble on the word tile itself: elementwise FMAs only, no cross-thread work per step
+            row = pid_m
+            t3 = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)
+            xs = tl.zeros((BLOCK_G, WPG), dtype=tl.float32)
+            for j in tl.static_range(8):
+                kj = g0 * GROUP + k2 + j
+                xj = tl.load(x_ptr + row * stride_xm + kj, mask=g_ok[:, None] & (kj < K_in), other=0.0).to(tl.float32)
+                qj = (((words >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                t3 += qj * xj[None, :, :]
+                xs += xj
+            acc3 += s[:, :, None] * (t3 - z[:, :, None] * xs[None, :, :])
+        elif DOT:
+            k = g0 * GROUP + k_in
+            x_ok = (g_ok[:, None, None]) & (k < K_in)
+            nib = (words[:, :, :, None] >> (rs * 4)[None, None, None, :]) & 15
+            q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # [BN, BG, WPG, 8], exact 0..15
             wq = (q - z[:, :, None, None]) * s[:, :, None, None]
             wt = tl.reshape(wq, (BLOCK_N, BLOCK_G * GROUP)).to(x_ptr.dtype.element_ty)
             kk = tl.reshape(k, (BLOCK_G * GROUP,))
@@ -121,14 +135,22 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
             xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kk_ok[None, :],
                          other=0.0)
             acc += tl.dot(xt, tl.trans(wt))
-        else:
+        else:  # a few rows: the same nibble loop per row, reduced to [BLOCK_N] per step
             for i in tl.static_range(BLOCK_M):
                 row = pid_m * BLOCK_M + i
-                x = tl.load(x_ptr + row * stride_xm + k, mask=x_ok & (row < M), other=0.0).to(tl.float32)
-                d = tl.sum(tl.sum(q * x[None, :, :, :], 3), 2)  # [BN, BG]
-                xs = tl.sum(tl.sum(x, 2), 1)  # [BG]
-                part = tl.sum(s * (d - z * xs[None, :]), 1)  # [BN]
+                t3 = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)
+                xs = tl.zeros((BLOCK_G, WPG), dtype=tl.float32)
+                for j in tl.static_range(8):
+                    kj = g0 * GROUP + k2 + j
+                    xj = tl.load(x_ptr + row * stride_xm + kj, mask=g_ok[:, None] & (kj < K_in) & (row < M),
+                                 other=0.0).to(tl.float32)
+                    qj = (((words >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    t3 += qj * xj[None, :, :]
+                    xs += xj
+                part = tl.sum(tl.sum(s[:, :, None] * (t3 - z[:, :, None] * xs[None, :, :]), 2), 1)
                 acc = tl.where((tl.arange(0, BLOCK_M) == i)[:, None], acc + part[None, :], acc)
+    if BLOCK_M == 1 and not DOT:
+        acc = tl.sum(tl.sum(acc3, 2), 1)[None, :]
     dst = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
     if DIRECT:
         if HAS_BIAS:

@@ -40,9 +40,10 @@ _TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, DOT) candidates per row bucket; the K split count is
 # derived from the shape (about _TARGET_PROGRAMS programs). The first entry is taken without timing.
 _GEMV_CANDIDATES: dict[int, tuple[tuple[int, int, int, int, bool], ...]] = {
-    1: ((16, 2, 4, 1, False), (8, 4, 4, 1, False), (32, 1, 4, 1, False), (16, 4, 8, 1, False)),
-    4: ((16, 2, 4, 4, False), (8, 2, 4, 4, False), (32, 1, 4, 4, False), (32, 1, 4, 16, True)),
-    16: ((32, 1, 4, 16, True), (64, 1, 4, 16, True), (16, 2, 4, 16, True), (16, 1, 4, 8, False)),
+    1: ((16, 2, 4, 1, False), (32, 2, 4, 1, False), (8, 4, 4, 1, False), (32, 1, 4, 1, False), (16, 4, 8, 1, False),
+        (64, 1, 4, 1, False)),
+    4: ((16, 2, 4, 4, False), (32, 1, 4, 4, False), (8, 2, 4, 4, False), (32, 1, 4, 16, True)),
+    16: ((64, 2, 4, 16, True), (32, 1, 4, 16, True), (16, 2, 4, 8, False), (32, 2, 8, 16, True)),
 }
 DTYPES = (torch.bfloat16, torch.float16)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates per row bucket; BLOCK_K is raised to the group size.
