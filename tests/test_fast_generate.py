@@ -35,6 +35,33 @@ def test_static_path_matches_transformers_greedy_on_cpu(name, passes, session, t
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("name,passes", [("tiny:llava", ("int4-kv",)), ("tiny:qwen2-vl", ())])
+def test_chunked_prefill_matches_whole_prefill_on_cpu(name, passes, session, tiny):
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    if passes:
+        opt.apply(*passes)
+    model = opt.model
+    inputs = tiny_inputs(loaded.processor, QUESTIONS)
+    expected = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False).run()
+    generator = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False)
+    generator.prefill_chunk = 5  # several chunks, the last one short
+    calls = []
+    layer = opt.adapter.decoder_layers(model)[0]  # sees every chunk (the chunks call forward, not __call__)
+
+    def record(module, args, kwargs):
+        calls.append((args[0] if args else kwargs["hidden_states"]).shape[1])
+
+    handle = layer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        got = generator.run()
+    finally:
+        handle.remove()
+    assert torch.equal(got, expected)
+    prefill = [n for n in calls if n > 1]
+    assert len(prefill) >= 2 and max(prefill) <= 5, calls  # the prefill really ran in chunks of <= 5 tokens
+
+
 def test_fast_path_refuses_what_it_does_not_do(tiny):
     model = tiny("tiny:llava").model
     inputs = tiny_inputs(tiny("tiny:llava").processor, QUESTIONS)

@@ -170,3 +170,107 @@ def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so
     dst = out_ptr + b * so_b + h * so_h
     tl.store(dst + 2 * rd, oe.to(out_ptr.dtype.element_ty), mask=de)
     tl.store(dst + 2 * rd + 1, oo.to(out_ptr.dtype.element_ty), mask=do)
+
+
+@triton.jit
+def int4_words(c_ptr, rows, t_ok, rw, rs, W):
+    """Values (fp32, ``code - 8``, scale not applied) of int4 code rows read as int32 words: ``[BLOCK_T, W, 8]``.
+
+    Word ``w`` holds channels ``8w .. 8w+7`` (nibble ``s`` = channel ``8w + s``); a nibble becomes a
+    float by OR-ing it into the mantissa of 2^23, which replaces an int-to-float conversion.
+    """
+    words = tl.load(c_ptr + rows[:, None] * W + rw[None, :], mask=t_ok[:, None], other=0)
+    nib = (words[:, :, None] >> (rs * 4)[None, None, :]) & 15
+    return (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
+                        sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
+                        HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_T: tl.constexpr, W: tl.constexpr):
+    """Like :func:`decode_partial` for int4 codes read as int32 words (head_dim = 8 * W, a power of two).
+
+    Partials are stored in natural channel order (``[slot, 8 * W]``) for :func:`decode_combine_natural`.
+    """
+    D: tl.constexpr = 8 * W
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    b = bh // H_KV
+    hk = bh % H_KV
+    length = tl.load(len_ptr)
+    t_begin = split * SPLIT_T
+    t_end = tl.minimum(t_begin + SPLIT_T, length)
+    rg = tl.arange(0, BLOCK_G)
+    g_ok = rg < G
+    heads = hk * G + rg
+    rw, rs = tl.arange(0, W), tl.arange(0, 8)
+    ch = rw[:, None] * 8 + rs[None, :]  # [W, 8] channel index
+    q = tl.load(q_ptr + b * sq_b + heads[:, None, None] * sq_h + ch[None, :, :], mask=g_ok[:, None, None],
+                other=0.0).to(tl.float32)
+    q = q * (tl.load(ks_ptr + hk * D + ch) * qk_scale)[None, :, :]  # K's scale and the softmax scale, once
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    if USE_DOT:
+        q2 = tl.reshape(q, (BLOCK_G, D))
+        acc2 = tl.zeros((BLOCK_G, D), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_G, W, 8), tl.float32)
+    base = bh.to(tl.int64) * TMAX
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        t_ok = rt < t_end
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + b * sm_b + rt, mask=t_ok & (rt < mask_len), other=0)
+            t_ok = t_ok & (keep != 0)
+        k = int4_words(kc_ptr, base + rt, t_ok, rw, rs, W)
+        if USE_DOT:
+            s = tl.dot(q2, tl.trans(tl.reshape(k, (BLOCK_T, D))))
+        else:
+            s = tl.sum(tl.sum(q[:, None, :, :] * k[None, :, :, :], 3), 2)
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = int4_words(vc_ptr, base + rt, t_ok, rw, rs, W)
+        if USE_DOT:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, tl.reshape(v, (BLOCK_T, D)))
+        else:
+            acc = acc * alpha[:, None, None] + tl.sum(p[:, :, None, None] * v[None, :, :, :], 1)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    slot = (b * (H_KV * G) + heads).to(tl.int64) * n_splits + split
+    if USE_DOT:
+        rd = tl.arange(0, D)
+        tl.store(po_ptr + slot[:, None] * D + rd[None, :], acc2 / l_safe[:, None], mask=g_ok[:, None])
+    else:
+        tl.store(po_ptr + slot[:, None, None] * D + ch[None, :, :], acc / l_safe[:, None, None],
+                 mask=g_ok[:, None, None])
+    tl.store(pl_ptr + slot, lse, mask=g_ok)
+
+
+@triton.jit
+def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h,
+                           BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine)."""
+    bh = tl.program_id(0)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // G
+    rs = tl.arange(0, BLOCK_S)
+    s_ok = rs < n_splits
+    lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
+    total = tl.sum(w, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    rd = tl.arange(0, D)
+    rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
+    o = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
+    o = o * tl.load(vs_ptr + hk * D + rd)
+    tl.store(out_ptr + b * so_b + h * so_h + rd, o.to(out_ptr.dtype.element_ty))

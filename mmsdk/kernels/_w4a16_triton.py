@@ -71,3 +71,103 @@ def dequant(w_ptr, s_ptr, z_ptr, out_ptr, N, K_out, KP, stride_zn,
     rk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rn[:, None] * K_out + rk[None, :], tile.to(out_ptr.dtype.element_ty),
              mask=n_ok[:, None] & (rk[None, :] < K_out))
+
+
+@triton.jit
+def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm, stride_zn,
+         GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DOT: tl.constexpr):
+    """``x @ W.T`` over one K split (few rows, decode): fp32 partial at ``out[split]``, or with ``DIRECT``
+    (one split) the finished ``[M, N]`` output with bias, in out's dtype.
+
+    The packed bytes are read as int32 words (8 nibbles, k = 8 * word + nibble in the MatMulNBits
+    layout), ``BLOCK_G`` whole groups per step, so each group's scale is loaded once. A nibble turns
+    into its fp32 value by OR-ing it into the mantissa of 2^23 (no int-to-float conversion). With
+    ``DOT`` the dequantized tile goes to the tensor cores; otherwise each row is a multiply-reduce
+    in registers, with the zero point folded out: ``s * (sum q x - z sum x)``.
+    """
+    WPG: tl.constexpr = GROUP // 8
+    pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_blocks = KW // WPG
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rg, rw, rs = tl.arange(0, BLOCK_G), tl.arange(0, WPG), tl.arange(0, 8)
+    n_ok = rn < N
+    k_in = (rg[:, None, None] * GROUP + rw[None, :, None] * 8 + rs[None, None, :])  # [BG, WPG, 8] within a step
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)  # one row: per-thread partials, reduced once
+    k2 = rg[:, None] * GROUP + rw[None, :] * 8
+    g_begin = split * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, k_blocks)
+    for g0 in range(g_begin, g_end, BLOCK_G):
+        g = g0 + rg
+        g_ok = g < g_end
+        ok2 = n_ok[:, None] & g_ok[None, :]
+        words = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * KW + g[None, :, None] * WPG + rw[None, None, :],
+                        mask=ok2[:, :, None], other=0)
+        s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok2, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok2, other=0)
+            z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N, BLOCK_G), 8.0, tl.float32)
+        if BLOCK_M == 1 and not DOT:
+            # nibble by nibble on the word tile itself: elementwise FMAs only, no cross-thread work per step
+            row = pid_m
+            t3 = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)
+            xs = tl.zeros((BLOCK_G, WPG), dtype=tl.float32)
+            for j in tl.static_range(8):
+                kj = g0 * GROUP + k2 + j
+                xj = tl.load(x_ptr + row * stride_xm + kj, mask=g_ok[:, None] & (kj < K_in), other=0.0).to(tl.float32)
+                qj = (((words >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                t3 += qj * xj[None, :, :]
+                xs += xj
+            acc3 += s[:, :, None] * (t3 - z[:, :, None] * xs[None, :, :])
+        elif DOT:
+            k = g0 * GROUP + k_in
+            x_ok = (g_ok[:, None, None]) & (k < K_in)
+            nib = (words[:, :, :, None] >> (rs * 4)[None, None, None, :]) & 15
+            q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # [BN, BG, WPG, 8], exact 0..15
+            wq = (q - z[:, :, None, None]) * s[:, :, None, None]
+            wt = tl.reshape(wq, (BLOCK_N, BLOCK_G * GROUP)).to(x_ptr.dtype.element_ty)
+            kk = tl.reshape(k, (BLOCK_G * GROUP,))
+            kk_ok = tl.reshape(x_ok, (BLOCK_G * GROUP,))
+            xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm < M)[:, None] & kk_ok[None, :],
+                         other=0.0)
+            acc += tl.dot(xt, tl.trans(wt))
+        else:  # a few rows: the same nibble loop per row, reduced to [BLOCK_N] per step
+            for i in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + i
+                t3 = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)
+                xs = tl.zeros((BLOCK_G, WPG), dtype=tl.float32)
+                for j in tl.static_range(8):
+                    kj = g0 * GROUP + k2 + j
+                    xj = tl.load(x_ptr + row * stride_xm + kj, mask=g_ok[:, None] & (kj < K_in) & (row < M),
+                                 other=0.0).to(tl.float32)
+                    qj = (((words >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    t3 += qj * xj[None, :, :]
+                    xs += xj
+                part = tl.sum(tl.sum(s[:, :, None] * (t3 - z[:, :, None] * xs[None, :, :]), 2), 1)
+                acc = tl.where((tl.arange(0, BLOCK_M) == i)[:, None], acc + part[None, :], acc)
+    if BLOCK_M == 1 and not DOT:
+        acc = tl.sum(tl.sum(acc3, 2), 1)[None, :]
+    dst = out_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & n_ok[None, :])
+    else:
+        tl.store(dst, acc, mask=(rm < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(p_ptr + s * MN + r, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + r % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)

@@ -6,7 +6,9 @@ decoding without padding, it runs:
 1. prefill and the first decode step through the model's own forward (images, token pruning,
    M-RoPE offsets: everything the model and mmsdk's runtimes do stays in charge), into a static
    cache (mmsdk's packed KV layers when a KV-cache pass is installed, else transformers'
-   ``StaticCache``);
+   ``StaticCache``). The language model's prefill runs in chunks of ``PREFILL_CHUNK`` tokens
+   (only the last position's logits are kept), so the prefill's transient activations (attention
+   scores, MLP intermediates) scale with the chunk, not with the whole prompt;
 2. every later step by replaying one CUDA graph that embeds the last token, runs the language model
    and the LM head, takes the argmax and advances the positions, all on the device; the host checks
    for end-of-sequence every ``CHECK_EVERY`` steps.
@@ -28,9 +30,12 @@ from torch import nn
 
 from mmsdk.kernels import note_fallback
 
-__all__ = ["CHECK_EVERY", "install", "unsupported_reason"]
+__all__ = ["CHECK_EVERY", "PREFILL_CHUNK", "install", "unsupported_reason"]
 
 CHECK_EVERY = 16
+PREFILL_CHUNK = 1024
+# language-model tensor arguments whose token axis chunked prefill knows how to cut
+_CHUNKED_TENSORS = {"inputs_embeds", "attention_mask", "position_ids", "cache_position"}
 ATTRIBUTE = "_mmsdk_fast_generate"
 _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
@@ -98,6 +103,37 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return None
 
 
+def _chunked(forward: Any, chunk: int) -> Any:
+    """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens.
+
+    Each chunk writes its K/V into the static cache and attends to everything before it; only the
+    last chunk's hidden states are returned (the caller keeps the last position's logits only).
+    Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        embeds = kwargs.get("inputs_embeds")
+        mask = kwargs.get("attention_mask")
+        unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _CHUNKED_TENSORS]
+        if (args or unknown or not isinstance(embeds, torch.Tensor) or embeds.shape[1] <= chunk
+                or (isinstance(mask, torch.Tensor) and mask.dim() != 2)):
+            return forward(*args, **kwargs)
+        total, out = embeds.shape[1], None
+        for start in range(0, total, chunk):
+            end = min(start + chunk, total)
+            part = dict(kwargs, inputs_embeds=embeds[:, start:end])
+            if isinstance(kwargs.get("position_ids"), torch.Tensor):
+                part["position_ids"] = kwargs["position_ids"][..., start:end]
+            if isinstance(kwargs.get("cache_position"), torch.Tensor):
+                part["cache_position"] = kwargs["cache_position"][start:end]
+            if isinstance(mask, torch.Tensor):
+                part["attention_mask"] = mask[:, :end]
+            out = forward(**part)
+        return out
+
+    return run
+
+
 class _Generator:
     """One fast generate() call: static cache, eager prefill + first step, graph-replayed decode."""
 
@@ -105,6 +141,7 @@ class _Generator:
         self.model, self.adapter, self.graphs = model, adapter, graphs
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.first_position = 0
+        self.prefill_chunk = PREFILL_CHUNK
         self.kwargs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
                                                                      "use_cache", "pad_token_id", "eos_token_id",
                                                                      "min_new_tokens")}
@@ -139,7 +176,12 @@ class _Generator:
             return self.ids
         cache = self._cache(prompt + self.new_tokens + 1)
         mask = self.kwargs.get("attention_mask")
-        out = self.model(**self.kwargs, **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
+        language = self.adapter.language_model(self.model)
+        language.forward = _chunked(language.forward, self.prefill_chunk)  # instance attribute, removed below
+        try:
+            out = self.model(**self.kwargs, **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
+        finally:
+            del language.forward
         tokens = torch.full((batch, self.new_tokens), self.pad, dtype=self.ids.dtype, device=self.ids.device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.ids.device)
         token = self._pick(out.logits[:, -1], finished)

@@ -4,7 +4,13 @@ The layout (see mmsdk/plugins/quantizers/packing.py): ``qweight`` uint8 ``[N, K/
 in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N, ceil(K/G / 2)]``
 (block ``2j`` in the low nibble of byte ``j``; absent means 8). ``w = (q - zero_point) * scale``.
 
-* Few rows (``M <= FUSED_MAX_M``, decode): one fused kernel. Each program owns ``BLOCK_N`` output
+* One row (``M <= GEMV_MAX_M``, batch-1 decode): a split-K GEMV. Each program owns ``BLOCK_N`` output columns
+  and one slice of K, reads the packed bytes as int32 words (8 nibbles each; the MatMulNBits layout
+  is K-contiguous per output row, so these loads coalesce without any reordering), loads each
+  group's scale once and multiplies in registers (or on the tensor cores for more rows); with
+  several K slices a small second kernel sums the fp32 partials. Splitting K keeps enough programs
+  in flight to reach memory bandwidth on a chip with 132 multiprocessors.
+* Up to ``FUSED_MAX_M`` rows: one fused kernel. Each program owns ``BLOCK_N`` output
   columns, walks K in ``BLOCK_K`` steps, dequantizes the even and odd nibbles in registers and
   multiplies them with the even and odd activation columns on the tensor cores. Nothing but the
   packed bytes, the scales and the activations is read; no weight copy exists outside registers.
@@ -25,9 +31,20 @@ import torch
 
 from mmsdk.kernels import interpreting, note_fallback, triton_ready
 
-__all__ = ["FUSED_MAX_M", "dequantize_packed", "int4_linear", "unsupported_reason", "w4a16_matmul"]
+__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "int4_linear", "unsupported_reason", "w4a16_gemv",
+           "w4a16_matmul"]
 
 FUSED_MAX_M = 64
+GEMV_MAX_M = 1  # at 4 and 16 rows the fused kernel below measured faster on an H200
+_TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
+# GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, DOT) candidates per row bucket; the K split count is
+# derived from the shape (about _TARGET_PROGRAMS programs). The first entry is taken without timing.
+_GEMV_CANDIDATES: dict[int, tuple[tuple[int, int, int, int, bool], ...]] = {
+    1: ((16, 2, 4, 1, False), (32, 2, 4, 1, False), (8, 4, 4, 1, False), (32, 1, 4, 1, False), (16, 4, 8, 1, False),
+        (64, 1, 4, 1, False)),
+    4: ((16, 2, 4, 4, False), (32, 1, 4, 4, False), (8, 2, 4, 4, False), (32, 1, 4, 16, True)),
+    16: ((64, 2, 4, 16, True), (32, 1, 4, 16, True), (16, 2, 4, 8, False), (32, 2, 8, 16, True)),
+}
 DTYPES = (torch.bfloat16, torch.float16)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates per row bucket; BLOCK_K is raised to the group size.
 _CANDIDATES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
@@ -67,7 +84,9 @@ def int4_linear(
     flat = x.reshape(-1, in_features)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    if flat.shape[0] <= FUSED_MAX_M:
+    if flat.shape[0] <= GEMV_MAX_M and gemv_ready(qweight):
+        out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias)
+    elif flat.shape[0] <= FUSED_MAX_M:
         out = w4a16_matmul(flat, qweight, scales, zero_points, block_size, bias)
     else:
         weight = dequantize_packed(qweight, scales, zero_points, in_features, block_size, x.dtype)
@@ -102,6 +121,83 @@ def w4a16_matmul(
     return out
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemv_ready(qweight: torch.Tensor) -> bool:
+    """True when the packed bytes can be read as int32 words in place (contiguous, 4-byte aligned)."""
+    return qweight.is_contiguous() and qweight.data_ptr() % 4 == 0 and qweight.shape[-1] % 4 == 0
+
+
+def gemv_splits(n: int, k_blocks: int, block_n: int, block_g: int, target: int = _TARGET_PROGRAMS) -> int:
+    """How many K slices give about ``target`` programs (whole ``block_g`` steps per slice)."""
+    n_blocks = -(-n // block_n)
+    steps = -(-k_blocks // block_g)
+    return max(1, min(steps, -(-target // n_blocks)))
+
+
+def w4a16_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    block_size: int,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, bool] | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
+
+    ``config`` is (BLOCK_N, BLOCK_G groups per step, num_warps, BLOCK_M, DOT); ``splits`` the
+    number of K slices (derived from the shape when None).
+    """
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    if k_in > k_blocks * block_size:
+        raise ValueError(f"x has {k_in} columns but the packed weight holds only {k_blocks * block_size}.")
+    bucket = 1 if m == 1 else (4 if m <= 4 else 16)
+    key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+
+    def launch(cfg: tuple[int, int, int, int, bool]) -> None:
+        _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
+
+    launch(config or _tuned(key, launch, _GEMV_CANDIDATES[bucket], block_size))
+    return out
+
+
+def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: tuple[int, int, int, int, bool],
+                 splits: int | None) -> None:
+    import triton
+
+    block_n, block_g, warps, block_m, dot = cfg
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    block_m = max(16, block_m) if dot else min(block_m, triton.next_power_of_2(m))
+    wanted = splits or gemv_splits(n, k_blocks, block_n, block_g)
+    per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
+    n_splits = -(-k_blocks // per_split)
+    direct = n_splits == 1
+    target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, block_n), n_splits, triton.cdiv(m, block_m))
+    kernels = _kernels()
+    kernels.gemv[grid](
+        x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
+        bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
+        zero_points.stride(0) if zero_points is not None else 0,
+        GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, DOT=dot, num_warps=warps,
+    )
+    if not direct:
+        block = 1024
+        kernels.split_sum[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else target, out, m * n, n, SPLITS=n_splits, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4,
+        )
+
+
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                   bias: torch.Tensor | None, out: torch.Tensor, group: int, block_m: int,
                   cfg: tuple[int, int, int, int]) -> None:
@@ -120,7 +216,9 @@ def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     )
 
 
-def _fit(cfg: tuple[int, int, int, int], group: int) -> tuple[int, int, int, int]:
+def _fit(cfg: tuple[Any, ...], group: int) -> tuple[Any, ...]:
+    if len(cfg) != 4:  # GEMV configs need no fitting
+        return cfg
     block_n, block_k, warps, stages = cfg
     return block_n, max(block_k, group), warps, stages
 
@@ -129,7 +227,7 @@ class _Tuning:
     """Chosen configuration per problem key (one instance per process, created on first use)."""
 
     def __init__(self) -> None:
-        self.chosen: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
+        self.chosen: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
 @cache
@@ -137,8 +235,7 @@ def _tuning() -> _Tuning:
     return _Tuning()
 
 
-def _tuned(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[int, int, int, int], ...],
-           group: int) -> tuple[int, int, int, int]:
+def _tuned(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int) -> Any:
     """The fastest candidate for ``key`` (timed once on CUDA; the first one under the interpreter or a capture)."""
     table = _tuning().chosen
     if key in table:

@@ -1,0 +1,264 @@
+"""Correctness checks and a block-size sweep for the W4A16 GEMV and the int4 KV decode kernels (CUDA).
+
+Random inputs drawn fresh per check; outputs poisoned (NaN) before each run. Times are medians of
+CUDA-graph replays (20 calls per graph, as benchmarks/gpu_suite.py's gbench). Writes JSON after
+every section; stops sweeping when ``--budget`` seconds have passed.
+
+    python benchmarks/gpu_tune.py --out tune.json --budget 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from typing import Any, Callable
+
+import logging
+
+import torch
+
+RESULTS: dict[str, Any] = {}
+
+
+def gtime(fn: Callable[[], Any], calls: int = 20, reps: int = 15) -> float:
+    """Median microseconds of one call of fn, from replays of a CUDA graph of ``calls`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def check_w4a16() -> list[dict[str, Any]]:
+    from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    rows = []
+    cases = [((1, 4096, 4096), True, (16, 2, 4, 1, False), None), ((1, 1000, 4000), False, (8, 4, 4, 1, False), 5),
+             ((3, 4096, 11008), True, (16, 2, 4, 4, False), None), ((16, 4096, 4096), False, (32, 1, 4, 16, True), None),
+             ((16, 512, 4096), True, (16, 1, 4, 8, False), 3), ((7, 300, 1024), True, None, None)]
+    for (m, n, k), sym, cfg, splits in cases:
+        p = quantize_int4(torch.randn(n, k, device="cuda"), 128, symmetric=sym, scale_dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        exp = x.float() @ dequantize_int4(p, torch.float32).T + bias.float()
+        out = w4a16_gemv(x, p.qweight, p.scales, p.zero_points, 128, bias, config=cfg, splits=splits)
+        ok = bool(torch.isfinite(out).all())
+        rows.append({"m": m, "n": n, "k": k, "sym": sym, "cfg": cfg, "splits": splits, "rel_err": rel(out, exp),
+                     "finite": ok})
+        out2 = int4_linear(x, p.qweight, p.scales, p.zero_points, k, 128, bias)
+        rows[-1]["int4_linear_rel_err"] = rel(out2, exp)
+        print(rows[-1], flush=True)
+    return rows
+
+
+def check_kv() -> list[dict[str, Any]]:
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+    from mmsdk.plugins.quantizers.quantized_cache import Packed, StaticCodec
+
+    rows = []
+    for b, hq, hkv, d, tmax, length, masked in ((1, 32, 32, 128, 4096, 4000, False), (2, 28, 4, 128, 3000, 2999, True),
+                                                (3, 8, 2, 64, 777, 700, True), (1, 32, 32, 128, 16384, 16384, False)):
+        scale = torch.rand(hkv, d, device="cuda") * 0.05 + 0.02
+        codec = StaticCodec("int4", scale)
+        kc = codec.encode(torch.randn(b, hkv, tmax, d, device="cuda")).data.contiguous()
+        vc = codec.encode(torch.randn(b, hkv, tmax, d, device="cuda")).data.contiguous()
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        mask = (torch.rand(b, tmax, device="cuda") > 0.3) if masked else None
+        out = decode_attention(q, kc, vc, scale, scale, torch.tensor([length], device="cuda"), "int4", d**-0.5, mask)
+        kd = codec.decode(Packed(kc), torch.float32, d)[:, :, :length]
+        vd = codec.decode(Packed(vc), torch.float32, d)[:, :, :length]
+        rows.append({"b": b, "hq": hq, "hkv": hkv, "d": d, "len": length, "mask": masked,
+                     "rel_err": rel(out, reference_decode_attention(q, kd, vd, d**-0.5, mask)),
+                     "finite": bool(torch.isfinite(out).all())})
+        print(rows[-1], flush=True)
+    return rows
+
+
+SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008), "o_proj": (4096, 4096)}
+
+
+def gemv_space(m: int) -> list[tuple[int, int, int, int, bool]]:
+    if m == 1:
+        return [(bn, bg, w, 1, False) for bn in (8, 16, 32) for bg in (1, 2, 4) for w in (4, 8)
+                if bn * bg <= 64]
+    if m == 4:
+        return [(bn, bg, 4, 4, False) for bn in (8, 16, 32) for bg in (1, 2)] + [(32, 1, 4, 16, True),
+                                                                                 (64, 1, 4, 16, True)]
+    return [(bn, bg, w, 16, True) for bn in (16, 32, 64) for bg in (1, 2) for w in (4, 8)] + [(16, 1, 4, 16, False)]
+
+
+def sweep_w4a16(deadline: float) -> list[dict[str, Any]]:
+    from mmsdk.kernels.w4a16 import gemv_splits, w4a16_gemv
+    from mmsdk.plugins.quantizers.packing import quantize_int4
+
+    rows = []
+    for m in (1, 4, 16):
+        for name, (n, k) in SHAPES.items():
+            p = quantize_int4(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), 128, scale_dtype=torch.bfloat16)
+            dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16 = gtime(lambda: torch.nn.functional.linear(x, dense))
+            best = None
+            for cfg in gemv_space(m):
+                base = gemv_splits(n, k // 128, cfg[0], cfg[1])
+                for splits in sorted({1, max(1, base // 2), base, base * 2}):
+                    if time.perf_counter() > deadline:
+                        break
+                    try:
+                        t = gtime(lambda: w4a16_gemv(x, p.qweight, p.scales, None, 128, None, config=cfg, splits=splits))
+                    except Exception as error:
+                        print("skip", cfg, splits, type(error).__name__, str(error)[:100])
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, cfg, splits)
+            if best is None:
+                continue
+            rows.append({"M": m, "shape": name, "bf16_us": bf16, "best_us": best[0], "cfg": best[1],
+                         "splits": best[2], "speedup": bf16 / best[0]})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def sweep_kv(deadline: float) -> list[dict[str, Any]]:
+    from mmsdk.kernels.kv_decode import decode_attention
+    from mmsdk.plugins.quantizers.quantized_cache import StaticCodec
+
+    rows = []
+    for label, hq, hkv in (("MHA 32/32", 32, 32), ("GQA 28/4", 28, 4)):
+        for ctx in (4096, 16384):
+            d = 128
+            scale = torch.rand(hkv, d, device="cuda") * 0.05 + 0.02
+            codec = StaticCodec("int4", scale)
+            kbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+            vbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+            kc, vc = codec.encode(kbf).data.contiguous(), codec.encode(vbf).data.contiguous()
+            length = torch.tensor([ctx], device="cuda")
+            q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+            sdpa = gtime(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
+            results = []
+            for bt in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    for target in (264, 528, 1056, 2112):
+                        if time.perf_counter() > deadline:
+                            break
+                        cfg = (bt, warps, target)
+                        try:
+                            t = gtime(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5,
+                                                               config=cfg))
+                        except Exception as error:
+                            print("skip", cfg, type(error).__name__, str(error)[:100])
+                            continue
+                        results.append((t, cfg))
+            if not results:
+                continue
+            results.sort()
+            rows.append({"heads": label, "ctx": ctx, "sdpa_us": sdpa, "best_us": results[0][0], "cfg": results[0][1],
+                         "ratio": results[0][0] / sdpa, "top5": results[:5]})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def memory_probe() -> dict[str, Any]:
+    """Which module holds the prefill transient: 2-layer LLaVA-1.5-7B shapes, batch 4 x 4096, whole vs chunked."""
+    import benchmarks.gpu_suite as suite
+    from mmsdk.kernels import fast_generate
+
+    config = suite.llava_config()
+    config.text_config.num_hidden_layers = 2
+    original = suite.llava_config
+    suite.llava_config = lambda: config
+    out: dict[str, Any] = {}
+    try:
+        inputs = suite.llava_inputs(4, 4096, images=True)
+        for chunk in (1 << 20, fast_generate.PREFILL_CHUNK):
+            fast_generate.PREFILL_CHUNK = chunk
+            for label, passes, kv in (("int4-weight", ("int4-weight",), False), ("int4-weight+int4-kv", ("int4-weight",), True)):
+                model = suite.optimized(suite.build_llava(), passes, kv)
+                peaks: dict[str, float] = {}
+                hooks = []
+                lm = model.model.language_model
+                for mod_name, mod in [("vision", model.model.vision_tower), ("projector", model.model.multi_modal_projector),
+                                      ("attn", lm.layers[0].self_attn), ("mlp", lm.layers[0].mlp), ("lm_head", model.lm_head)]:
+                    def pre(module, args, name=mod_name):
+                        torch.cuda.synchronize()
+                        module._base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+
+                    def post(module, args, result, name=mod_name):
+                        torch.cuda.synchronize()
+                        peaks[name] = max(peaks.get(name, 0.0), (torch.cuda.max_memory_allocated() - module._base) / 1e9)
+
+                    hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                with torch.inference_mode():
+                    model.generate(**inputs, max_new_tokens=4, do_sample=False)
+                for h in hooks:
+                    h.remove()
+                for h in hooks:
+                    h.remove()
+                torch.cuda.reset_peak_memory_stats()
+                with torch.inference_mode():
+                    model.generate(**inputs, max_new_tokens=4, do_sample=False)
+                out[f"{label} chunk={chunk}"] = {"module_transient_GB": peaks, "weights_GB": base / 1e9,
+                                                  "peak_GB": torch.cuda.max_memory_allocated() / 1e9}
+                print(label, chunk, out[f"{label} chunk={chunk}"], flush=True)
+                del model
+                torch.cuda.empty_cache()
+    finally:
+        suite.llava_config = original
+        fast_generate.PREFILL_CHUNK = 1024
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="tune.json")
+    parser.add_argument("--budget", type=float, default=120.0)
+    parser.add_argument("--sections", default="check_w4a16,check_kv,sweep_w4a16,sweep_kv,memory_probe")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)  # the kernels log when a fallback runs instead
+    start = time.perf_counter()
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            if name.startswith("sweep"):
+                share = args.budget * (0.65 if name == "sweep_w4a16" else 1.0)
+                RESULTS[name] = globals()[name](min(start + args.budget, t0 + share))
+            else:
+                RESULTS[name] = globals()[name]()
+        except Exception as error:
+            traceback.print_exc()
+            RESULTS[name] = {"error": repr(error)[:1000]}
+        RESULTS.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+        print(f"== {name} {time.perf_counter() - t0:.1f}s", flush=True)
+    for row in RESULTS.get("sweep_w4a16", []) if isinstance(RESULTS.get("sweep_w4a16"), list) else []:
+        print(f"W4 M={row['M']:2d} {row['shape']:8s} bf16 {row['bf16_us']:6.1f} us  best {row['best_us']:6.1f} us "
+              f"{row['speedup']:.2f}x  {row['cfg']} splits={row['splits']}")
+    for row in RESULTS.get("sweep_kv", []) if isinstance(RESULTS.get("sweep_kv"), list) else []:
+        print(f"KV {row['heads']} {row['ctx']} sdpa {row['sdpa_us']:.1f} us best {row['best_us']:.1f} us "
+              f"ratio {row['ratio']:.2f} {row['cfg']}")
+
+
+if __name__ == "__main__":
+    main()
