@@ -89,7 +89,8 @@ def test_only_text_to_image_entries_are_dropped(session, tiny):
     layouts = sparse_layouts(opt.model)
     assert set(layouts) == {f"model.language_model.layers.{i}.self_attn.sparse_xattn" for i in range(2)}
     keep = opt.model.model.language_model.layers[0].self_attn.sparse_xattn.last_keep
-    first_text_block_after_image = (int(image[0].nonzero().max()) + 1) // 4
+    start = int(inputs["attention_mask"][0].argmax())  # row 0 is left padded: its blocks count from here
+    first_text_block_after_image = (int(image[0].nonzero().max()) + 1 - start) // 4
     assert keep.shape[0] == 2 and keep[0, first_text_block_after_image + 1].sum() >= 1
 
 
