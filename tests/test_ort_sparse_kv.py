@@ -34,9 +34,9 @@ def _layout_session(rule, kv):
     g = GraphBuilder("layout", modality="text", stage="decoder")
     declare_image_key_state(g, (0,), KV_HEADS, DIM)
     q, k = g.input("q", 1, ["b", HEADS, "s", DIM]), g.input("k", 1, ["b", KV_HEADS, "s", DIM])
-    rows, cols = g.input("rows", 9, ["b", "s"]), g.input("cols", 9, ["b", "t"])
-    sums = image_key_sums(g, k, cols, kv, 0, rule, KV_HEADS, DIM)
-    dropped = dropped_from_key_sums(g, q, repeat_kv_heads(g, sums, HEADS, KV_HEADS, DIM), rows, cols, rule)
+    rows, cols, starts = g.input("rows", 9, ["b", "s"]), g.input("cols", 9, ["b", "t"]), g.input("starts", 7, ["b"])
+    sums = image_key_sums(g, k, cols, starts, kv, 0, rule, KV_HEADS, DIM)
+    dropped = dropped_from_key_sums(g, q, repeat_kv_heads(g, sums, HEADS, KV_HEADS, DIM), rows, cols, starts, rule)
     g.output(dropped, "dropped", 9, None)
     return ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"]), N
 
@@ -59,6 +59,7 @@ def test_carried_key_sums_give_the_pass_layout_on_the_cached_keys(bits, per_chan
     prompt, batch = 29, 2
     image = np.zeros((batch, prompt + 3), bool)
     image[0, 5:19], image[1, 9:22] = True, True  # rows differ, as left padding makes them
+    starts = np.array([0, 3], np.int64)  # row 1 has 3 padding tokens: its block grid starts at position 3
     past, cached = np.zeros((batch, KV_HEADS, 0, DIM), np.float32), torch.zeros(batch, KV_HEADS, 0, DIM)
     for start, length in ((0, prompt), (prompt, 1), (prompt + 1, 2)):  # prefill, then decode calls
         end = start + length
@@ -66,16 +67,19 @@ def test_carried_key_sums_give_the_pass_layout_on_the_cached_keys(bits, per_chan
         k = (rng.randn(batch, KV_HEADS, length, DIM) * 1.2).astype(np.float32)
         rows, cols = ~image[:, start:end], image[:, :end]
         dropped, past = session.run(["dropped", names.present_image_key_sums(0)],
-                                    {"q": q, "k": k, "rows": rows, "cols": cols, names.past_image_key_sums(0): past})
+                                    {"q": q, "k": k, "rows": rows, "cols": cols, "starts": starts,
+                                     names.past_image_key_sums(0): past})
         stored = codec.decode(codec.encode(torch.tensor(k)), torch.float32, DIM)
         keys = torch.cat([cached, torch.tensor(k) if exact_new else stored], dim=2)  # what the torch cache returns
         cached = torch.cat([cached, stored], dim=2)
         layout = block_sparse.block_layout(torch.tensor(q), keys, torch.tensor(rows), torch.tensor(cols),
-                                           block=rule.block, density=rule.density, causal=True)
+                                           block=rule.block, density=rule.density, causal=True,
+                                           starts=torch.tensor(starts))
         want = block_sparse.drop_mask(layout, torch.tensor(rows), torch.tensor(cols)).numpy()
         assert want.any()  # the rule drops something, so a wrong ranking would show
         assert np.array_equal(dropped, want), (start, length)
-    assert past.shape[2] == 6  # blocks up to the last image key (position 21, block 5), not growing with text
+    # blocks up to the last image key of its row's grid (row 1: position 21 - 3 = 18, block 4), not growing with text
+    assert past.shape[2] == 5
 
 
 # (model, sparse-xattn block size or None for the one-liner's defaults, drops entries). Measured relative
