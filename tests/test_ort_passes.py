@@ -113,6 +113,16 @@ def test_inexpressible_combinations_are_refused_before_writing(name, passes, mes
     assert not (tmp_path / "out").exists()
 
 
+def test_exact_prefill_attention_is_refused(tmp_path):
+    """GQA always attends to the quantized cache: with "exact" ORT's tokens left torch's at step 3 (tiny:qwen2-vl)."""
+    config = _config("int4-kv", prefill_attention="exact")
+    opt = _optimizer("tiny:qwen2-vl", "int4-kv").apply(config)
+    with pytest.raises(IncompatiblePassError, match="prefill_attention='exact'") as error:
+        opt.export("onnxruntime", tmp_path / "out")
+    assert "prefill_attention='quantized'" in error.value.fix and "'torch' backend" in error.value.fix
+    assert not (tmp_path / "out").exists()
+
+
 def test_fastv_is_refused(tmp_path):
     config = _config("token-prune", strategy="fastv")
     opt = _optimizer("tiny:llava", "token-prune").apply(config)

@@ -2,13 +2,13 @@
 
 sparse-xattn ranks image-key blocks by their mean key. With int4-kv / int8-kv the torch model
 ranks with the keys its quantized cache returns, i.e. quantized and dequantized (K after RoPE,
-``clamp(rint(k / k_scale)) * k_scale``, from the first forward on; with
-``prefill_attention="exact"`` a forward's own keys are read in float and earlier ones
-dequantized). In ONNX the cached keys live packed inside GroupQueryAttention, but the ranking only
+``clamp(rint(k / k_scale)) * k_scale``, from the first forward on; ``prefill_attention="exact"``,
+which reads a forward's own keys in float, is refused at export). In ONNX the cached keys live packed inside GroupQueryAttention, but the ranking only
 needs per-block sums of the image keys, so the decoder keeps those in float32 as one more
 past/present pair per layer (``past_key_values.{i}.image_key_sums`` ->
 ``present.{i}.image_key_sums``, [B, kv_heads, blocks, head_dim]): each call quantizes and
-dequantizes its new keys exactly as the cache does and adds the image ones to their blocks. The
+dequantizes its new keys exactly as the cache does and adds the image ones to their blocks (of the
+row's own grid, which starts at its first real token, as in the pass). The
 state covers the blocks up to the last image key, so it stops growing once the prompt is in (new
 tokens are text): for a 576-token image with 16-token blocks, 37 blocks per layer.
 """
@@ -92,7 +92,4 @@ def image_key_sums(g: GraphBuilder, k_new: str, image_cols: str, starts: str, kv
         carried = pad_blocks(g, past, blocks, "past")
         stored = g.op("MatMul", [spread, _dequantized(g, k_new, kv, index, kv_heads, dim)])
         present = g.op("Add", [carried, stored], hint="present")
-        g.output(present, N.present_image_key_sums(index), FLOAT, [N.BATCH, kv_heads, BLOCKS_PRESENT, dim])
-        if not kv.exact_new:
-            return N.present_image_key_sums(index)
-        return g.op("Add", [carried, g.op("MatMul", [spread, k_new])], hint="ranked")
+        return g.output(present, N.present_image_key_sums(index), FLOAT, [N.BATCH, kv_heads, BLOCKS_PRESENT, dim])
