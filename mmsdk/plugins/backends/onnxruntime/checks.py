@@ -40,7 +40,8 @@ PASS_SUPPORT: dict[str, str] = {
     "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
     "token-merge": "the same merge runs in vision.onnx, which outputs the merged features and their slots; "
     "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
-    "sparse-xattn": "the block layout is computed in the decoder graph on every call (pooled q.k, TopK) and folded "
+    "sparse-xattn": "the block layout is computed in the decoder graph on every call (pooled q.k, TopK; each row's "
+    "block grid starts at its first real token, as in the pass) and folded "
     "into the attention bias of GroupQueryAttention (self) or MultiHeadAttention (cross); with int4-kv / int8-kv "
     "on self-attention, the image keys' block sums (quantized and dequantized as the cache stores them) are "
     "carried between calls (past_key_values.{i}.image_key_sums -> present.{i}.image_key_sums), so the ranking "

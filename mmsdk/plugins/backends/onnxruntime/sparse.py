@@ -3,7 +3,8 @@
 The pass ranks, per text-query block, the visible image-key blocks by mean-pooled q.k (head mean)
 and keeps the top ``ceil(density * visible)``; only text-row x image-column entries are dropped.
 The layout depends on the input, so it is computed in-graph from the same q and k (after RoPE;
-self-attention keys include the cache) and folded into the attention's additive bias:
+self-attention keys include the cache), on each row's own block grid (it starts at the row's
+first real token, from ``attention_mask``, as in the pass), and folded into the attention's additive bias:
 GroupQueryAttention's ``attention_bias`` for LLaVA/Qwen-VL self-attention, MultiHeadAttention's
 for Flamingo cross-attention. ORT's SparseAttention was measured faster on CPU for a fixed
 layout (docs/benchmarks.md) but takes neither a per-call layout computed in the graph together
