@@ -119,7 +119,8 @@ def main() -> None:
         f"| {key} | " + " | ".join(f"{row[c]:.1%}" if isinstance(row[c], float) else str(row[c]) for c in columns)
         + " |" for key, row in rows.items())
     table += (f"\n\n{len(examples)} held-out digits questions, greedy, first word scored; default configs "
-              "(sparse-xattn: block 16, density 0.5), exported with `export()` defaults; batch 32 rows are left padded.")
+              "(sparse-xattn: block 16, density 0.5), exported with `export()` defaults; batch 32 rows are "
+              "left padded.")
     print(table)
     write_results("ort_sparse_kv_digits", results, table, args.markdown)
 

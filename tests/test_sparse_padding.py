@@ -76,5 +76,5 @@ def test_ort_answers_do_not_depend_on_the_batch(name, int4_kv, tmp_path):
     for i in (0, 2):
         alone_tokens, alone_logits = ort_greedy_with_logits(tmp_path / "out", [images[i]], (QUESTIONS[i],), STEPS)
         assert alone_tokens[0] == tokens[i]
-        error = max(float((a[0] - b[i]).abs().max()) for a, b in zip(alone_logits, logits))
+        error = max(float((a[0] - b[i]).abs().max()) for a, b in zip(alone_logits, logits, strict=True))
         assert error < TOLERANCE, (i, error)

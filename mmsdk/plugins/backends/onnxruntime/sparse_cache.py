@@ -3,14 +3,14 @@
 sparse-xattn ranks image-key blocks by their mean key. With int4-kv / int8-kv the torch model
 ranks with the keys its quantized cache returns, i.e. quantized and dequantized (K after RoPE,
 ``clamp(rint(k / k_scale)) * k_scale``, from the first forward on; ``prefill_attention="exact"``,
-which reads a forward's own keys in float, is refused at export). In ONNX the cached keys live packed inside GroupQueryAttention, but the ranking only
-needs per-block sums of the image keys, so the decoder keeps those in float32 as one more
-past/present pair per layer (``past_key_values.{i}.image_key_sums`` ->
-``present.{i}.image_key_sums``, [B, kv_heads, blocks, head_dim]): each call quantizes and
-dequantizes its new keys exactly as the cache does and adds the image ones to their blocks (of the
-row's own grid, which starts at its first real token, as in the pass). The
-state covers the blocks up to the last image key, so it stops growing once the prompt is in (new
-tokens are text): for a 576-token image with 16-token blocks, 37 blocks per layer.
+which reads a forward's own keys in float, is refused at export). In ONNX the cached keys live
+packed inside GroupQueryAttention, but the ranking only needs per-block sums of the image keys, so
+the decoder keeps those in float32 as one more past/present pair per layer
+(``past_key_values.{i}.image_key_sums`` -> ``present.{i}.image_key_sums``, [B, kv_heads, blocks,
+head_dim]): each call quantizes and dequantizes its new keys exactly as the cache does and adds the
+image ones to their blocks (of the row's own grid, which starts at its first real token, as in the
+pass). The state covers the blocks up to the last image key, so it stops growing once the prompt
+is in (new tokens are text): for a 576-token image with 16-token blocks, 37 blocks per layer.
 """
 
 from __future__ import annotations
