@@ -38,3 +38,20 @@ def torch_greedy(opt: Optimizer, images: list[Any], questions: tuple[str, ...], 
 
 def images(count: int = 2) -> list[Any]:
     return [sample_image(seed) for seed in range(count)]
+
+
+def ort_greedy_with_logits(folder: Path, images: list[Any], questions: tuple[str, ...],
+                           steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens and each step's last-token logits [B, vocab] from an exported folder."""
+    import mmsdk
+    from mmsdk.runtime.generation import decode
+
+    pipe = mmsdk.load(folder)
+    prepared = pipe.prepare(images, list(questions), steps)
+    seen: list[torch.Tensor] = []
+
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        seen.append(logits.float().clone())
+        return logits.argmax(-1)
+
+    return decode(pipe, prepared, pipe.encode(prepared), greedy).tokens, seen

@@ -113,6 +113,16 @@ def test_inexpressible_combinations_are_refused_before_writing(name, passes, mes
     assert not (tmp_path / "out").exists()
 
 
+def test_exact_prefill_attention_is_refused(tmp_path):
+    """GQA always attends to the quantized cache: with "exact" ORT's tokens left torch's at step 3 (tiny:qwen2-vl)."""
+    config = _config("int4-kv", prefill_attention="exact")
+    opt = _optimizer("tiny:qwen2-vl", "int4-kv").apply(config)
+    with pytest.raises(IncompatiblePassError, match="prefill_attention='exact'") as error:
+        opt.export("onnxruntime", tmp_path / "out")
+    assert "prefill_attention='quantized'" in error.value.fix and "'torch' backend" in error.value.fix
+    assert not (tmp_path / "out").exists()
+
+
 def test_fastv_is_refused(tmp_path):
     config = _config("token-prune", strategy="fastv")
     opt = _optimizer("tiny:llava", "token-prune").apply(config)
@@ -133,7 +143,7 @@ def test_sparse_layout_in_the_graph_is_the_pass_rule(kind, queries, keys, block,
 
     g = GraphBuilder("layout", modality="text", stage="decoder")
     inputs = [g.input("q", 1, ["b", 4, "s", 8]), g.input("k", 1, ["b", 4, "t", 8]), g.input("rows", 9, ["b", "s"]),
-              g.input("cols", 9, ["b", "t"])]
+              g.input("cols", 9, ["b", "t"]), g.input("starts", 7, ["b"])]
     g.output(dropped_entries(g, *inputs, SparseRule(block, density, kind)), "dropped", 9, None)
     session = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.RandomState(0)
@@ -141,7 +151,9 @@ def test_sparse_layout_in_the_graph_is_the_pass_rule(kind, queries, keys, block,
     image = np.zeros((2, keys), bool)
     image[:, 5:20] = True
     rows, cols = (~image[:, keys - queries:], image) if kind == "self" else (np.ones((2, queries), bool), np.ones((2, keys), bool))
-    got = session.run(None, {"q": q, "k": k, "rows": rows, "cols": cols})[0]
+    starts = np.array([0, 3], np.int64)  # row 1 has 3 padding tokens: its grid starts 3 later
+    got = session.run(None, {"q": q, "k": k, "rows": rows, "cols": cols, "starts": starts})[0]
     layout = block_sparse.block_layout(torch.tensor(q), torch.tensor(k), torch.tensor(rows), torch.tensor(cols),
-                                       block=block, density=density, causal=kind == "self")
+                                       block=block, density=density, causal=kind == "self",
+                                       starts=torch.tensor(starts))
     assert np.array_equal(got, block_sparse.drop_mask(layout, torch.tensor(rows), torch.tensor(cols)).numpy())

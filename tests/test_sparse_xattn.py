@@ -52,6 +52,15 @@ def test_block_rule_matches_a_brute_force_version():
         assert torch.equal(layout.keep[0], _brute_force_keep(q[0], k[0], text[0], image[0], 4, density))
     dropped = drop_mask(layout, text, image)
     assert not dropped[0, 0, :, ~image[0]].any() and not dropped[0, 0, image[0]].any()  # only text x image
+    # the same row behind 3 padding tokens (any values, marked as text) gets the same blocks and mask
+    pad = 3
+    padded_q, padded_k = torch.cat([torch.randn(1, 2, pad, 8), q], 2), torch.cat([torch.randn(1, 2, pad, 8), k], 2)
+    padded_image = torch.cat([torch.zeros(1, pad, dtype=torch.bool), image], 1)
+    shifted = block_layout(padded_q, padded_k, ~padded_image, padded_image, block=4, density=density, causal=True,
+                           starts=torch.tensor([pad]))
+    assert torch.equal(shifted.keep[0, : layout.keep.shape[1], : layout.keep.shape[2]], layout.keep[0])
+    assert shifted.kept == layout.kept and shifted.candidates == layout.candidates  # nothing in further blocks
+    assert torch.equal(drop_mask(shifted, ~padded_image, padded_image)[..., pad:, pad:], dropped)
     csr = layout_csr(layout.keep[0])
     assert csr["block_row_indices"][-1] == len(csr["block_col_indices"]) == int(layout.keep[0].sum())
 
@@ -89,7 +98,8 @@ def test_only_text_to_image_entries_are_dropped(session, tiny):
     layouts = sparse_layouts(opt.model)
     assert set(layouts) == {f"model.language_model.layers.{i}.self_attn.sparse_xattn" for i in range(2)}
     keep = opt.model.model.language_model.layers[0].self_attn.sparse_xattn.last_keep
-    first_text_block_after_image = (int(image[0].nonzero().max()) + 1) // 4
+    start = int(inputs["attention_mask"][0].argmax())  # row 0 is left padded: its blocks count from here
+    first_text_block_after_image = (int(image[0].nonzero().max()) + 1 - start) // 4
     assert keep.shape[0] == 2 and keep[0, first_text_block_after_image + 1].sum() >= 1
 
 

@@ -57,6 +57,7 @@ class Call:
     kwargs: Mapping[str, Any]
     has_images: bool
     query_image_mask: torch.Tensor | None = None  # [B, Lq] of what the language model runs now
+    language_mask: torch.Tensor | None = None  # the mask the language model gets (compacted, translated)
 
 
 @dataclass
@@ -157,6 +158,7 @@ class ModelRuntime:
         if comp is not None and cache is not None and comp.cache() is cache and _cache_length(cache) > 0:
             self._translate(kwargs, comp, cache, embeds)
         call.query_image_mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        call.language_mask = kwargs.get("attention_mask")
         return original(*args, **kwargs)
 
     def _image_mask(self, call: Call, embeds: torch.Tensor) -> torch.Tensor | None:
@@ -190,11 +192,13 @@ class ModelRuntime:
             positions = torch.arange(length, device=embeds.device).expand(batch, length)
         if not self.reducers:
             call.query_image_mask = image_mask
+            call.language_mask = kwargs.get("attention_mask")
             self.prefill_image_mask = image_mask
             return original(*args, **kwargs)
         plan = _compact(embeds, image_mask, mask2d, positions, self.reducers, self.current_scores())
         kwargs.update(inputs_embeds=plan.embeds, attention_mask=plan.mask, position_ids=plan.positions)
         call.query_image_mask = plan.image_mask
+        call.language_mask = plan.mask
         self.prefill_image_mask = plan.image_mask
         output = original(*args, **kwargs)
         filled = cache if cache is not None else _output_cache(output)

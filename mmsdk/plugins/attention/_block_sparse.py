@@ -1,12 +1,14 @@
 """Block-sparse text-to-image attention masks: which image-key blocks each text-query block keeps.
 
-The sequence is cut into a fixed grid of ``block`` tokens (for queries and keys alike, as
-FlexAttention and ONNX Runtime's SparseAttention index blocks). For every query block holding
-text rows, image-key blocks are ranked by pooled similarity (mean query of the block's text rows
-against mean key of the block's image columns, per head, averaged over heads) and the top
-``ceil(density * visible)`` survive; visible means not entirely in the query block's future.
-Only text-row x image-column entries are ever dropped: image rows and text columns keep the
-model's own mask.
+Each row is cut into a grid of ``block`` tokens (for queries and keys alike) that starts at the
+row's first real token, so left padding shifts nothing: a prompt gets the same blocks, and the
+same layout, alone or inside a padded batch. (Cross-attention keys are image states, never
+padded: their grid starts at the first state; the query grid starts at the call's first real
+query.) For every query block holding text rows, image-key blocks are ranked by pooled
+similarity (mean query of the block's text rows against mean key of the block's image columns,
+per head, averaged over heads) and the top ``ceil(density * visible)`` survive; visible means not
+entirely in the query block's future. Only text-row x image-column entries are ever dropped:
+image rows, text columns and padding keep the model's own mask.
 """
 
 from __future__ import annotations
@@ -20,11 +22,17 @@ __all__ = ["BlockLayout", "block_layout", "drop_mask", "combine_mask", "layout_c
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Kept image-key blocks per text-query block: ``keep`` [B, query blocks, key blocks] (bool)."""
+    """Kept image-key blocks per text-query block: ``keep`` [B, query blocks, key blocks] (bool).
+
+    Block ``i`` of row ``b`` covers the row's tokens ``i * block`` .. ``(i + 1) * block - 1``
+    counted from its first real token; ``q_ids`` [B, Lq] / ``k_ids`` [B, Lk] give every query /
+    key its block (-1 before the row's first real token: padding, in no block).
+    """
 
     keep: torch.Tensor
     block: int
-    q_offset: int
+    q_ids: torch.Tensor
+    k_ids: torch.Tensor
     candidates: int  # (query block, image-key block) pairs that could be kept
     kept: int
 
@@ -35,32 +43,49 @@ class BlockLayout:
 
 
 def _block_means(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
-    """Weighted mean of x [B, H, L, d] over each block of the L axis -> [B, H, count, d], weights [B, count]."""
+    """Weighted mean of x [B, H, L, d] over each row's blocks (ids [B, L], >= 0) -> [B, H, count, d], [B, count]."""
+    batch, heads, length, dim = x.shape
     w = weight.to(x.dtype)
-    sums = x.new_zeros(x.shape[0], x.shape[1], count, x.shape[-1])
-    sums.index_add_(2, ids, x * w[:, None, :, None])
-    totals = w.new_zeros(w.shape[0], count).index_add_(1, ids, w)
+    flat = (ids + torch.arange(batch, device=ids.device)[:, None] * count).reshape(-1)  # row b's blocks: b*count..
+    weighted = (x * w[:, None, :, None]).transpose(0, 1).reshape(heads, batch * length, dim)
+    sums = x.new_zeros(heads, batch * count, dim).index_add_(1, flat, weighted)
+    sums = sums.reshape(heads, batch, count, dim).transpose(0, 1)
+    totals = w.new_zeros(batch * count).index_add_(0, flat, w.reshape(-1)).reshape(batch, count)
     return sums / totals.clamp(min=1)[:, None, :, None], totals
+
+
+def _positions(length: int, offset: int, starts: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+    """[B, length]: each entry's position counted from its row's first real token (negative for padding)."""
+    positions = torch.arange(length, device=device) + offset
+    shift = starts.to(device)[:, None] if starts is not None else torch.zeros(batch, 1, dtype=torch.long, device=device)
+    return positions[None, :] - shift
 
 
 @torch.no_grad()
 def block_layout(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, image_cols: torch.Tensor, *,
-                 block: int, density: float, causal: bool) -> BlockLayout:
-    """Choose the kept image-key blocks for q [B, H, Lq, d] and k [B, Hkv, Lk, d]."""
+                 block: int, density: float, causal: bool, starts: torch.Tensor | None = None) -> BlockLayout:
+    """Choose the kept image-key blocks for q [B, H, Lq, d] and k [B, Hkv, Lk, d].
+
+    ``starts`` [B]: index of each row's first real token, on the key axis for self-attention
+    (``causal``: the queries are the last Lq keys) and on the query axis for cross-attention
+    (whose keys are never padded); None means no row is padded.
+    """
     batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
     q_offset = k_len - q_len if causal else 0
-    q_ids = (torch.arange(q_len, device=q.device) + q_offset) // block
-    k_ids = torch.arange(k_len, device=q.device) // block
-    nq, nk = int(q_ids[-1]) + 1, int(k_ids[-1]) + 1
-    q_mean, q_rows = _block_means(q.float(), text_rows, q_ids, nq)
-    k_mean, k_cols = _block_means(k.float(), image_cols, k_ids, nk)
+    q_pos = _positions(q_len, q_offset, starts, batch, q.device)
+    k_pos = _positions(k_len, 0, starts if causal else None, batch, q.device)
+    q_ids, k_ids = torch.div(q_pos, block, rounding_mode="floor"), torch.div(k_pos, block, rounding_mode="floor")
+    nq, nk = (q_offset + q_len - 1) // block + 1, (k_len - 1) // block + 1
+    q_mean, q_rows = _block_means(q.float(), text_rows & (q_pos >= 0), q_ids.clamp(min=0), nq)
+    k_mean, k_cols = _block_means(k.float(), image_cols & (k_pos >= 0), k_ids.clamp(min=0), nk)
     k_mean = k_mean.repeat_interleave(heads // k.shape[1], dim=1)
     scores = (q_mean @ k_mean.transpose(-1, -2)).mean(dim=1)  # [B, nq, nk]
     valid = (q_rows[:, :, None] > 0) & (k_cols[:, None, :] > 0)
-    if causal:
-        last_row = torch.clamp((torch.arange(nq, device=q.device) + 1) * block - 1, max=q_offset + q_len - 1)
-        valid &= (torch.arange(nk, device=q.device) * block)[None, None, :] <= last_row[None, :, None]
+    if causal:  # a key block is visible if it starts at or before the query block's last row
+        ends = ((torch.arange(nq, device=q.device) + 1) * block - 1)[None, :]
+        last_row = torch.minimum(ends, q_pos[:, -1:])  # [B, nq]
+        valid &= (torch.arange(nk, device=q.device) * block)[None, None, :] <= last_row[:, :, None]
     counts = valid.sum(dim=-1)
     want = torch.ceil(counts.float() * density).long().clamp(min=1)
     want = torch.where(counts > 0, want, torch.zeros_like(want))
@@ -68,16 +93,17 @@ def block_layout(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, imag
     rank = torch.empty_like(ranked)
     rank.scatter_(-1, ranked, torch.arange(nk, device=q.device).expand_as(ranked))
     keep = valid & (rank < want[..., None])
-    return BlockLayout(keep, block, q_offset, int(valid.sum()), int(keep.sum()))
+    return BlockLayout(keep, block, q_ids, k_ids, int(valid.sum()), int(keep.sum()))
 
 
 def drop_mask(layout: BlockLayout, text_rows: torch.Tensor, image_cols: torch.Tensor) -> torch.Tensor:
     """[B, 1, Lq, Lk] True where a text row must not see an image column."""
-    q_len, k_len = text_rows.shape[1], image_cols.shape[1]
-    q_ids = (torch.arange(q_len, device=text_rows.device) + layout.q_offset) // layout.block
-    k_ids = torch.arange(k_len, device=text_rows.device) // layout.block
-    kept = layout.keep[:, q_ids][:, :, k_ids]  # [B, Lq, Lk]
-    return (text_rows[:, :, None] & image_cols[:, None, :] & ~kept)[:, None]
+    q_ids, k_ids = layout.q_ids, layout.k_ids
+    nk = layout.keep.shape[2]
+    per_row = layout.keep.gather(1, q_ids.clamp(min=0)[:, :, None].expand(-1, -1, nk))  # [B, Lq, nk]
+    kept = per_row.gather(2, k_ids.clamp(min=0)[:, None, :].expand(-1, q_ids.shape[1], -1))  # [B, Lq, Lk]
+    rows, cols = text_rows & (q_ids >= 0), image_cols & (k_ids >= 0)
+    return (rows[:, :, None] & cols[:, None, :] & ~kept)[:, None]
 
 
 def combine_mask(mask: torch.Tensor | None, dropped: torch.Tensor, *, causal: bool, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,9 @@ from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowe
 
 __all__ = ["SparseXAttnConfig", "BlockSparseSpec", "apply_sparse_xattn", "flex_available"]
 
+# (text rows [B, Lq], image columns [B, Lk], index of each row's first real token [B] or None)
+_Rows = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
 
 class SparseXAttnConfig(PassConfig):
     """Block size, how many image-key blocks survive, and which kernel runs them."""
@@ -89,7 +92,7 @@ def _flex_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torc
 class _SparseInterface:
     """Stands in for transformers' attention-function registry inside one attention module's forward."""
 
-    def __init__(self, real: Any, spec: BlockSparseSpec, masks: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, real: Any, spec: BlockSparseSpec, masks: Callable[..., _Rows]):
         self.real = real
         self.spec = spec
         self.masks = masks
@@ -108,11 +111,12 @@ class _SparseInterface:
 
         def sparse(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
                    *args: Any, **kwargs: Any) -> Any:
-            text_rows, image_cols = self.masks(q, k)
+            text_rows, image_cols, starts = self.masks(q, k)
             if not bool(text_rows.any()) or not bool(image_cols.any()):
                 return attention(module, q, k, v, mask, *args, **kwargs)
             causal = spec.kind == "self"
-            layout = block_layout(q, k, text_rows, image_cols, block=spec.block, density=spec.density, causal=causal)
+            layout = block_layout(q, k, text_rows, image_cols, block=spec.block, density=spec.density, causal=causal,
+                                  starts=starts)
             dropped = drop_mask(layout, text_rows, image_cols)
             given = mask if isinstance(mask, torch.Tensor) else None
             allowed = combine_mask(given, dropped, causal=causal, dtype=q.dtype)
@@ -132,23 +136,49 @@ class _SparseInterface:
         return sparse
 
 
-def _inline_masks(runtime: ModelRuntime) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    def masks(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_real(mask: Any, length: int, batch: int, device: torch.device) -> torch.Tensor | None:
+    """[B] index of each row's first real token in the last ``length`` columns of a 2-D mask (None: unknown)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < length:
+        return None
+    real = mask[:, mask.shape[1] - length:].to(device) != 0
+    return real.int().argmax(dim=1)  # first real column (left padding); 0 for a row with none
+
+
+def _real_rows(starts: torch.Tensor | None, length: int, batch: int, device: torch.device) -> torch.Tensor:
+    """[B, length] True from each row's first real token on."""
+    if starts is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    return torch.arange(length, device=device)[None, :] >= starts[:, None]
+
+
+def _inline_masks(runtime: ModelRuntime) -> Callable[[torch.Tensor, torch.Tensor], _Rows]:
+    """Text rows, image columns and row starts of self-attention, from the language model's call."""
+
+    def masks(q: torch.Tensor, k: torch.Tensor) -> _Rows:
         batch, q_len, k_len = q.shape[0], q.shape[2], k.shape[2]
         call = runtime.call
         query_images = call.query_image_mask if call is not None else None
         if query_images is None or query_images.shape != (batch, q_len):
             empty = torch.zeros(batch, q_len, dtype=torch.bool, device=q.device)
-            return empty, torch.zeros(batch, k_len, dtype=torch.bool, device=q.device)
-        return ~query_images.to(q.device), runtime.key_image_mask(k_len, batch, q.device)
+            return empty, torch.zeros(batch, k_len, dtype=torch.bool, device=q.device), None
+        starts = _first_real(call.language_mask if call is not None else None, k_len, batch, q.device)
+        real = _real_rows(starts, k_len, batch, q.device)[:, k_len - q_len:]
+        return ~query_images.to(q.device) & real, runtime.key_image_mask(k_len, batch, q.device), starts
 
     return masks
 
 
-def _cross_masks(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ones = torch.ones
-    return (ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device),
-            ones(q.shape[0], k.shape[2], dtype=torch.bool, device=q.device))
+def _cross_masks(runtime: ModelRuntime) -> Callable[[torch.Tensor, torch.Tensor], _Rows]:
+    """Cross-attention: every real query row is text, every key an image state (never padded)."""
+
+    def masks(q: torch.Tensor, k: torch.Tensor) -> _Rows:
+        batch, q_len = q.shape[0], q.shape[2]
+        call = runtime.call
+        starts = _first_real(call.attention_mask if call is not None else None, q_len, batch, q.device)
+        return (_real_rows(starts, q_len, batch, q.device),
+                torch.ones(batch, k.shape[2], dtype=torch.bool, device=q.device), starts)
+
+    return masks
 
 
 def _targets(model: nn.Module, adapter: ModelAdapter) -> list[tuple[nn.Module, Literal["self", "cross"]]]:
@@ -181,7 +211,8 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
     adapter = context.adapter
     names = {id(m): n for n, m in model.named_modules()}
     targets = _targets(model, adapter)
-    masks = _cross_masks if targets and targets[0][1] == "cross" else _inline_masks(runtime_of(model, adapter))
+    runtime = runtime_of(model, adapter)
+    masks = _cross_masks(runtime) if targets and targets[0][1] == "cross" else _inline_masks(runtime)
     for attention, kind in targets:
         spec = BlockSparseSpec(config, kind)
         attention.sparse_xattn = spec

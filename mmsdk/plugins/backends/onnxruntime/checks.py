@@ -40,7 +40,8 @@ PASS_SUPPORT: dict[str, str] = {
     "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
     "token-merge": "the same merge runs in vision.onnx, which outputs the merged features and their slots; "
     "the runtime drops the other image tokens and keeps original positions (LLaVA / Qwen-VL)",
-    "sparse-xattn": "the block layout is computed in the decoder graph on every call (pooled q.k, TopK) and folded "
+    "sparse-xattn": "the block layout is computed in the decoder graph on every call (pooled q.k, TopK; each row's "
+    "block grid starts at its first real token, as in the pass) and folded "
     "into the attention bias of GroupQueryAttention (self) or MultiHeadAttention (cross); with int4-kv / int8-kv "
     "on self-attention, the image keys' block sums (quantized and dequantized as the cache stores them) are "
     "carried between calls (past_key_values.{i}.image_key_sums -> present.{i}.image_key_sums), so the ranking "
@@ -157,8 +158,15 @@ def _kv_cache_pass(context: ExportContext, result: PassResult, decided: dict[str
             f"pass {result.name!r} recorded no calibrated K/V ranges, so there are no k_scale / v_scale to export.",
             fix="calibrate before exporting (opt.calibrate(samples)), with static scales.",
         )
-    exact_new = getattr(result.config, "prefill_attention", "quantized") == "exact"
-    kv, cross = kv_from_record(record, fmt, f"{result.name}: {record.get('method', 'minmax')} ranges", exact_new)
+    if getattr(result.config, "prefill_attention", "quantized") == "exact":
+        raise IncompatiblePassError(
+            f"{result.name} with prefill_attention='exact' attends each forward's own tokens in full precision, "
+            "but ONNX Runtime's GroupQueryAttention always attends to the quantized cache, so the exported "
+            "graph would not reproduce the torch model (greedy tokens diverge within a few steps).",
+            fix=f"apply {result.name} with the default prefill_attention='quantized' for onnxruntime exports, or "
+            "export this model to the 'torch' backend.",
+        )
+    kv, cross = kv_from_record(record, fmt, f"{result.name}: {record.get('method', 'minmax')} ranges")
     missing = sorted(set(context.adapter.kv_layout(context.model).self_attention_layers) - set(kv.k_scales))
     if missing:
         raise ExportError(f"pass {result.name!r} recorded no K/V ranges for decoder layers {missing}.",

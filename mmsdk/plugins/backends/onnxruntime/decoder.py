@@ -238,7 +238,7 @@ class DecoderBuilder:
 
     def sparse_bias(self, q: str, k: str, index: int, bias: str) -> str:
         """The padding bias with sparse-xattn's dropped text-to-image entries set to the mask value."""
-        from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries, dropped_from_key_sums, repeat_kv_heads
+        from mmsdk.plugins.backends.onnxruntime import sparse
 
         g, layout, rule = self.g, self.layout, self.plan.sparse
         assert rule is not None  # only called for sparse-xattn
@@ -249,18 +249,21 @@ class DecoderBuilder:
             if g.float_type != FLOAT:
                 q4, k_new = (g.op("Cast", [t], to=FLOAT) for t in (q4, k_new))
             text_rows, image_cols = self.image_masks()
+            if "row_starts" not in self.shared:  # the block grid of every row starts at its first real token
+                self.shared["row_starts"] = sparse.first_real(g, N.ATTENTION_MASK)
+            starts = self.shared["row_starts"]
             if self.plan.sparse_key_state:  # quantized cache: rank by the carried image-key block sums
                 from mmsdk.plugins.backends.onnxruntime.sparse_cache import image_key_sums
 
                 assert self.plan.kv is not None  # sparse_key_state says so
-                sums = image_key_sums(g, k_new, image_cols, self.plan.kv, index, rule, kv_heads, dim)
-                dropped = dropped_from_key_sums(g, q4, repeat_kv_heads(g, sums, heads, kv_heads, dim), text_rows,
-                                                image_cols, rule)
+                sums = image_key_sums(g, k_new, image_cols, starts, self.plan.kv, index, rule, kv_heads, dim)
+                sums = sparse.repeat_kv_heads(g, sums, heads, kv_heads, dim)
+                dropped = sparse.dropped_from_key_sums(g, q4, sums, text_rows, image_cols, starts, rule)
             else:
                 past = N.past_key(index) if g.float_type == FLOAT else g.op("Cast", [N.past_key(index)], to=FLOAT)
                 keys = g.op("Concat", [past, k_new], axis=2)  # [B, kv_heads, T, D]: cache + this call
-                keys = repeat_kv_heads(g, keys, heads, kv_heads, dim)
-                dropped = dropped_entries(g, q4, keys, text_rows, image_cols, rule)
+                keys = sparse.repeat_kv_heads(g, keys, heads, kv_heads, dim)
+                dropped = sparse.dropped_entries(g, q4, keys, text_rows, image_cols, starts, rule)
             return g.op("Where", [dropped, g.const("neg", float_min(g)), bias], hint="sparse_bias")
 
     def image_masks(self) -> tuple[str, str]:

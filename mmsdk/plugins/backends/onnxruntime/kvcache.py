@@ -26,9 +26,6 @@ class KVQuant:
     k_scales: Mapping[int, np.ndarray] = field(default_factory=dict)
     v_scales: Mapping[int, np.ndarray] = field(default_factory=dict)
     source: str = ""
-    # the torch cache reads a forward's own tokens in float (prefill_attention="exact"); GQA cannot, but
-    # sparse-xattn's ranking in the graph follows the torch model (sparse_cache.py)
-    exact_new: bool = False
 
     def quant_type(self, scales: np.ndarray) -> str:
         """GQA's ``k_quant_type`` / ``v_quant_type`` for a scale array."""
@@ -57,8 +54,7 @@ def _scales(amax: list[float], granularity: str, qmax: float) -> np.ndarray:
     return np.where(values > 0, values / qmax, 1.0).astype(np.float32)
 
 
-def kv_from_record(record: Mapping, fmt: str, source: str, exact_new: bool = False
-                   ) -> tuple[KVQuant, dict[int, tuple[np.ndarray, np.ndarray]]]:
+def kv_from_record(record: Mapping, fmt: str, source: str) -> tuple[KVQuant, dict[int, tuple[np.ndarray, np.ndarray]]]:
     """GQA scales from a calibration record's KV section (the ``kv_cache`` / ``kv_ranges`` JSON form).
 
     Ranges are |x| maxima per (KV head, channel); the scale is ``amax / 7`` (int4) or ``amax / 127``
@@ -77,6 +73,5 @@ def kv_from_record(record: Mapping, fmt: str, source: str, exact_new: bool = Fal
             k_scales[int(layer["layer"])], v_scales[int(layer["layer"])] = k, v
         else:
             cross[(layer["kind"], int(layer["layer"]))] = (k, v)
-    kv = KVQuant(bits=4 if fmt == "int4" else 8, k_scales=k_scales, v_scales=v_scales, source=source,
-                 exact_new=exact_new)
+    kv = KVQuant(bits=4 if fmt == "int4" else 8, k_scales=k_scales, v_scales=v_scales, source=source)
     return kv, cross

@@ -18,9 +18,9 @@ LOGIT_TOLERANCE = 1e-3
 FLOAT16_TOLERANCE = 2e-2
 # MatMulNBits with accuracy_level 4 quantizes activations to int8 on the CPU (torch's INT4 layer does not).
 INT8_ACTIVATION_TOLERANCE = 2e-2
-# With a quantized KV cache ORT quantizes the prompt's K/V before attending to them, while a torch
-# quantized cache may keep them in float (prefill_attention="exact"), and a K value on a rounding
-# boundary may round the other way (GQA's own RoPE): the two then differ by quantization noise.
+# With a quantized KV cache a K value on a rounding boundary may round the other way in ORT than in
+# torch (another CPU's RoPE rounding): the two then differ by quantization noise at that position.
+# (prefill_attention="exact", which attends the prompt's own K/V in float, is refused at export.)
 QUANTIZED_KV_TOLERANCE = 0.25
 STEPS = 4
 

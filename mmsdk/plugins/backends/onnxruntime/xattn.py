@@ -108,10 +108,13 @@ def _key_bias(builder: DecoderBuilder, key: str) -> str:
 
 
 def _sparse_bias(builder: DecoderBuilder, q: str, key: str, bias: str) -> str:
-    """sparse-xattn on a cross-attention layer: every query row is text, every key an image token."""
+    """sparse-xattn on a cross-attention layer: every real query row is text, every key an image state.
+
+    The query grid starts at the call's first real query (left padding is in no block), as in the pass.
+    """
     from onnx import helper
 
-    from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries
+    from mmsdk.plugins.backends.onnxruntime.sparse import dropped_entries, first_real
 
     g = builder.g
     heads, dim = cross_dims(builder)
@@ -123,7 +126,10 @@ def _sparse_bias(builder: DecoderBuilder, q: str, key: str, bias: str) -> str:
         true = helper.make_tensor("true", 9, [1], [True])
         rows = g.op("ConstantOfShape", [g.op("Gather", [g.op("Shape", [q4]), g.ints("bs", [0, 2])], axis=0)], value=true)
         cols = g.op("ConstantOfShape", [g.op("Gather", [g.op("Shape", [keys]), g.ints("bl", [0, 2])], axis=0)], value=true)
-        dropped = dropped_entries(g, q4, keys, rows, cols, builder.plan.sparse)
+        if "cross_row_starts" not in builder.shared:
+            seq = g.op("Gather", [g.op("Shape", [q4]), g.const("two_s", 2, keep_dtype=True)], axis=0)
+            builder.shared["cross_row_starts"] = first_real(g, N.ATTENTION_MASK, seq)
+        dropped = dropped_entries(g, q4, keys, rows, cols, builder.shared["cross_row_starts"], builder.plan.sparse)
         expanded = g.op("Expand", [bias, g.op("Shape", [dropped])])
         return g.op("Where", [dropped, g.const("neg", float_min(g)), expanded], hint="sparse_bias")
 
