@@ -9,14 +9,43 @@ families (through :func:`group_reducer`, over the image states of each image or 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+from pydantic import Field, model_validator
 
+from mmsdk.core.config import PassConfig
 from mmsdk.core.errors import UnsupportedInputError
 
-__all__ = ["kept_count", "VisionZipReducer", "ToMeReducer", "group_reducer"]
+__all__ = ["DEFAULT_KEEP_RATIO", "ToMeReducer", "TokenBudgetConfig", "VisionZipReducer", "group_reducer", "kept_count"]
+
+DEFAULT_KEEP_RATIO = 0.5
+
+
+class TokenBudgetConfig(PassConfig):
+    """The per-image token budget of a vision-token pass: ``keep_ratio`` or ``keep_tokens``, not both."""
+
+    keep_ratio: float | None = Field(
+        None, gt=0, le=1, description=f"Fraction of each image's tokens kept (default {DEFAULT_KEEP_RATIO})."
+    )
+    keep_tokens: int | None = Field(None, ge=1, description="Tokens kept per image (instead of keep_ratio).")
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> TokenBudgetConfig:
+        if self.keep_ratio is not None and self.keep_tokens is not None:
+            raise ValueError("give keep_ratio or keep_tokens, not both")
+        return self
+
+    def budget(self) -> tuple[float | None, int | None]:
+        """(keep_ratio, keep_tokens) with the default ratio filled in when neither is given."""
+        if self.keep_ratio is None and self.keep_tokens is None:
+            return DEFAULT_KEEP_RATIO, None
+        return self.keep_ratio, self.keep_tokens
+
+    def kept(self, n: int) -> int:
+        """Tokens an image of ``n`` tokens keeps."""
+        return kept_count(n, *self.budget())
 
 
 def kept_count(n: int, keep_ratio: float | None, keep_tokens: int | None) -> int:

@@ -20,33 +20,26 @@ from __future__ import annotations
 import inspect
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 import mmsdk
 from mmsdk.core.adapter import INLINE_IMAGE_TOKENS
-from mmsdk.core.config import PassConfig
 from mmsdk.core.errors import IncompatiblePassError
 from mmsdk.core.passes import CheckContext, PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 from mmsdk.plugins._runtime import runtime_of
-from mmsdk.plugins._tokens import VisionZipReducer, group_reducer, kept_count
+from mmsdk.plugins._tokens import TokenBudgetConfig, VisionZipReducer, group_reducer
 from mmsdk.plugins.encoders._fastv import install_fastv
 
 __all__ = ["TokenPruneConfig", "apply_token_prune", "check_token_prune", "refuse_unsupported_sequence"]
 
-DEFAULT_KEEP_RATIO = 0.5
 
-
-class TokenPruneConfig(PassConfig):
+class TokenPruneConfig(TokenBudgetConfig):
     """How many vision tokens survive and how they are chosen."""
 
     strategy: Literal["visionzip", "fastv"] = Field(
         "visionzip", description="visionzip: vision-tower attention, before the LLM; fastv: LLM attention at layer K."
     )
-    keep_ratio: float | None = Field(
-        None, gt=0, le=1, description=f"Fraction of each image's tokens kept (default {DEFAULT_KEEP_RATIO})."
-    )
-    keep_tokens: int | None = Field(None, ge=1, description="Tokens kept per image (instead of keep_ratio).")
     contextual_fraction: float = Field(
         0.15, ge=0, lt=1, description="visionzip: share of the kept tokens that are merged context tokens (10/64)."
     )
@@ -57,22 +50,6 @@ class TokenPruneConfig(PassConfig):
     layer: int | None = Field(
         None, ge=1, description="fastv: prune after this many decoder layers (K; default min(2, layers - 1))."
     )
-
-    @model_validator(mode="after")
-    def _one_budget(self) -> TokenPruneConfig:
-        if self.keep_ratio is not None and self.keep_tokens is not None:
-            raise ValueError("give keep_ratio or keep_tokens, not both")
-        return self
-
-    def budget(self) -> tuple[float | None, int | None]:
-        """(keep_ratio, keep_tokens) with the default ratio filled in when neither is given."""
-        if self.keep_ratio is None and self.keep_tokens is None:
-            return DEFAULT_KEEP_RATIO, None
-        return self.keep_ratio, self.keep_tokens
-
-    def kept(self, n: int) -> int:
-        """Tokens an image of ``n`` tokens keeps."""
-        return kept_count(n, *self.budget())
 
 
 def refuse_unsupported_sequence(ctx: CheckContext, name: str) -> None:

@@ -14,44 +14,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
-
 import mmsdk
-from mmsdk.core.config import PassConfig
 from mmsdk.core.passes import CheckContext, PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 from mmsdk.plugins._runtime import runtime_of
-from mmsdk.plugins._tokens import ToMeReducer, group_reducer, kept_count
+from mmsdk.plugins._tokens import TokenBudgetConfig, ToMeReducer, group_reducer
 from mmsdk.plugins.encoders.token_prune import refuse_unsupported_sequence
 
 __all__ = ["TokenMergeConfig", "apply_token_merge"]
 
-DEFAULT_KEEP_RATIO = 0.5
 
-
-class TokenMergeConfig(PassConfig):
+class TokenMergeConfig(TokenBudgetConfig):
     """How many merged tokens each image keeps."""
 
-    keep_ratio: float | None = Field(
-        None, gt=0, le=1, description=f"Fraction of each image's tokens left (default {DEFAULT_KEEP_RATIO})."
-    )
-    keep_tokens: int | None = Field(None, ge=1, description="Tokens left per image (instead of keep_ratio).")
-
-    @model_validator(mode="after")
-    def _one_budget(self) -> TokenMergeConfig:
-        if self.keep_ratio is not None and self.keep_tokens is not None:
-            raise ValueError("give keep_ratio or keep_tokens, not both")
-        return self
-
-    def budget(self) -> tuple[float | None, int | None]:
-        """(keep_ratio, keep_tokens) with the default ratio filled in when neither is given."""
-        if self.keep_ratio is None and self.keep_tokens is None:
-            return DEFAULT_KEEP_RATIO, None
-        return self.keep_ratio, self.keep_tokens
-
-    def kept(self, n: int) -> int:
-        """Tokens an image of ``n`` tokens keeps."""
-        return kept_count(n, *self.budget())
 
 
 def check_token_merge(ctx: CheckContext) -> None:
