@@ -3,7 +3,7 @@
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/dual_path.py [--models ...] [--limit 1000]
         [--requests 16] [--repeats 5]
 
-For each model: ``recipe:default`` is applied; the optimized torch model answers the first
+For each model: ``recipe:default`` (or ``--recipe NAME``) is applied; the optimized torch model answers the first
 ``--limit`` held-out digits questions (greedy, 3 tokens, ``mmsdk.evaluation``); the model is exported
 with ``export("dual", ...)`` and the folder answers the same questions (vision stage in ONNX Runtime,
 language-model stage in the CPU reference of llm/). Then ``--requests`` requests stream through the
@@ -28,14 +28,14 @@ from benchmarks.ort_overlap import _coincident
 MODELS = ("builtin:llava-digits", "builtin:qwen2-vl-digits", "builtin:idefics-digits")
 
 
-def accuracy(name: str, examples: list[Any], out: Path) -> dict[str, Any]:
-    """Torch and dual accuracy of ``recipe:default`` on ``examples``; the dual pipeline, or an error row."""
+def accuracy(name: str, examples: list[Any], out: Path, recipe: str = "default") -> dict[str, Any]:
+    """Torch and dual accuracy of ``recipe:<recipe>`` on ``examples``; the dual pipeline, or an error row."""
     import mmsdk
     from mmsdk import Optimizer
     from mmsdk.evaluation import answer_questions, normalize_answer
     from mmsdk.runtime.pipeline import Request
 
-    opt = Optimizer(name).apply("recipe:default")
+    opt = Optimizer(name).apply(f"recipe:{recipe}")
     start = time.perf_counter()
     torch_answers = answer_questions(opt.model, opt.processor, opt.adapter, examples)
     torch_seconds = time.perf_counter() - start
@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--recipe", default="default", help="the family recipe to build (default, max-memory, ...)")
     args = parser.parse_args()
     import torch
 
@@ -101,18 +102,20 @@ def main() -> None:
     torch.set_num_threads(1)
     examples = Session.create().datasets.get("digits").load("test")[: args.limit]
     results: dict[str, Any] = {"environment": environment(), "limit": args.limit, "models": {}}
-    lines = ["| model | torch (recipe:default) | dual folder | same answer | stream of 16: back to back | "
+    lines = [f"| model | torch (recipe:{args.recipe}) | dual folder | same answer | stream of 16: back to back | "
              "double-buffered | saved |", "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            row = accuracy(name, examples, Path(tmp))
+            row = accuracy(name, examples, Path(tmp), args.recipe)
             pipe = row.pop("pipe", None)
             if pipe is not None:
                 row["overlap"] = overlap(pipe, examples[: args.requests], args.tokens, args.repeats)
             results["models"][name] = row
             lines.append(_line(row))
             print(lines[-1], flush=True)
-    write_results("dual_path", results, "\n".join(lines), None)
+    results["recipe"] = args.recipe
+    suffix = "" if args.recipe == "default" else f"_{args.recipe.replace('-', '_')}"
+    write_results(f"dual_path{suffix}", results, "\n".join(lines), None)
 
 
 def _line(row: dict[str, Any]) -> str:

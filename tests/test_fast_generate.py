@@ -11,6 +11,7 @@ import torch
 
 from mmsdk import Optimizer
 from mmsdk.kernels.fast_generate import _Generator, unsupported_reason
+from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 from mmsdk.testing import tiny_inputs
 
@@ -84,3 +85,37 @@ def test_cuda_graph_generate_matches_transformers(passes, session, tiny):
     # bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()
     assert got.shape[0] == expected.shape[0] and agree > 0.9, (agree, got, expected)
+
+
+@pytest.mark.parametrize("passes", [("token-prune",), ("token-prune", "int4-kv"), ("token-merge", "int4-kv")])
+def test_chunked_prefill_keeps_the_passes_and_their_answers(passes, session, tiny):
+    """Chunks run inside the passes' wrappers (token pruning sees the whole prompt), and the wrappers survive."""
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes)
+    model = opt.model
+    language = opt.adapter.language_model(model)
+    wrapped = language.forward
+    inputs = tiny_inputs(loaded.processor, QUESTIONS)
+    expected = _greedy(model, inputs, 6)
+    for _ in range(2):  # the second call must still run the passes
+        generator = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False)
+        generator.prefill_chunk = 5
+        assert torch.equal(generator.run(), expected)
+    assert language.forward is wrapped
+
+
+@pytest.mark.parametrize("passes", [(TokenPruneConfig(strategy="fastv", layer=1),), ("sparse-xattn",)])
+def test_passes_that_need_transformers_generate_are_left_to_it(passes, session, tiny):
+    """fastv (per-layer cache lengths) and sparse-xattn (layout over each call's mask) keep transformers' loop."""
+    loaded = tiny("tiny:llava")
+    model = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes).model
+    name = "fastv" if isinstance(passes[0], TokenPruneConfig) else "sparse-xattn"
+    # unsupported_reason looks at the first parameter's device; pretend the model is on CUDA
+    fake = type("OnCuda", (), {"device": torch.device("cuda")})()
+    original = model.parameters
+    model.parameters = lambda *a, **k: iter([fake])  # type: ignore[method-assign]
+    try:
+        reason = unsupported_reason(model, (), {**tiny_inputs(loaded.processor, QUESTIONS), "max_new_tokens": 4})
+    finally:
+        model.parameters = original  # type: ignore[method-assign]
+    assert reason is not None and name in reason, reason

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -77,6 +78,11 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda":
         return "cpu"
+    from mmsdk.plugins._forward import plain_generate_reasons
+
+    passes = plain_generate_reasons(model)
+    if passes:
+        return "; ".join(passes)
     if args:
         return "positional arguments to generate()"
     extra = sorted(set(kwargs) - _PASSTHROUGH)
@@ -169,6 +175,13 @@ class _Generator:
 
         return StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
 
+    def _prefill_in_chunks(self) -> AbstractContextManager[None]:
+        """Chunk the language model's prefill inside the passes' wrappers (token pruning sees the whole prompt)."""
+        from mmsdk.plugins._forward import innermost_override
+
+        language = self.adapter.language_model(self.model)
+        return innermost_override(language, lambda forward: _chunked(forward, self.prefill_chunk))
+
     @torch.inference_mode()
     def run(self) -> torch.Tensor:
         batch, prompt = self.ids.shape
@@ -176,12 +189,8 @@ class _Generator:
             return self.ids
         cache = self._cache(prompt + self.new_tokens + 1)
         mask = self.kwargs.get("attention_mask")
-        language = self.adapter.language_model(self.model)
-        language.forward = _chunked(language.forward, self.prefill_chunk)  # instance attribute, removed below
-        try:
+        with self._prefill_in_chunks():
             out = self.model(**self.kwargs, **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
-        finally:
-            del language.forward
         tokens = torch.full((batch, self.new_tokens), self.pad, dtype=self.ids.dtype, device=self.ids.device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.ids.device)
         token = self._pick(out.logits[:, -1], finished)

@@ -12,15 +12,27 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 
-__all__ = ["module_body", "foreign_forward", "set_forward_body", "add_forward_wrapper", "rebind_global",
-           "body_function"]
+__all__ = [
+    "add_forward_wrapper",
+    "body_function",
+    "foreign_forward",
+    "innermost_override",
+    "module_body",
+    "plain_generate_reasons",
+    "rebind_global",
+    "require_plain_generate",
+    "set_forward_body",
+]
 
 BODY_ATTR = "_mmsdk_body"
 _DISPATCH_ATTR = "_mmsdk_dispatch"
+_PLAIN_GENERATE_ATTR = "_mmsdk_plain_generate"
 
 
 def module_body(module: nn.Module) -> Callable[..., Any]:
@@ -114,3 +126,39 @@ def rebind_global(function: Callable[..., Any], name: str, value: Any) -> Callab
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__dict__.update(function.__dict__)
     return copy
+
+
+@contextmanager
+def innermost_override(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Within the block the module computes ``make(what it computes now)``, inside every pass wrapper.
+
+    Pass wrappers (token pruning's compaction, for one) still see the call first; the module is
+    left exactly as it was on exit, dispatcher or not.
+    """
+    state = module.__dict__
+    key = BODY_ATTR if state.get(_DISPATCH_ATTR) else "forward"
+    had, previous = key in state, state.get(key)
+    state[key] = make(module_body(module) if key == BODY_ATTR else module.forward)
+    try:
+        yield
+    finally:
+        if had:
+            state[key] = previous
+        else:
+            del state[key]
+
+
+def require_plain_generate(model: nn.Module, reason: str) -> None:
+    """Record that a pass needs transformers' own generate loop (whole prompt in one call, dynamic cache).
+
+    mmsdk's fast generate path (static cache, chunked prefill, CUDA graphs) then leaves the model's
+    generate() calls to transformers.
+    """
+    reasons = model.__dict__.setdefault(_PLAIN_GENERATE_ATTR, [])
+    if reason not in reasons:
+        reasons.append(reason)
+
+
+def plain_generate_reasons(model: nn.Module) -> list[str]:
+    """Why ``model`` must generate through transformers' own loop (empty when the fast path may run)."""
+    return list(model.__dict__.get(_PLAIN_GENERATE_ATTR, ()))

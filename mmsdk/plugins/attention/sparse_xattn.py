@@ -14,7 +14,8 @@ and that ``mmsdk_lower`` turns into ONNX Runtime / TensorRT-LLM instructions.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -27,12 +28,12 @@ from mmsdk.core.config import PassConfig
 from mmsdk.core.errors import IncompatiblePassError
 from mmsdk.core.passes import CheckContext, PassContext, PassSpec
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins._forward import body_function, rebind_global, set_forward_body
+from mmsdk.plugins._forward import body_function, rebind_global, require_plain_generate, set_forward_body
 from mmsdk.plugins._runtime import ModelRuntime, runtime_of
 from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs, layout_csr
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
 
-__all__ = ["SparseXAttnConfig", "BlockSparseSpec", "apply_sparse_xattn", "flex_available"]
+__all__ = ["BlockSparseSpec", "SparseXAttnConfig", "apply_sparse_xattn", "flex_available"]
 
 # (text rows [B, Lq], image columns [B, Lk], index of each row's first real token [B] or None)
 _Rows = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -212,6 +213,8 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
     names = {id(m): n for n, m in model.named_modules()}
     targets = _targets(model, adapter)
     runtime = runtime_of(model, adapter)
+    # its block grid and image-key ranking read the call's full mask and the cache's real length
+    require_plain_generate(model, "sparse-xattn lays its block grid over each call's mask and the cached keys")
     masks = _cross_masks(runtime) if targets and targets[0][1] == "cross" else _inline_masks(runtime)
     for attention, kind in targets:
         spec = BlockSparseSpec(config, kind)
