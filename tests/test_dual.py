@@ -188,12 +188,20 @@ def test_a_missing_runtime_names_the_extra_and_the_fallback(llava_dual, monkeypa
 @pytest.mark.parametrize(("model", "passes", "match"), [
     ("tiny:idefics", (), r"language-model half \(llm/, TensorRT-LLM\) refuses: IdeficsForVisionText2Text"),
     ("tiny:llava", ("sparse-xattn",), r"language-model half .* refuses: pass 'sparse-xattn'"),
+    ("tiny:llava", ("token-merge",), r"language-model half .* refuses: token-prune / token-merge .* contiguously"),
 ])
 def test_a_combination_that_cannot_split_names_the_refusing_half(model, passes, match, tiny, tmp_path) -> None:
     opt = Optimizer(tiny(model).model, tiny(model).processor).apply(*passes)
     with pytest.raises((ExportError, IncompatiblePassError), match=match):
         opt.export("dual", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_renumbered_token_positions_are_an_explicit_choice(tiny, tmp_path) -> None:
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model, loaded.processor).apply("token-merge")
+    result = opt.export("dual", tmp_path / "out", token_positions="contiguous")
+    assert result.manifest.details["contract"]["positions"] == "contiguous"
 
 
 def test_cli_optimize_with_a_recipe_file_then_run(tmp_path, capsys) -> None:

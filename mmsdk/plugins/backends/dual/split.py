@@ -81,6 +81,16 @@ def plan_split(context: ExportContext, options: DualOptions) -> Split:
                 "TensorRT-LLM's PyTorch backend (target 'hf') computes M-RoPE positions from the full image grid.",
                 fix="export with target='checkpoint' (the host passes M-RoPE positions), or without the token pass.",
             )
+    if plan.token_reduction and not mrope and options.token_positions == "refuse":
+        with refusing(LLM):
+            raise ExportError(
+                "token-prune / token-merge keep each kept image token at its original position in the torch model, "
+                "and TensorRT-LLM numbers the prompt contiguously; the renumbered model answers differently "
+                "(llava-digits with recipe:max-memory: 73.9% in torch, 39.6% as a dual folder, "
+                "benchmarks/dual_path.py --recipe max-memory).",
+                fix="export to 'onnxruntime' (it keeps the original positions), drop the token pass, or pass "
+                "token_positions='contiguous' to accept the renumbered positions.",
+            )
     return Split(plan, family, kv_algo, resolved, "mrope-host" if mrope else "contiguous")
 
 
