@@ -137,12 +137,14 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
             acc += tl.dot(xt, tl.trans(wt))
         else:  # a few rows: the same nibble loop per row, reduced to [BLOCK_N] per step
             for i in tl.static_range(BLOCK_M):
-                row = pid_m * BLOCK_M + i
+                # rows past M read row M - 1 (a scalar row mask is not a valid load mask everywhere); the
+                # store masks them out
+                row = tl.minimum(pid_m * BLOCK_M + i, M - 1)
                 t3 = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)
                 xs = tl.zeros((BLOCK_G, WPG), dtype=tl.float32)
                 for j in tl.static_range(8):
                     kj = g0 * GROUP + k2 + j
-                    xj = tl.load(x_ptr + row * stride_xm + kj, mask=g_ok[:, None] & (kj < K_in) & (row < M),
+                    xj = tl.load(x_ptr + row * stride_xm + kj, mask=g_ok[:, None] & (kj < K_in),
                                  other=0.0).to(tl.float32)
                     qj = (((words >> (4 * j)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                     t3 += qj * xj[None, :, :]
