@@ -155,3 +155,20 @@ def test_folder_without_manifest_is_not_an_artifact(session, tmp_path):
 def test_apply_rejects_objects_that_are_not_passes(session, tiny):
     with pytest.raises(ConfigError, match="pass names or pass config objects"):
         Optimizer(tiny("tiny:llava").model, session=session).apply(42)
+
+
+def test_a_pass_can_carry_its_config_in_its_name(session, tiny):
+    from mmsdk.core.config import parse_pass_call, split_pass_list
+
+    assert parse_pass_call("int4-weight(group_size=64, method=awq, exclude=[\"*.o_proj\"])") == (
+        "int4-weight", {"group_size": 64, "method": "awq", "exclude": ["*.o_proj"]})
+    assert split_pass_list("qkv-fuse, int4-weight(group_size=64, method=awq),int4-kv") == [
+        "qkv-fuse", "int4-weight(group_size=64, method=awq)", "int4-kv"]
+    spec, config = session.pass_spec("token-prune(keep_ratio=0.25)")
+    assert spec.name == "token-prune" and config.keep_ratio == 0.25
+    with pytest.raises(ConfigError, match=r"keep_ratio.*Valid fields"):
+        session.pass_spec("token-prune(keep_ratio=2)")
+    with pytest.raises(ConfigError, match=r"not field=value.*int4-weight\(group_size=64\)"):
+        session.pass_spec("token-prune(0.25)")
+    with pytest.raises(ConfigError, match=r"without closing"):
+        session.pass_spec("token-prune(keep_ratio=0.25")

@@ -166,7 +166,7 @@ def test_group_size_that_does_not_divide_is_refused_untouched(session, tiny):
     loaded = tiny("tiny:llava")
     snapshot = _snapshot(loaded.model)
     with pytest.raises(ConfigError, match=r"does not divide.*in_features 48.*indivisible='pad'"):
-        Optimizer(loaded.model, session=session).apply(Int4WeightConfig(group_size=32))
+        Optimizer(loaded.model, session=session).apply(Int4WeightConfig(group_size=32, indivisible="error"))
     assert _unchanged(loaded.model, snapshot)
 
 

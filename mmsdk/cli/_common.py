@@ -21,8 +21,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool
 
 
 def split_list(text: str | None) -> list[str]:
-    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
-    return [item.strip() for item in (text or "").split(",") if item.strip()]
+    """``"a, b(x=1, y=2),,c"`` -> ``["a", "b(x=1, y=2)", "c"]`` (a pass may carry its config in parentheses)."""
+    from mmsdk.core.config import split_pass_list
+
+    return split_pass_list(text)
 
 
 def console() -> Any:

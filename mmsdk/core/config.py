@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mmsdk.core.errors import ConfigError
 
-__all__ = ["PassConfig", "format_validation_error", "make_config"]
+__all__ = ["PassConfig", "format_validation_error", "make_config", "parse_pass_call", "split_pass_list"]
 
 
 class PassConfig(BaseModel):
@@ -45,3 +45,48 @@ def format_validation_error(err: ValidationError, *, what: str, cls: type[BaseMo
         + "; ".join(lines)
         + f". Valid fields of {cls.__name__}: {fields}. Fix: correct the field(s) above."
     )
+
+
+def parse_pass_call(text: str) -> tuple[str, dict[str, Any]]:
+    """``"int4-weight(group_size=64, method=awq)"`` -> ``("int4-weight", {"group_size": 64, "method": "awq"})``.
+
+    Values are read as JSON where they parse (numbers, true/false, null, quoted strings, lists), else
+    taken as text; a bare name gives no fields. Lets the CLI and ``apply("...")`` carry configs.
+    """
+    import json
+
+    name, paren, rest = text.partition("(")
+    name = name.strip()
+    if not paren:
+        return name, {}
+    if not rest.rstrip().endswith(")"):
+        raise ConfigError(f"pass {text!r} opens '(' without closing it.",
+                          fix=f"write {name}(field=value, ...), e.g. int4-weight(group_size=64).")
+    fields: dict[str, Any] = {}
+    for item in _split_top_level(rest.rstrip()[:-1]):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise ConfigError(f"pass {text!r}: {item.strip()!r} is not field=value.",
+                              fix=f"write {name}(field=value, ...), e.g. int4-weight(group_size=64).")
+        try:
+            fields[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key.strip()] = value.strip()
+    return name, fields
+
+
+def split_pass_list(text: str | None) -> list[str]:
+    """``"a, b(x=1, y=2),c"`` -> ``["a", "b(x=1, y=2)", "c"]``: commas inside parentheses or brackets stay."""
+    return [item.strip() for item in _split_top_level(text or "") if item.strip()]
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += char in "(["
+        depth -= char in ")]"
+        if char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    items.append(text[start:])
+    return [item for item in items if item.strip()]

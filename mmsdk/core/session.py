@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from mmsdk.core.backend import Backend, LowerTarget
-from mmsdk.core.config import make_config
+from mmsdk.core.config import make_config, parse_pass_call
 from mmsdk.core.datasets import DatasetSource
 from mmsdk.core.errors import ConfigError, NoAdapterError, UnknownNameError
 from mmsdk.core.passes import PASS_KINDS, PassSpec
@@ -103,10 +103,11 @@ class Session:
         return adapter
 
     def pass_spec(self, item: str | BaseModel) -> tuple[PassSpec, BaseModel]:
-        """Resolve a pass name (default config) or a config object (its pass) to (spec, config)."""
+        """Resolve a pass name (default config), ``"name(field=value, ...)"`` or a config object to (spec, config)."""
         if isinstance(item, str):
-            spec = self.passes.get(item)
-            return spec, make_config(spec.config_cls, {}, what=f"pass {item!r}")
+            name, fields = parse_pass_call(item)  # "name" or "name(field=value, ...)"
+            spec = self.passes.get(name)
+            return spec, make_config(spec.config_cls, fields, what=f"pass {name!r}")
         if isinstance(item, BaseModel):
             matches = [spec for spec in self.passes if type(item) is spec.config_cls]
             if not matches:

@@ -51,9 +51,10 @@ class Int4WeightConfig(PassConfig):
     lm_head: bool = Field(False, description="Quantize the output projection.")
     exclude: tuple[str, ...] = Field((), description="fnmatch patterns of module names to keep in full precision.")
     indivisible: Literal["error", "pad", "skip"] = Field(
-        "error",
-        description="A layer whose input size the group size does not divide: refuse, zero-pad K "
-        "(ONNX Runtime accepts it; TensorRT-LLM does not), or keep that layer in full precision.",
+        "pad",
+        description="A layer whose input size the group size does not divide (never the case for real model "
+        "widths, common in toy ones): zero-pad K (torch and ONNX Runtime take it; a TensorRT-LLM export refuses "
+        "and says to use 'skip'), keep that layer in full precision, or refuse.",
     )
     awq_grid: int = Field(20, ge=1, le=100, description="Scale exponents tried by AWQ's search.")
     awq_clip: bool = Field(True, description="Also search a per-group clipping ratio (AWQ auto_clip).")
@@ -140,7 +141,7 @@ def check_int4_weight(ctx: CheckContext) -> None:
             f"group_size={config.group_size} does not divide the input size of {len(bad)} layer(s) "
             f"(sizes {sizes}): {listed}.",
             fix=(f"use group_size={fitting[0]}, " if fitting else "")
-            + "set indivisible='pad' (zero-pads K; ONNX Runtime only) or 'skip', or exclude those layers.",
+            + "set indivisible='pad' (zero-pads K; torch and ONNX Runtime) or 'skip', or exclude those layers.",
         )
 
 
