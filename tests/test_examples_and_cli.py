@@ -69,3 +69,4 @@ def test_demo_keeps_accuracy_and_exports(tmp_path, capsys):
     assert after >= before - 5.0, line
     manifest = json.loads((out / "manifest.json").read_text())
     assert [p["name"] for p in manifest["passes"]][:2] == ["qkv-fuse", "vit-prune"]
+    assert "KV cache" in printed and "memory of one answer" in printed

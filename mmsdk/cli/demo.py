@@ -46,11 +46,25 @@ def run(args: argparse.Namespace) -> int:
     out.print(opt.report().table())
     out.print(f"held-out accuracy on {before.count} questions: unoptimized {before.accuracy:.1%}, "
               f"optimized {after.accuracy:.1%}")
+    _show_memory(session, baseline, opt, loaded.processor)
     backend = next(name for name in EXPORT_PREFERENCE if name in session.backends)
     result = opt.export(backend, args.out, overwrite=True)
     total = sum(f.bytes for f in result.manifest.files)
     out.print(f"exported for {backend} to {result.path} ({total / 2**20:.2f} MiB, manifest.json lists every file)")
     return 0
+
+
+def _show_memory(session: Any, baseline: Any, opt: Any, processor: Any) -> None:
+    """Weights, KV cache and peak bytes of one profiled answer (exact tensor accounting, CPU)."""
+    from mmsdk.core.memory import format_bytes
+    from mmsdk.profiling import measure_run
+    from mmsdk.profiling.measure import resolve_sample
+
+    sample = resolve_sample(None, session, 8)
+    runs = [measure_run(model, processor, opt.adapter, sample, modules=False) for model in (baseline, opt.model)]
+    rows = [(what, format_bytes(getattr(runs[0], field)), format_bytes(getattr(runs[1], field)))
+            for what, field in (("weights", "weights_bytes"), ("KV cache", "kv_bytes"), ("peak", "peak_bytes"))]
+    print_table("memory of one answer (8 tokens)", ("", "unoptimized", "optimized"), rows)
 
 
 def _show_answers(examples: list[Any], baseline: Any, opt: Any, processor: Any) -> None:
