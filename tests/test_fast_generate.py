@@ -104,18 +104,25 @@ def test_chunked_prefill_keeps_the_passes_and_their_answers(passes, session, tin
     assert language.forward is wrapped
 
 
-@pytest.mark.parametrize("passes", [(TokenPruneConfig(strategy="fastv", layer=1),), ("sparse-xattn",)])
-def test_passes_that_need_transformers_generate_are_left_to_it(passes, session, tiny):
-    """fastv (per-layer cache lengths) and sparse-xattn (layout over each call's mask) keep transformers' loop."""
-    loaded = tiny("tiny:llava")
-    model = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes).model
-    name = "fastv" if isinstance(passes[0], TokenPruneConfig) else "sparse-xattn"
-    # unsupported_reason looks at the first parameter's device; pretend the model is on CUDA
+def _reason_on_cuda(model, processor):
+    """unsupported_reason as if the model were on CUDA (it looks at the first parameter's device)."""
     fake = type("OnCuda", (), {"device": torch.device("cuda")})()
     original = model.parameters
     model.parameters = lambda *a, **k: iter([fake])  # type: ignore[method-assign]
     try:
-        reason = unsupported_reason(model, (), {**tiny_inputs(loaded.processor, QUESTIONS), "max_new_tokens": 4})
+        return unsupported_reason(model, (), {**tiny_inputs(processor, QUESTIONS), "max_new_tokens": 4})
     finally:
         model.parameters = original  # type: ignore[method-assign]
-    assert reason is not None and name in reason, reason
+
+
+@pytest.mark.parametrize(("passes", "expected"), [
+    ((TokenPruneConfig(strategy="fastv", layer=1),), "fastv"),  # per-layer cache lengths
+    (("sparse-xattn",), "sparse-xattn"),  # a layout over each call's mask and the cached keys
+    (("fp8-kv",), "['fp8-kv'] have not declared"),  # not checked on the fast path: opt-in per pass
+    (("qkv-fuse", "int4-kv", "token-prune"), None),
+])
+def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, session, tiny):
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes)
+    reason = _reason_on_cuda(opt.model, loaded.processor)
+    assert (reason is None) if expected is None else (reason is not None and expected in reason), reason

@@ -94,7 +94,9 @@ class Optimizer:
         self._run_pending()
         from mmsdk.kernels.fast_generate import install
 
-        install(self._model, self.adapter)
+        unproven = [r.name for r in self.results if not self.session.passes.get(r.name).fast_generate]
+        install(self._model, self.adapter,
+                refusal=f"passes {unproven} have not declared the fast path safe" if unproven else None)
         return self._model
 
     def report(

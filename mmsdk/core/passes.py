@@ -56,6 +56,10 @@ class PassSpec:
     # True, or a function of the pass's config saying whether this config needs data (awq vs rtn).
     needs_calibration: bool | Callable[[Any], bool] = False
     kind: PassKind | None = None
+    # True when the pass's model answers the same through mmsdk's fast generate path on CUDA (static
+    # cache, chunked prefill, CUDA graphs), checked by the pass's tests; a model with any pass that does
+    # not say so generates through transformers' own loop.
+    fast_generate: bool = False
 
     def wants_calibration(self, config: Any) -> bool:
         """Whether running this pass with ``config`` needs a calibration set."""

@@ -38,6 +38,7 @@ PREFILL_CHUNK = 1024
 # language-model tensor arguments whose token axis chunked prefill knows how to cut
 _CHUNKED_TENSORS = {"inputs_embeds", "attention_mask", "position_ids", "cache_position"}
 ATTRIBUTE = "_mmsdk_fast_generate"
+_REFUSAL = "_mmsdk_fast_generate_refusal"
 _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
     "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
@@ -46,8 +47,13 @@ _PASSTHROUGH = {
 _DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
 
 
-def install(model: nn.Module, adapter: Any) -> None:
-    """Make ``model.generate`` take the CUDA-graph path where it can (idempotent)."""
+def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
+    """Make ``model.generate`` take the CUDA-graph path where it can (idempotent).
+
+    ``refusal`` (why this model must keep transformers' loop, e.g. a pass not declared safe for the
+    fast path) is kept on the model and re-read on every call, so a later install can change it.
+    """
+    model.__dict__[_REFUSAL] = refusal
     if getattr(model, ATTRIBUTE, None) is not None:
         return
     original = model.generate
@@ -80,7 +86,7 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return "cpu"
     from mmsdk.plugins._forward import plain_generate_reasons
 
-    passes = plain_generate_reasons(model)
+    passes = [*filter(None, [model.__dict__.get(_REFUSAL)]), *plain_generate_reasons(model)]
     if passes:
         return "; ".join(passes)
     if args:

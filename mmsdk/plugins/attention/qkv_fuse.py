@@ -149,5 +149,6 @@ def mmsdk_register_attention(register: Registrar[PassSpec]) -> None:
             config_cls=QKVFuseConfig,
             apply=apply_qkv_fuse,
             summary="fuse q/k/v projections into one matmul in TensorRT-LLM's [q; k; v] order (GQA aware)",
+            fast_generate=True,  # tests/test_fast_generate.py: same tokens as transformers' loop
         )
     )

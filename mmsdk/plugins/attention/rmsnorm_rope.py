@@ -405,5 +405,6 @@ def mmsdk_register_attention(register: Registrar[PassSpec]) -> None:
             config_cls=RMSNormRoPEFusionConfig,
             apply=apply_rmsnorm_rope_fusion,
             summary="fused residual-add+RMSNorm, q/k RoPE (1-D and M-RoPE) and q/k RMSNorm+RoPE modules, exact",
+            fast_generate=True,  # tests/test_fast_generate.py: same tokens as transformers' loop
         )
     )

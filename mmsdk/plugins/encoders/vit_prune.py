@@ -207,5 +207,6 @@ def mmsdk_register_encoders(register: Registrar[PassSpec]) -> None:
             restore=restore_vit_prune,
             needs_calibration=True,
             summary="remove the least important vision heads and MLP channels (calibrated); weights shrink",
+            fast_generate=True,  # tests/test_fast_generate.py: same tokens as transformers' loop
         )
     )

@@ -56,5 +56,6 @@ def mmsdk_register_projectors(register: Registrar[PassSpec]) -> None:
             apply=apply_token_merge,
             check=check_token_merge,
             summary="merge similar vision tokens (ToMe bipartite matching, size-weighted) at the projector output",
+            fast_generate=True,  # tests/test_fast_generate.py: same tokens as transformers' loop
         )
     )

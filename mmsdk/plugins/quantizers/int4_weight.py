@@ -286,6 +286,7 @@ def mmsdk_register_quantizers(register: Registrar[PassSpec]) -> None:
             config_cls=Int4WeightConfig,
             apply=apply_int4_weight,
             summary="weight-only INT4 (RTN or AWQ), group 32/64/128, stored in ONNX Runtime's MatMulNBits layout",
+            fast_generate=True,  # tests/test_fast_generate.py: same tokens as transformers' loop
             check=check_int4_weight,
             restore=restore_int4_weight,
             needs_calibration=_wants_calibration,

@@ -122,6 +122,7 @@ def mmsdk_register_quantizers(register: Registrar[PassSpec]) -> None:
             apply=apply_ptq_align,
             restore=restore_ptq_align,
             summary="one calibration on image+text prompts: K/V and linear-input ranges for ORT and TensorRT-LLM alike",
+            fast_generate=True,  # tests/test_fast_generate.py: same tokens as transformers' loop
             needs_calibration=True,
         )
     )
