@@ -166,8 +166,12 @@ def test_group_size_that_does_not_divide_is_refused_untouched(session, tiny):
     loaded = tiny("tiny:llava")
     snapshot = _snapshot(loaded.model)
     with pytest.raises(ConfigError, match=r"does not divide.*in_features 48.*indivisible='pad'"):
-        Optimizer(loaded.model, session=session).apply(Int4WeightConfig(group_size=32, indivisible="error"))
+        Optimizer(loaded.model, session=session).apply(Int4WeightConfig(group_size=32))  # chosen: refused
     assert _unchanged(loaded.model, snapshot)
+    with pytest.raises(ConfigError, match=r"does not divide"):
+        Optimizer(loaded.model, session=session).apply(Int4WeightConfig(indivisible="error"))
+    assert Int4WeightConfig().indivisible_policy() == "pad"  # left at the default group size: padded
+    assert Int4WeightConfig(group_size=64, indivisible="skip").indivisible_policy() == "skip"
 
 
 def test_model_quantized_by_another_tool_is_refused(session, tiny):

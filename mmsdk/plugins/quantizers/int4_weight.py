@@ -50,15 +50,22 @@ class Int4WeightConfig(PassConfig):
     language_model: bool = Field(True, description="Quantize the decoder's linears.")
     lm_head: bool = Field(False, description="Quantize the output projection.")
     exclude: tuple[str, ...] = Field((), description="fnmatch patterns of module names to keep in full precision.")
-    indivisible: Literal["error", "pad", "skip"] = Field(
-        "pad",
-        description="A layer whose input size the group size does not divide (never the case for real model "
-        "widths, common in toy ones): zero-pad K (torch and ONNX Runtime take it; a TensorRT-LLM export refuses "
-        "and says to use 'skip'), keep that layer in full precision, or refuse.",
+    indivisible: Literal["auto", "error", "pad", "skip"] = Field(
+        "auto",
+        description="A layer whose input size the group size does not divide (real model widths never are; toy "
+        "ones often): 'error' refuses, 'pad' zero-pads K (torch and ONNX Runtime take it; a TensorRT-LLM export "
+        "refuses and says to use 'skip'), 'skip' keeps the layer in full precision; 'auto' pads when group_size "
+        "was left at its default and refuses when you chose it.",
     )
     awq_grid: int = Field(20, ge=1, le=100, description="Scale exponents tried by AWQ's search.")
     awq_clip: bool = Field(True, description="Also search a per-group clipping ratio (AWQ auto_clip).")
     awq_max_tokens: int = Field(512, ge=16, description="Calibration rows kept per linear input for the search.")
+
+    def indivisible_policy(self) -> str:
+        """What happens to a layer the group size does not divide: 'error', 'pad' or 'skip' ('auto' resolved)."""
+        if self.indivisible != "auto":
+            return self.indivisible
+        return "error" if "group_size" in self.model_fields_set else "pad"
 
 
 def _wants_calibration(config: Int4WeightConfig) -> bool:
@@ -90,7 +97,7 @@ def int4_targets(
             skipped[name] = f"{type(module).__name__} has its own forward"
         elif owner[name] == "lm_head" and _tied_to_embedding(model, module, adapter):
             skipped[name] = "tied to the input embedding"
-        elif module.in_features % config.group_size and config.indivisible == "skip":
+        elif module.in_features % config.group_size and config.indivisible_policy() == "skip":
             skipped[name] = f"in_features {module.in_features} not divisible by {config.group_size}"
         else:
             chosen[name] = module
@@ -133,7 +140,7 @@ def check_int4_weight(ctx: CheckContext) -> None:
             fix="switch on a component (language_model=True) or loosen `exclude`.",
         )
     bad = {n: m.in_features for n, m in targets.items() if m.in_features % config.group_size}
-    if bad and config.indivisible == "error":
+    if bad and config.indivisible_policy() == "error":
         sizes = sorted(set(bad.values()))
         fitting = [g for g in (32, 64, 128) if all(m.in_features % g == 0 for m in targets.values())]
         listed = ", ".join(f"{n} (in_features {k})" for n, k in list(bad.items())[:4])
