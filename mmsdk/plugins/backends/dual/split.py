@@ -96,10 +96,9 @@ def plan_split(context: ExportContext, options: DualOptions) -> Split:
 
 def _llm_half(context: ExportContext, options: DualOptions) -> tuple[Family, str | None, Resolved]:
     from mmsdk.plugins.backends.tensorrt_llm import support
-    from mmsdk.plugins.backends.tensorrt_llm.checkpoint import plan_checkpoint
-    from mmsdk.plugins.backends.tensorrt_llm.kv_scales import kv_algorithm, kv_scales
+    from mmsdk.plugins.backends.tensorrt_llm.backend import check_language_model
+    from mmsdk.plugins.backends.tensorrt_llm.kv_scales import kv_algorithm
     from mmsdk.plugins.backends.tensorrt_llm.options import resolve_target
-    from mmsdk.plugins.backends.tensorrt_llm.weights import read_language_model
 
     family = support.family_of(context)
     kv_algo = kv_algorithm(context.pass_names(), options.int4_kv_fallback)
@@ -108,13 +107,7 @@ def _llm_half(context: ExportContext, options: DualOptions) -> tuple[Family, str
         if result.name in LLM_REFUSED:
             raise IncompatiblePassError(f"pass {result.name!r}: {LLM_REFUSED[result.name]}.",
                                         fix=f"drop {result.name!r} for a dual export, or export to 'onnxruntime'.")
-    lm = read_language_model(context)
-    if kv_algo is not None:
-        kv_scales(context, kv_algo, lm.num_layers)
-    if resolved.target == "checkpoint":
-        plan_checkpoint(lm, family, options.tp_size, options.pp_size, options.dtype, kv_algo, {})
-    else:
-        lm.group_size()
+    check_language_model(context, options, family, kv_algo, resolved)
     return family, kv_algo, resolved
 
 

@@ -22,7 +22,7 @@ from mmsdk.plugins.backends.tensorrt_llm.kv_scales import kv_algorithm, kv_scale
 from mmsdk.plugins.backends.tensorrt_llm.options import Resolved, TensorRTLLMOptions, resolve_target
 from mmsdk.plugins.backends.tensorrt_llm.weights import read_language_model
 
-__all__ = ["TensorRTLLMBackend", "TensorRTLLMOptions"]
+__all__ = ["TensorRTLLMBackend", "TensorRTLLMOptions", "check_language_model"]
 
 PROCESSOR_DIR = "processor"
 
@@ -45,13 +45,7 @@ class TensorRTLLMBackend:
     def check(self, context: ExportContext, options: BackendOptions) -> None:
         options = cast(TensorRTLLMOptions, options)  # the exporter validated it into options_cls
         family, kv_algo, resolved = self._resolve(context, options)
-        lm = read_language_model(context)
-        if kv_algo is not None:
-            kv_scales(context, kv_algo, lm.num_layers)
-        if resolved.target == "checkpoint":
-            plan_checkpoint(lm, family, options.tp_size, options.pp_size, options.dtype, kv_algo, {})
-        else:
-            lm.group_size()
+        check_language_model(context, options, family, kv_algo, resolved)
 
     def export(self, context: ExportContext, options: BackendOptions, staging: Path) -> ExportInfo:
         from mmsdk.plugins.backends.tensorrt_llm.runtime import host_details
@@ -114,6 +108,18 @@ class TensorRTLLMBackend:
         from mmsdk.plugins.backends.tensorrt_llm.hf_reload import load_hf_export
 
         return load_hf_export(path)
+
+
+def check_language_model(context: ExportContext, options: TensorRTLLMOptions, family: Any, kv_algo: str | None,
+                         resolved: Resolved) -> None:
+    """Raise what writing the language model would raise (weights, KV scales, sharding, groups), writing nothing."""
+    lm = read_language_model(context)
+    if kv_algo is not None:
+        kv_scales(context, kv_algo, lm.num_layers)
+    if resolved.target == "checkpoint":
+        plan_checkpoint(lm, family, options.tp_size, options.pp_size, options.dtype, kv_algo, {})
+    else:
+        lm.group_size()
 
 
 def _save_processor(context: ExportContext, folder: Path) -> None:
