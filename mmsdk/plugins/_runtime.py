@@ -16,14 +16,16 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from mmsdk.core.errors import UnsupportedInputError
 from mmsdk.plugins._forward import add_forward_wrapper
+from mmsdk.runtime.compaction import true_runs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -259,19 +261,6 @@ def _two_d_mask(mask: torch.Tensor | None, batch: int, length: int, device: torc
     return mask
 
 
-def _image_runs(row: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each run of consecutive True values."""
-    flags = row.to(torch.int8).tolist()
-    runs, start = [], None
-    for index, flag in enumerate([*flags, 0]):
-        if flag and start is None:
-            start = index
-        elif not flag and start is not None:
-            runs.append((start, index))
-            start = None
-    return runs
-
-
 def _reduce_run(embeds: torch.Tensor, scores: torch.Tensor | None,
                 reducers: list[SequenceReducer]) -> tuple[torch.Tensor, torch.Tensor]:
     slots = torch.arange(embeds.shape[0], device=embeds.device)
@@ -297,7 +286,7 @@ def _compact(embeds: torch.Tensor, image_mask: torch.Tensor, mask2d: torch.Tenso
     for b in range(batch):
         keep = torch.ones(length, dtype=torch.bool, device=embeds.device)
         row = embeds[b].clone()
-        for start, end in _image_runs(image_mask[b]):
+        for start, end in true_runs(image_mask[b].tolist()):
             run_scores = scores[offset: offset + end - start] if scores is not None else None
             offset += end - start
             slots, merged = _reduce_run(embeds[b, start:end], run_scores, reducers)

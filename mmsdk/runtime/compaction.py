@@ -7,11 +7,13 @@ places; decode steps continue from the largest prompt position + 1.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Compacted", "compact"]
+__all__ = ["Compacted", "compact", "true_runs"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ def compact(input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, imag
     rows = []
     for row in range(batch):
         keep = np.ones(length, dtype=bool)
-        for start, end in _runs(input_ids[row] == image_token_id):
+        for start, end in true_runs((input_ids[row] == image_token_id).tolist()):
             kept = next(remaining)
             keep[start:end] = False
             keep[start + kept] = True
@@ -53,9 +55,10 @@ def compact(input_ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, imag
                      next_position.astype(np.int64), rows)
 
 
-def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+def true_runs(flags: Iterable[Any]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive true values (the image-token spans of a row)."""
     runs, start = [], None
-    for index, flag in enumerate([*flags.tolist(), False]):
+    for index, flag in enumerate([*flags, False]):
         if flag and start is None:
             start = index
         elif not flag and start is not None:

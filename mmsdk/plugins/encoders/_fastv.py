@@ -87,11 +87,11 @@ class _FastV:
         self.keep = self._keep(scores, images.to(hidden.device))
 
     def _keep(self, scores: torch.Tensor, images: torch.Tensor) -> torch.Tensor | None:
-        from mmsdk.plugins._runtime import _image_runs
+        from mmsdk.runtime.compaction import true_runs
 
         drops = []
         for row in images:
-            runs = _image_runs(row)
+            runs = true_runs(row.tolist())
             drops.append(sum((end - start) - self.kept(end - start) for start, end in runs))
         drop = min(drops)
         if drop <= 0:
