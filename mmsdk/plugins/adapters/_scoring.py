@@ -32,7 +32,31 @@ def _hidden_states(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Te
     return kwargs["hidden_states"] if "hidden_states" in kwargs else kwargs["hidden_state"]
 
 
-class ClsAttentionScorer:
+class _HookedScorer:
+    """Scores computed in a forward pre-hook on one vision block's attention; subclasses say how."""
+
+    block: VisionBlock
+
+    @contextmanager
+    def capture(self, call_kwargs: Mapping[str, Any]) -> Iterator[list[torch.Tensor]]:
+        """Record one score tensor per tower run while the context is open."""
+        out: list[torch.Tensor] = []
+
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            out.append(self._score_run(args, kwargs, call_kwargs))
+
+        handle = self.block.attention.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield out
+        finally:
+            handle.remove()
+
+    def _score_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call_kwargs: Mapping[str, Any]) -> torch.Tensor:
+        """One tower run's scores, flattened in the language model's token order."""
+        raise NotImplementedError
+
+
+class ClsAttentionScorer(_HookedScorer):
     """Scores tokens by one layer's attention in a CLS-led tower, per group of tokens.
 
     ``rule`` "cls": the CLS row (summed over heads), VisionZip's rule; "received": the attention a
@@ -59,20 +83,9 @@ class ClsAttentionScorer:
         self.group = group
         self.finish = finish
 
-    @contextmanager
-    def capture(self, call_kwargs: Mapping[str, Any]) -> Iterator[list[torch.Tensor]]:
-        """Record one score tensor per tower run while the context is open."""
-        out: list[torch.Tensor] = []
-
-        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            scores = self._scores(_hidden_states(args, kwargs))
-            out.append(self.finish(scores, call_kwargs) if self.finish else scores.reshape(-1))
-
-        handle = self.block.attention.register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            yield out
-        finally:
-            handle.remove()
+    def _score_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call_kwargs: Mapping[str, Any]) -> torch.Tensor:
+        scores = self._scores(_hidden_states(args, kwargs))
+        return self.finish(scores, call_kwargs) if self.finish else scores.reshape(-1)
 
     @torch.no_grad()
     def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -97,7 +110,7 @@ class ClsAttentionScorer:
         return scores[:, 1:]
 
 
-class ReceivedAttentionScorer:
+class ReceivedAttentionScorer(_HookedScorer):
     """Scores tokens by the attention they receive from every token of their image (no CLS token).
 
     For Qwen-VL: hooks one vision block's attention (packed sequence, ``cu_seqlens`` per image,
@@ -113,23 +126,12 @@ class ReceivedAttentionScorer:
         self.merge = merge
         self.order = order
 
-    @contextmanager
-    def capture(self, call_kwargs: Mapping[str, Any]) -> Iterator[list[torch.Tensor]]:
-        """Record one score tensor per tower run while the context is open."""
-        out: list[torch.Tensor] = []
-
-        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            cu_seqlens = kwargs["cu_seqlens"] if "cu_seqlens" in kwargs else args[1]
-            scores = self._scores(_hidden_states(args, kwargs), cu_seqlens, kwargs.get("position_embeddings"))
-            merged = scores.view(-1, self.merge).sum(dim=-1)
-            order = self.order(call_kwargs)
-            out.append(merged if order is None else merged[torch.argsort(order.to(merged.device))])
-
-        handle = self.block.attention.register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            yield out
-        finally:
-            handle.remove()
+    def _score_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], call_kwargs: Mapping[str, Any]) -> torch.Tensor:
+        cu_seqlens = kwargs["cu_seqlens"] if "cu_seqlens" in kwargs else args[1]
+        scores = self._scores(_hidden_states(args, kwargs), cu_seqlens, kwargs.get("position_embeddings"))
+        merged = scores.view(-1, self.merge).sum(dim=-1)
+        order = self.order(call_kwargs)
+        return merged if order is None else merged[torch.argsort(order.to(merged.device))]
 
     @torch.no_grad()
     def _scores(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, rope: Any) -> torch.Tensor:
