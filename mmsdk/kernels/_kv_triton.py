@@ -145,6 +145,19 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
 
 
 @triton.jit
+def split_weights(pl_ptr, bh, n_splits, BLOCK_S: tl.constexpr):
+    """(split ids, valid mask, weight of each split's partial, sum of weights) from the splits' log-sum-exp."""
+    rs = tl.arange(0, BLOCK_S)
+    s_ok = rs < n_splits
+    lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row with no keys: every weight 0, total 1
+    w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
+    total = tl.sum(w, 0)
+    return rs, s_ok, w, tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
 def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h,
                    BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
     """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D]."""
@@ -152,14 +165,7 @@ def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so
     b = bh // HQ
     h = bh % HQ
     hk = h // G
-    rs = tl.arange(0, BLOCK_S)
-    s_ok = rs < n_splits
-    lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
-    total = tl.sum(w, 0)
-    total = tl.where(total == 0.0, 1.0, total)
+    rs, s_ok, w, total = split_weights(pl_ptr, bh, n_splits, BLOCK_S)
     rd = tl.arange(0, BLOCK_HD)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]
     oe = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
@@ -261,14 +267,7 @@ def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_
     b = bh // HQ
     h = bh % HQ
     hk = h // G
-    rs = tl.arange(0, BLOCK_S)
-    s_ok = rs < n_splits
-    lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
-    total = tl.sum(w, 0)
-    total = tl.where(total == 0.0, 1.0, total)
+    rs, s_ok, w, total = split_weights(pl_ptr, bh, n_splits, BLOCK_S)
     rd = tl.arange(0, D)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
     o = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
