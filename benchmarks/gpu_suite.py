@@ -16,7 +16,8 @@ import platform
 import statistics
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -97,21 +98,29 @@ def section_w4a16(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def kv_problem(hq: int, hkv: int, ctx: int, d: int, device: str = "cuda") -> tuple[Any, ...]:
+    """Random batch-1 decode inputs: (scale, codec, q, bf16 K, bf16 V, int4 K codes, int4 V codes, length)."""
+    from mmsdk.plugins.quantizers.quantized_cache import StaticCodec
+
+    scale = torch.rand(hkv, d, device=device) * 0.05 + 0.02
+    codec = StaticCodec("int4", scale)
+    kbf = torch.randn(1, hkv, ctx, d, device=device, dtype=torch.bfloat16)
+    vbf = torch.randn(1, hkv, ctx, d, device=device, dtype=torch.bfloat16)
+    kc, vc = codec.encode(kbf).data.contiguous(), codec.encode(vbf).data.contiguous()
+    length = torch.tensor([ctx], device=device)
+    q = torch.randn(1, hq, 1, d, device=device, dtype=torch.bfloat16)
+    return scale, codec, q, kbf, vbf, kc, vc, length
+
+
 def section_kv(quick: bool) -> list[dict[str, Any]]:
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
-    from mmsdk.plugins.quantizers.quantized_cache import Packed, StaticCodec
+    from mmsdk.plugins.quantizers.quantized_cache import Packed
 
     rows = []
     for label, hq, hkv in (("llava MHA 32/32", 32, 32), ("qwen2-vl GQA 28/4", 28, 4)):
         for ctx in (4096, 16384):
             d = 128
-            scale = torch.rand(hkv, d, device="cuda") * 0.05 + 0.02
-            codec = StaticCodec("int4", scale)
-            kbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
-            vbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
-            kc, vc = codec.encode(kbf).data.contiguous(), codec.encode(vbf).data.contiguous()
-            length = torch.tensor([ctx], device="cuda")
-            q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+            scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
             out = decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5)
             kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
             err = rel(out, reference_decode_attention(q, kd, vd, d**-0.5))
@@ -134,7 +143,7 @@ def section_norm(quick: bool) -> list[dict[str, Any]]:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except Exception as error:  # liger missing: its columns stay empty
         print("liger unavailable:", error)
-        LigerRMSNormFunction = liger_rotary_pos_emb = None  # noqa: N806
+        LigerRMSNormFunction = liger_rotary_pos_emb = None
     rows = []
     eager_add = torch.compile(ref.add_rms_norm) if False else ref.add_rms_norm
     for tokens in (1, 4096, 16384):
@@ -352,7 +361,7 @@ def section_memory(quick: bool) -> list[dict[str, Any]]:
             traceback.print_exc()
             rows.append({"row": name, "error": repr(error)[:500]})
         print(rows[-1], flush=True)
-        model = base = None  # noqa: F841
+        model = base = None
     return rows
 
 
@@ -378,7 +387,7 @@ def section_ttft(quick: bool) -> list[dict[str, Any]]:
             traceback.print_exc()
             rows.append({"keep_ratio": keep, "error": repr(error)[:500]})
         print(rows[-1], flush=True)
-        model = base = None  # noqa: F841
+        model = base = None
     return rows
 
 

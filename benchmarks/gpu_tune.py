@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 import traceback
-from typing import Any, Callable
-
-import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -138,20 +138,14 @@ def sweep_w4a16(deadline: float) -> list[dict[str, Any]]:
 
 
 def sweep_kv(deadline: float) -> list[dict[str, Any]]:
+    from benchmarks.gpu_suite import kv_problem
     from mmsdk.kernels.kv_decode import decode_attention
-    from mmsdk.plugins.quantizers.quantized_cache import StaticCodec
 
     rows = []
     for label, hq, hkv in (("MHA 32/32", 32, 32), ("GQA 28/4", 28, 4)):
         for ctx in (4096, 16384):
             d = 128
-            scale = torch.rand(hkv, d, device="cuda") * 0.05 + 0.02
-            codec = StaticCodec("int4", scale)
-            kbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
-            vbf = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
-            kc, vc = codec.encode(kbf).data.contiguous(), codec.encode(vbf).data.contiguous()
-            length = torch.tensor([ctx], device="cuda")
-            q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+            scale, _, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
             sdpa = gtime(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
             results = []
             for bt in (32, 64, 128):
