@@ -116,9 +116,9 @@ def _reason_on_cuda(model, processor):
 
 
 @pytest.mark.parametrize(("passes", "expected"), [
-    ((TokenPruneConfig(strategy="fastv", layer=1),), "fastv"),  # per-layer cache lengths
-    (("sparse-xattn",), "sparse-xattn"),  # a layout over each call's mask and the cached keys
-    (("fp8-kv",), "['fp8-kv'] have not declared"),  # not checked on the fast path: opt-in per pass
+    ((TokenPruneConfig(strategy="fastv", layer=1),), "['token-prune']"),  # fastv: per-layer cache lengths
+    (("sparse-xattn",), "['sparse-xattn']"),  # a layout over each call's mask and the cached keys
+    (("fp8-kv",), "['fp8-kv'] are not declared"),  # not checked on the fast path: opt-in per pass
     (("qkv-fuse", "int4-kv", "token-prune"), None),
 ])
 def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, session, tiny):

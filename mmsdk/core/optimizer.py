@@ -94,9 +94,9 @@ class Optimizer:
         self._run_pending()
         from mmsdk.kernels.fast_generate import install
 
-        unproven = [r.name for r in self.results if not self.session.passes.get(r.name).fast_generate]
+        unproven = [r.name for r in self.results if not self.session.passes.get(r.name).takes_fast_generate(r.config)]
         install(self._model, self.adapter,
-                refusal=f"passes {unproven} have not declared the fast path safe" if unproven else None)
+                refusal=f"passes {unproven} are not declared safe for the fast path" if unproven else None)
         return self._model
 
     def report(

@@ -56,15 +56,20 @@ class PassSpec:
     # True, or a function of the pass's config saying whether this config needs data (awq vs rtn).
     needs_calibration: bool | Callable[[Any], bool] = False
     kind: PassKind | None = None
-    # True when the pass's model answers the same through mmsdk's fast generate path on CUDA (static
-    # cache, chunked prefill, CUDA graphs), checked by the pass's tests; a model with any pass that does
-    # not say so generates through transformers' own loop.
-    fast_generate: bool = False
+    # True (or a function of the config saying so) when the pass's model answers the same through
+    # mmsdk's fast generate path on CUDA (static cache, chunked prefill, CUDA graphs), checked by the
+    # pass's tests; a model with any pass that does not say so generates through transformers' loop.
+    fast_generate: bool | Callable[[Any], bool] = False
 
     def wants_calibration(self, config: Any) -> bool:
         """Whether running this pass with ``config`` needs a calibration set."""
         needs = self.needs_calibration
         return bool(needs(config)) if callable(needs) else bool(needs)
+
+    def takes_fast_generate(self, config: Any) -> bool:
+        """Whether a model with this pass (and ``config``) may generate through mmsdk's fast path."""
+        safe = self.fast_generate
+        return bool(safe(config)) if callable(safe) else bool(safe)
 
     def with_kind(self, kind: PassKind) -> PassSpec:
         """Return this spec stamped with the kind of the hook that registered it."""

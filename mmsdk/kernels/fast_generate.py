@@ -84,11 +84,9 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda":
         return "cpu"
-    from mmsdk.plugins._forward import plain_generate_reasons
-
-    passes = [*filter(None, [model.__dict__.get(_REFUSAL)]), *plain_generate_reasons(model)]
-    if passes:
-        return "; ".join(passes)
+    refusal = model.__dict__.get(_REFUSAL)
+    if refusal:
+        return refusal
     if args:
         return "positional arguments to generate()"
     extra = sorted(set(kwargs) - _PASSTHROUGH)

@@ -24,15 +24,12 @@ __all__ = [
     "foreign_forward",
     "innermost_override",
     "module_body",
-    "plain_generate_reasons",
     "rebind_global",
-    "require_plain_generate",
     "set_forward_body",
 ]
 
 BODY_ATTR = "_mmsdk_body"
 _DISPATCH_ATTR = "_mmsdk_dispatch"
-_PLAIN_GENERATE_ATTR = "_mmsdk_plain_generate"
 
 
 def module_body(module: nn.Module) -> Callable[..., Any]:
@@ -146,19 +143,3 @@ def innermost_override(module: nn.Module, make: Callable[[Callable[..., Any]], C
             state[key] = previous
         else:
             del state[key]
-
-
-def require_plain_generate(model: nn.Module, reason: str) -> None:
-    """Record that a pass needs transformers' own generate loop (whole prompt in one call, dynamic cache).
-
-    mmsdk's fast generate path (static cache, chunked prefill, CUDA graphs) then leaves the model's
-    generate() calls to transformers.
-    """
-    reasons = model.__dict__.setdefault(_PLAIN_GENERATE_ATTR, [])
-    if reason not in reasons:
-        reasons.append(reason)
-
-
-def plain_generate_reasons(model: nn.Module) -> list[str]:
-    """Why ``model`` must generate through transformers' own loop (empty when the fast path may run)."""
-    return list(model.__dict__.get(_PLAIN_GENERATE_ATTR, ()))

@@ -28,7 +28,7 @@ from mmsdk.core.config import PassConfig
 from mmsdk.core.errors import IncompatiblePassError
 from mmsdk.core.passes import CheckContext, PassContext, PassSpec
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins._forward import body_function, rebind_global, require_plain_generate, set_forward_body
+from mmsdk.plugins._forward import body_function, rebind_global, set_forward_body
 from mmsdk.plugins._runtime import ModelRuntime, runtime_of
 from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs, layout_csr
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
@@ -213,8 +213,6 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
     names = {id(m): n for n, m in model.named_modules()}
     targets = _targets(model, adapter)
     runtime = runtime_of(model, adapter)
-    # its block grid and image-key ranking read the call's full mask and the cache's real length
-    require_plain_generate(model, "sparse-xattn lays its block grid over each call's mask and the cached keys")
     masks = _cross_masks(runtime) if targets and targets[0][1] == "cross" else _inline_masks(runtime)
     for attention, kind in targets:
         spec = BlockSparseSpec(config, kind)

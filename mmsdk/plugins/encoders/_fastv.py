@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mmsdk.kernels.norm_rope import rope_qk
-from mmsdk.plugins._forward import add_forward_wrapper, require_plain_generate
+from mmsdk.plugins._forward import add_forward_wrapper
 from mmsdk.plugins._runtime import ModelRuntime, cache_of
 
 if TYPE_CHECKING:
@@ -163,8 +163,6 @@ def install_fastv(model: nn.Module, adapter: ModelAdapter, runtime: ModelRuntime
                   kept: Callable[[int], int]) -> None:
     """Score at layer ``layer - 1``, prune from layer ``layer`` on."""
     state = _FastV(adapter, runtime, kept)
-    # the score row at layer K - 1 needs the whole prompt in one call; later layers cache fewer tokens
-    require_plain_generate(model, "token-prune fastv keeps caches of different lengths per layer")
     layers = adapter.decoder_layers(model)
     attention = adapter.self_attention(layers[layer - 1])
     attention.register_forward_pre_hook(state.score, with_kwargs=True)
