@@ -325,6 +325,10 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
            lambda **kw: model._mmsdk_fast_generate(**kw))
     del model
     torch.cuda.empty_cache()
+    model = optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
+    record("mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv (fast generate)", model, kv_int4)
+    del model
+    torch.cuda.empty_cache()
     return rows
 
 

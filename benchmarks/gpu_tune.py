@@ -51,9 +51,14 @@ def check_w4a16() -> list[dict[str, Any]]:
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
-    cases = [((1, 4096, 4096), True, (16, 2, 4, 1, False), None), ((1, 1000, 4000), False, (8, 4, 4, 1, False), 5),
-             ((3, 4096, 11008), True, (16, 2, 4, 4, False), None), ((16, 4096, 4096), False, (32, 1, 4, 16, True), None),
-             ((16, 512, 4096), True, (16, 1, 4, 8, False), 3), ((7, 300, 1024), True, None, None)]
+    cases = [((1, 4096, 4096), True, (16, 2, 4, 1, "fma"), None), ((1, 1000, 4000), False, (8, 4, 4, 1, "fma"), 5),
+             ((3, 4096, 11008), True, (16, 2, 4, 4, "fma"), None), ((16, 4096, 4096), False, (32, 1, 4, 16, "dot"), None),
+             ((16, 512, 4096), True, (16, 1, 4, 8, "fma"), 3), ((7, 300, 1024), True, None, None),
+             ((1, 4096, 4096), True, (16, 2, 4, 1, "sub"), None), ((1, 1000, 4000), False, (8, 4, 4, 1, "sub"), 5),
+             ((1, 22016, 4096), True, (32, 1, 4, 1, "sub"), 1), ((4, 4096, 11008), False, (16, 2, 4, 4, "sub"), None),
+             ((16, 512, 4096), True, (16, 1, 4, 16, "sub"), 3), ((1, 4096, 4096), True, (16, 4, 4, 1, "subp"), None),
+             ((1, 1000, 4000), False, (8, 4, 4, 1, "subp"), 5), ((1, 22016, 4096), True, (32, 2, 8, 1, "subp"), 1),
+             ((4, 4096, 11008), False, (32, 2, 4, 4, "subp"), None), ((1, 4096, 11008), True, (16, 4, 4, 1, "subp", 264), None)]
     for (m, n, k), sym, cfg, splits in cases:
         p = quantize_int4(torch.randn(n, k, device="cuda"), 128, symmetric=sym, scale_dtype=torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -95,19 +100,20 @@ def check_kv() -> list[dict[str, Any]]:
 SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008), "o_proj": (4096, 4096)}
 
 
-def gemv_space(m: int) -> list[tuple[int, int, int, int, bool]]:
+def gemv_space(m: int) -> list[tuple[Any, ...]]:
+    """GEMV configurations to sweep: the prefetching subnormal kernel widely, the other kinds as reference."""
     if m == 1:
-        return [(bn, bg, w, 1, False) for bn in (8, 16, 32) for bg in (1, 2, 4) for w in (4, 8)
-                if bn * bg <= 64]
+        return ([(bn, bg, w, 1, "flatp") for bn, bg, w in ((16, 4, 4), (32, 4, 4), (64, 4, 8), (16, 8, 8), (32, 8, 8),
+                                                           (64, 2, 4), (32, 2, 2))]
+                + [(32, 4, 4, 1, "subp"), (16, 4, 4, 1, "subp"), (16, 2, 4, 1, "fma")])
     if m == 4:
-        return [(bn, bg, 4, 4, False) for bn in (8, 16, 32) for bg in (1, 2)] + [(32, 1, 4, 16, True),
-                                                                                 (64, 1, 4, 16, True)]
-    return [(bn, bg, w, 16, True) for bn in (16, 32, 64) for bg in (1, 2) for w in (4, 8)] + [(16, 1, 4, 16, False)]
+        return [(32, 2, 4, 4, "subp"), (16, 4, 4, 4, "flatp"), (32, 4, 4, 4, "flatp")]
+    return [(32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")]
 
 
 def sweep_w4a16(deadline: float) -> list[dict[str, Any]]:
-    from mmsdk.kernels.w4a16 import gemv_splits, w4a16_gemv
-    from mmsdk.plugins.quantizers.packing import quantize_int4
+    from mmsdk.kernels.w4a16 import gemv_splits, w4a16_gemv, w4a16_matmul
+    from mmsdk.plugins.quantizers.packing import quantize_int4, to_tinygemm
 
     rows = []
     for m in (1, 4, 16):
@@ -116,7 +122,14 @@ def sweep_w4a16(deadline: float) -> list[dict[str, Any]]:
             dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             bf16 = gtime(lambda: torch.nn.functional.linear(x, dense))
-            best = None
+            tiny_w, tiny_sz = to_tinygemm(p)
+            tiny = gtime(lambda: torch.ops.aten._weight_int4pack_mm(x, tiny_w, 128, tiny_sz))
+            best: dict[str, tuple[float, Any, int]] = {}
+            if m > 1:
+                for cfg in ((32, 256, 4, 4), (16, 512, 4, 3), (64, 256, 4, 3), (32, 128, 4, 4)):
+                    t = gtime(lambda: w4a16_matmul(x, p.qweight, p.scales, None, 128, None, config=cfg))
+                    if "fused" not in best or t < best["fused"][0]:
+                        best["fused"] = (t, cfg, 1)
             for cfg in gemv_space(m):
                 base = gemv_splits(n, k // 128, cfg[0], cfg[1])
                 for splits in sorted({1, max(1, base // 2), base, base * 2}):
@@ -127,20 +140,25 @@ def sweep_w4a16(deadline: float) -> list[dict[str, Any]]:
                     except Exception as error:
                         print("skip", cfg, splits, type(error).__name__, str(error)[:100])
                         continue
-                    if best is None or t < best[0]:
-                        best = (t, cfg, splits)
-            if best is None:
+                    if cfg[4] not in best or t < best[cfg[4]][0]:
+                        best[cfg[4]] = (t, cfg, splits)
+            if not best:
                 continue
-            rows.append({"M": m, "shape": name, "bf16_us": bf16, "best_us": best[0], "cfg": best[1],
-                         "splits": best[2], "speedup": bf16 / best[0]})
+            top = min(best.values(), key=lambda b: b[0])
+            rows.append({"M": m, "shape": name, "bf16_us": bf16, "tinygemm_us": tiny, "best_us": top[0],
+                         "cfg": top[1], "splits": top[2], "speedup": bf16 / top[0], "vs_tinygemm": tiny / top[0],
+                         "best_by_kind": {kind: {"us": b[0], "cfg": b[1], "splits": b[2]} for kind, b in best.items()},
+                         "TBps": (p.qweight.numel() + p.scales.numel() * 2) / top[0] / 1e6})
             print(rows[-1], flush=True)
     return rows
 
 
 def sweep_kv(deadline: float) -> list[dict[str, Any]]:
+    """Each int4 decode variant over its configuration candidates, MHA and GQA, 4k and 16k, against SDPA on bf16."""
     from benchmarks.gpu_suite import kv_problem
-    from mmsdk.kernels.kv_decode import decode_attention
+    from mmsdk.kernels.kv_decode import _GQA_CANDIDATES, _WORD_CANDIDATES, decode_attention
 
+    old_space = [(bt, w, t) for bt in (32, 64) for w in (2, 4) for t in (528, 1056)]
     rows = []
     for label, hq, hkv in (("MHA 32/32", 32, 32), ("GQA 28/4", 28, 4)):
         for ctx in (4096, 16384):
@@ -148,24 +166,29 @@ def sweep_kv(deadline: float) -> list[dict[str, Any]]:
             scale, _, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
             sdpa = gtime(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
             results = []
-            for bt in (32, 64, 128):
-                for warps in (2, 4, 8):
-                    for target in (264, 528, 1056, 2112):
-                        if time.perf_counter() > deadline:
-                            break
-                        cfg = (bt, warps, target)
-                        try:
-                            t = gtime(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5,
-                                                               config=cfg))
-                        except Exception as error:
-                            print("skip", cfg, type(error).__name__, str(error)[:100])
-                            continue
-                        results.append((t, cfg))
+            spaces = {"subnormal": _WORD_CANDIDATES if hq == hkv else _GQA_CANDIDATES, "magic": old_space,
+                      "generic": [None]}
+            for variant, space in spaces.items():
+                for cfg in space:
+                    if time.perf_counter() > deadline:
+                        break
+                    try:
+                        t = gtime(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5,
+                                                           config=cfg, variant=variant))
+                    except Exception as error:
+                        print("skip", variant, cfg, type(error).__name__, str(error)[:100])
+                        continue
+                    results.append((t, variant, cfg))
             if not results:
                 continue
-            results.sort()
-            rows.append({"heads": label, "ctx": ctx, "sdpa_us": sdpa, "best_us": results[0][0], "cfg": results[0][1],
-                         "ratio": results[0][0] / sdpa, "top5": results[:5]})
+            results.sort(key=lambda r: r[0])
+            best_by_variant = {}
+            for t, variant, cfg in results:
+                best_by_variant.setdefault(variant, {"us": t, "cfg": cfg, "ratio": t / sdpa})
+            rows.append({"heads": label, "ctx": ctx, "sdpa_us": sdpa, "best_us": results[0][0],
+                         "variant": results[0][1], "cfg": results[0][2], "ratio": results[0][0] / sdpa,
+                         "best_by_variant": best_by_variant,
+                         "TBps": kc.numel() * 2 / results[0][0] / 1e6})
             print(rows[-1], flush=True)
     return rows
 
@@ -220,6 +243,47 @@ def memory_probe() -> dict[str, Any]:
     finally:
         suite.llava_config = original
         fast_generate.PREFILL_CHUNK = 1024
+    return out
+
+
+def decode_profile() -> dict[str, Any]:
+    """Decode step on LLaVA-1.5-7B shapes (1k context) for two pass stacks, and where its GPU time goes.
+
+    The breakdown is torch.profiler's device time per kernel name over a 32-token fast generate
+    (CUDA-graph replays included), divided by the number of graph-replayed steps.
+    """
+    import benchmarks.gpu_suite as suite
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = suite.llava_inputs(1, 1024, images=False)
+    out: dict[str, Any] = {}
+    stacks = (("int4-weight + int4-kv", ("int4-weight",)),
+              ("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv",
+               ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")))
+    for label, passes in stacks:
+        try:
+            model = suite.optimized(suite.build_llava(), passes, kv=True)
+            row: dict[str, Any] = dict(suite.decode_rate(model, inputs, 128, 3))
+            new = 32
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model.generate(**inputs, max_new_tokens=new, do_sample=False)
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+            kernels.sort(key=lambda e: -e.device_time_total)
+            total = sum(e.device_time_total for e in kernels)
+            row["profiled_tokens"] = new
+            row["gpu_time_ms_total"] = total / 1e3
+            row["top_kernels"] = [{"name": e.key[:90], "calls": e.count, "ms_total": e.device_time_total / 1e3,
+                                   "us_per_call": e.device_time_total / max(1, e.count)} for e in kernels[:30]]
+            out[label] = row
+            print(label, {k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
+            for k in row["top_kernels"]:
+                print(f"   {k['ms_total']:8.2f} ms {k['calls']:6d} x {k['us_per_call']:7.1f} us  {k['name']}", flush=True)
+            del model
+            torch.cuda.empty_cache()
+        except Exception as error:
+            traceback.print_exc()
+            out[label] = {"error": repr(error)[:500]}
     return out
 
 

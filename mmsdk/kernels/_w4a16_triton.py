@@ -173,3 +173,221 @@ def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.c
     if HAS_BIAS:
         acc += tl.load(b_ptr + r % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def nibble_factor(P: tl.constexpr):
+    """2**(85 - P): turns a nibble left at bit position ``P`` of a subnormal float into ``code * 2**-64``."""
+    if P == 0:
+        return 3.8685626227668134e+25  # 2**85
+    elif P == 4:
+        return 2.4178516392292583e+24  # 2**81
+    elif P == 8:
+        return 1.5111572745182865e+23  # 2**77
+    elif P == 12:
+        return 9.44473296573929e+21  # 2**73
+    else:
+        return 5.902958103587057e+20  # 2**69
+
+
+@triton.jit
+def load_step(x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g0, g_end, k_blocks, KW, K_in,
+              GROUP: tl.constexpr, WPG: tl.constexpr):
+    """One step's operands: words [BN, BG, WPG], scales [BN, BG] and the 8 activation tensors [BG, WPG]."""
+    g = g0 + rg
+    g_ok = g < g_end
+    ok2 = n_ok[:, None] & g_ok[None, :]
+    words = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * KW + g[None, :, None] * WPG + rw[None, None, :],
+                    mask=ok2[:, :, None], other=0)
+    s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok2, other=0.0)
+    k = g0 * GROUP + k2
+    x0 = load_x(x_row + k, g_ok, k, K_in, 0)
+    x1 = load_x(x_row + k, g_ok, k, K_in, 1)
+    x2 = load_x(x_row + k, g_ok, k, K_in, 2)
+    x3 = load_x(x_row + k, g_ok, k, K_in, 3)
+    x4 = load_x(x_row + k, g_ok, k, K_in, 4)
+    x5 = load_x(x_row + k, g_ok, k, K_in, 5)
+    x6 = load_x(x_row + k, g_ok, k, K_in, 6)
+    x7 = load_x(x_row + k, g_ok, k, K_in, 7)
+    return words, s, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def load_x(x, g_ok, k, K_in, J: tl.constexpr):
+    """Activations ``x[k + J]`` for each word's first ``k`` (zero past the real K: padded layers)."""
+    return tl.load(x + J, mask=g_ok[:, None] & (k + J < K_in), other=0.0)
+
+
+@triton.jit
+def nibble_term(t, masked, xj, P: tl.constexpr):
+    """``t + code * x * 2**-64`` for a nibble left at bit ``P`` of ``masked`` (a subnormal once bitcast)."""
+    xf = xj.to(tl.float32) * nibble_factor(P)
+    return t + masked.to(tl.float32, bitcast=True) * xf[None, :, :]
+
+
+@triton.jit
+def step_sum(words, x0, x1, x2, x3, x4, x5, x6, x7):
+    """``sum over the 8 nibbles of code * x * 2**-64`` per word, [BN, BG, WPG], and ``sum x * 2**-64``."""
+    high = words >> 20  # nibbles 5..7 at bits 0..11 (the sign extension is masked off below)
+    t = nibble_term(0.0, words & 15, x0, 0)
+    t = nibble_term(t, words & 0xF0, x1, 4)
+    t = nibble_term(t, words & 0xF00, x2, 8)
+    t = nibble_term(t, words & 0xF000, x3, 12)
+    t = nibble_term(t, words & 0xF0000, x4, 16)
+    t = nibble_term(t, high & 15, x5, 0)
+    t = nibble_term(t, high & 0xF0, x6, 4)
+    t = nibble_term(t, high & 0xF00, x7, 8)
+    xs = (x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32) + x4.to(tl.float32)
+          + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)) * 5.421010862427522e-20  # 2**-64
+    return t, xs
+
+
+@triton.jit
+def gemv_subnormal(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
+                   stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   DIRECT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr):
+    """:func:`gemv` for one activation row per program with about one integer instruction per nibble.
+
+    Why: ``(w >> 4j) & 15 | magic`` spends two or three int ops per nibble, and a Hopper SM issues
+    128 fp32 lanes but only 64 int32 lanes per clock. Here a nibble is masked in place,
+    ``w & (15 << 4j)``, and the masked word is read as an fp32 bit pattern: with the nibble in
+    mantissa bits 0..19 that is the subnormal ``code * 2**(4j - 149)``, exact. Multiplying it by
+    ``x * 2**(85 - 4j)`` (prepared once per activation, shared by all BLOCK_N rows) gives
+    ``code * x * 2**-64`` in one FMA; nibbles 5..7 come from one shift by 20. The zero point folds
+    out per group (``s * (sum c x - z sum x)``) and the 2**-64 at the end (exact; activations up to
+    2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without ``.ftz``, Triton's
+    default); the GPU tests compare against the reference and would catch a flush.
+
+    Every tensor is 3-D ``[BN, BG, WPG]`` or a slice of it, so no step moves data between threads
+    (a 4-D row axis made the compiler convert the eight nibble products through shared memory).
+    With ``PREFETCH`` the next step's words, scales and activations are loaded before this step's
+    arithmetic, so each program keeps two steps of loads in flight.
+    """
+    WPG: tl.constexpr = GROUP // 8
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_blocks = KW // WPG
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rg, rw = tl.arange(0, BLOCK_G), tl.arange(0, WPG)
+    n_ok = rn < N
+    k2 = rg[:, None] * GROUP + rw[None, :] * 8  # first k of each word in a step, [BG, WPG]
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)
+    g_begin = split * groups_per_split
+    g_end = tl.minimum(g_begin + groups_per_split, k_blocks)
+    if PREFETCH:
+        words, s, x0, x1, x2, x3, x4, x5, x6, x7 = load_step(
+            x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g_begin, g_end, k_blocks, KW, K_in, GROUP, WPG)
+    for g0 in range(g_begin, g_end, BLOCK_G):
+        if PREFETCH:
+            (words_n, s_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n) = load_step(
+                x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g0 + BLOCK_G, g_end, k_blocks, KW, K_in, GROUP, WPG)
+        else:
+            words, s, x0, x1, x2, x3, x4, x5, x6, x7 = load_step(
+                x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g0, g_end, k_blocks, KW, K_in, GROUP, WPG)
+        if HAS_ZP:
+            g = g0 + rg
+            ok2 = n_ok[:, None] & (g < g_end)[None, :]
+            zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok2, other=0)
+            z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N, BLOCK_G), 8.0, tl.float32)
+        t, xs = step_sum(words, x0, x1, x2, x3, x4, x5, x6, x7)
+        acc += s.to(tl.float32)[:, :, None] * (t - z[:, :, None] * xs[None, :, :])
+        if PREFETCH:
+            words, s, x0, x1, x2, x3, x4, x5, x6, x7 = words_n, s_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n
+    out = tl.sum(tl.sum(acc, 2), 1) * 1.8446744073709552e+19  # undo 2**-64
+    dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
+    if DIRECT:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(dst, out, mask=n_ok)
+
+
+@triton.jit
+def load_words_2d(x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, cw, w_end, k_blocks, KW, K_in, stride_zn,
+                  WPG: tl.constexpr, HAS_ZP: tl.constexpr):
+    """One step of :func:`gemv_subnormal_2d`: words, per-word scale and zero point [BN, BW], activations [BW] x 8."""
+    c_ok = cw < w_end
+    ok = n_ok[:, None] & c_ok[None, :]
+    words = tl.load(w_ptr + rn[:, None].to(tl.int64) * KW + cw[None, :], mask=ok, other=0)
+    g = cw // WPG
+    s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok, other=0.0)
+    if HAS_ZP:
+        zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok, other=0)
+        z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+    else:
+        z = tl.full(words.shape, 8.0, tl.float32)
+    k = cw * 8
+    x0 = tl.load(x_row + k, mask=c_ok & (k < K_in), other=0.0)
+    x1 = tl.load(x_row + k + 1, mask=c_ok & (k + 1 < K_in), other=0.0)
+    x2 = tl.load(x_row + k + 2, mask=c_ok & (k + 2 < K_in), other=0.0)
+    x3 = tl.load(x_row + k + 3, mask=c_ok & (k + 3 < K_in), other=0.0)
+    x4 = tl.load(x_row + k + 4, mask=c_ok & (k + 4 < K_in), other=0.0)
+    x5 = tl.load(x_row + k + 5, mask=c_ok & (k + 5 < K_in), other=0.0)
+    x6 = tl.load(x_row + k + 6, mask=c_ok & (k + 6 < K_in), other=0.0)
+    x7 = tl.load(x_row + k + 7, mask=c_ok & (k + 7 < K_in), other=0.0)
+    return words, s, z, x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def term_2d(t, masked, xj, P: tl.constexpr):
+    """:func:`nibble_term` for a 2-D word tile and 1-D activations."""
+    return t + masked.to(tl.float32, bitcast=True) * (xj.to(tl.float32) * nibble_factor(P))[None, :]
+
+
+@triton.jit
+def gemv_subnormal_2d(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
+                      stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      DIRECT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr):
+    """:func:`gemv_subnormal` on a flat ``[BLOCK_N, BLOCK_W]`` word tile (BLOCK_W words of K per step).
+
+    Why flat: with K contiguous over the whole step the compiler spreads a warp's threads along K
+    and gives each thread several rows of the same words, so each activation it loads serves
+    ``BLOCK_N / num_warps`` rows (the 3-D tile put one row per thread: eight activation loads per
+    word). Scales and zero points are read per word (the four words a thread loads share a group).
+    """
+    WPG: tl.constexpr = GROUP // 8
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_blocks = KW // WPG
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_W)
+    n_ok = rn < N
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    w_begin = split * groups_per_split * WPG
+    w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
+    if PREFETCH:
+        words, s, z, x0, x1, x2, x3, x4, x5, x6, x7 = load_words_2d(
+            x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, w_begin + rw, w_end, k_blocks, KW, K_in, stride_zn, WPG, HAS_ZP)
+    for w0 in range(w_begin, w_end, BLOCK_W):
+        if PREFETCH:
+            (words_n, s_n, z_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n) = load_words_2d(
+                x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, w0 + BLOCK_W + rw, w_end, k_blocks, KW, K_in, stride_zn,
+                WPG, HAS_ZP)
+        else:
+            words, s, z, x0, x1, x2, x3, x4, x5, x6, x7 = load_words_2d(
+                x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, w0 + rw, w_end, k_blocks, KW, K_in, stride_zn, WPG, HAS_ZP)
+        high = words >> 20
+        t = term_2d(0.0, words & 15, x0, 0)
+        t = term_2d(t, words & 0xF0, x1, 4)
+        t = term_2d(t, words & 0xF00, x2, 8)
+        t = term_2d(t, words & 0xF000, x3, 12)
+        t = term_2d(t, words & 0xF0000, x4, 16)
+        t = term_2d(t, high & 15, x5, 0)
+        t = term_2d(t, high & 0xF0, x6, 4)
+        t = term_2d(t, high & 0xF00, x7, 8)
+        xs = (x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32) + x4.to(tl.float32)
+              + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)) * 5.421010862427522e-20  # 2**-64
+        acc += s.to(tl.float32) * (t - z * xs[None, :])
+        if PREFETCH:
+            words, s, z, x0, x1, x2, x3, x4, x5, x6, x7 = words_n, s_n, z_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n
+    out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
+    dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
+    if DIRECT:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(dst, out, mask=n_ok)

@@ -23,7 +23,8 @@ import torch
 
 from mmsdk.kernels import note_fallback, triton_ready
 
-__all__ = ["FORMATS", "append_kv", "attention_implementation", "decode_attention", "reference_decode_attention"]
+__all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention",
+           "reference_decode_attention"]
 
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
 _TARGET_PROGRAMS = 528  # about four per multiprocessor on an H100/H200
@@ -32,6 +33,10 @@ _PREFIX = "mmsdk_packed_kv_"
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
@@ -52,9 +57,9 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, v
 
 def _splits(rows: int, t_max: int, block_t: int, target: int = _TARGET_PROGRAMS) -> tuple[int, int]:
     """(number of splits, tokens per split) so that about ``target`` programs cover ``t_max``."""
-    wanted = max(1, min(-(-t_max // block_t), -(-target // rows)))
-    split_t = -(-(-(-t_max // wanted)) // block_t) * block_t
-    return -(-t_max // split_t), split_t
+    wanted = max(1, min(_ceil_div(t_max, block_t), _ceil_div(target, rows)))
+    split_t = _ceil_div(_ceil_div(t_max, wanted), block_t) * block_t
+    return _ceil_div(t_max, split_t), split_t
 
 
 def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d: int) -> bool:
@@ -63,28 +68,65 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
             and all(c.is_contiguous() and c.data_ptr() % 4 == 0 for c in (key_codes, value_codes)))
 
 
-def _word_config(group: int, d: int) -> tuple[int, int, int]:
-    """(BLOCK_T, num_warps, target programs) for the int4 word kernel (fastest in a sweep on an H200, MHA)."""
+# Decode kernels for int4 codes that read as int32 words: "subnormal" (nibbles decoded as subnormal floats,
+# per-thread V sums, lazy rescaling) and "magic" (nibbles OR-ed into 2**23, V reduced every tile); "generic"
+# is the byte kernel every format can use.
+VARIANTS = ("subnormal", "magic", "generic")
+# (BLOCK_T, num_warps, target programs) worth timing for the subnormal kernel. On an H200 (MHA 32 heads,
+# head_dim 128, benchmarks/gpu_tune.py sweep_kv) (32, 1, 1056) was fastest at 4k and 16k tokens.
+# More tokens per thread (BLOCK_T / warps) means more loads in flight and
+# more accumulator registers; one warp needs no barrier for the per-tile max. Compiled offline for sm_90
+# (Triton 3.6), every MHA candidate below fits in registers (128-228) without spills.
+_WORD_CANDIDATES = ((16, 1, 1056), (16, 1, 2112), (32, 1, 1056), (32, 2, 1056), (32, 2, 2112), (64, 2, 1056),
+                    (64, 4, 528), (64, 4, 1056), (128, 4, 528), (128, 8, 528))
+# GQA (BLOCK_G > 1) candidates: larger tiles or fewer warps spill registers (sm_90 offline compile).
+_GQA_CANDIDATES = ((8, 4, 264), (8, 4, 528), (8, 4, 1056), (16, 8, 528), (16, 4, 528))
+
+
+def _word_config(group: int, variant: str) -> tuple[int, int, int]:
+    """(BLOCK_T, num_warps, target programs) for an int4 word kernel ("magic": fastest in a sweep on an H200, MHA)."""
+    if variant == "subnormal":
+        return (8, 4, _TARGET_PROGRAMS) if group > 1 else (32, 1, 2 * _TARGET_PROGRAMS)
     if group >= 3:
         return 64, 4, _TARGET_PROGRAMS
     return 32, 2, 2 * _TARGET_PROGRAMS
 
 
+def _pick_variant(variant: str | None, words: bool, group: int) -> str:
+    """The kernel to run: ``variant`` if these inputs allow it, else the default for these inputs.
+
+    Defaults: "subnormal" for MHA words; "magic" for groups of 2 and "generic" (tensor cores) for larger
+    groups, where the subnormal kernel's [BLOCK_G, BLOCK_T, W] tiles go through shared memory.
+    """
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"decode variant {variant!r} is not one of {VARIANTS}; pass one of them or None")
+    if variant is not None and variant != "generic" and not words:
+        raise ValueError(f"decode variant {variant!r} needs int4 codes readable as int32 words (head_dim a power "
+                         "of two >= 16, contiguous codes); pass variant='generic' or None")
+    if variant is not None:
+        return variant
+    if not words or group >= 3:
+        return "generic"
+    return "subnormal" if group == 1 else "magic"
+
+
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
                      scaling: float, mask: torch.Tensor | None = None,
-                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     config: tuple[int, int, int] | None = None, variant: str | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
 
-    ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``config``
-    (BLOCK_T, num_warps, target programs) overrides the int4 word kernel's defaults (tuning).
+    ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
+    (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
+    target programs) pick an int4 word kernel and override its defaults (tuning).
     """
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
-    if _words_ready(key_codes, value_codes, fmt, d) and hq // key_codes.shape[1] < 3:
+    variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
+    if variant != "generic":
         return _decode_int4_words(query, key_codes, value_codes, key_scale, value_scale, length, scaling, mask,
-                                  config)
+                                  config, variant)
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
@@ -114,27 +156,34 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
-                       mask: torch.Tensor | None, config: tuple[int, int, int] | None) -> torch.Tensor:
+                       mask: torch.Tensor | None, config: tuple[int, int, int] | None,
+                       variant: str) -> torch.Tensor:
     """Flash-decoding over int4 codes read as int32 words (8 channels per load element)."""
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
-    use_dot = group >= 3
-    block_g = max(16, _pow2(group)) if use_dot else _pow2(group)
-    block_t, warps, target = config or _word_config(group, d)
+    block_t, warps, target = config or _word_config(group, variant)
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
-    _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
-        query, key_codes.view(torch.int32), value_codes.view(torch.int32), key_scale,
-        length, mask if mask is not None else lse, partial, lse,
-        query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
-        mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, split_t, float(scaling) * _kv_triton.LOG2E,
-        HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t, W=d // 8, num_warps=warps,
-    )
+    args = (query, key_codes.view(torch.int32), value_codes.view(torch.int32), key_scale,
+            length, mask if mask is not None else lse, partial, lse,
+            query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
+            mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, split_t, float(scaling) * _kv_triton.LOG2E)
+    if variant == "subnormal" and group == 1:
+        _kv_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
+            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, num_warps=warps)
+    elif variant == "subnormal":
+        _kv_triton.decode_partial_int4_subnormal[(b * h_kv, n_splits)](
+            *args, HAS_MASK=mask is not None, BLOCK_G=_pow2(group), BLOCK_T=block_t, W=d // 8, num_warps=warps)
+    else:
+        use_dot = group >= 3
+        _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
+            *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, _pow2(group)) if use_dot else
+            _pow2(group), BLOCK_T=block_t, W=d // 8, num_warps=warps)
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
         BLOCK_S=_pow2(n_splits), D=d, num_warps=4 if d >= 64 else 1,

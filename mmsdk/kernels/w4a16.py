@@ -4,7 +4,7 @@ The layout (see mmsdk/plugins/quantizers/packing.py): ``qweight`` uint8 ``[N, K/
 in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N, ceil(K/G / 2)]``
 (block ``2j`` in the low nibble of byte ``j``; absent means 8). ``w = (q - zero_point) * scale``.
 
-* One row (``M <= GEMV_MAX_M``, batch-1 decode): a split-K GEMV. Each program owns ``BLOCK_N`` output columns
+* Up to ``GEMV_MAX_M`` rows (decode): a split-K GEMV. Each program owns ``BLOCK_N`` output columns
   and one slice of K, reads the packed bytes as int32 words (8 nibbles each; the MatMulNBits layout
   is K-contiguous per output row, so these loads coalesce without any reordering), loads each
   group's scale once and multiplies in registers (or on the tensor cores for more rows); with
@@ -18,8 +18,13 @@ in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N
   by a Triton kernel and multiplied by cuBLAS (compute-bound there, so the tensor cores' best
   kernel wins; the copy lives only for that call).
 
-Block configurations are chosen per shape by timing a few candidates on first use (CUDA only;
-during CUDA-graph capture the first candidate is taken).
+For one row the GEMV candidates include the subnormal-nibble kernels (``gemv_subnormal`` /
+``gemv_subnormal_2d`` in _w4a16_triton.py: a nibble masked in place and read as an fp32 bit pattern is
+an exact subnormal, so each nibble costs one AND and one FMA).
+
+Block configurations are chosen per shape by timing the candidates on first use, each replayed from a
+CUDA graph (a decode-sized kernel is shorter than its Python launch); CUDA only, and during CUDA-graph
+capture or under the interpreter the first candidate is taken.
 """
 
 from __future__ import annotations
@@ -35,15 +40,24 @@ __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "int4_linear", "uns
            "w4a16_matmul"]
 
 FUSED_MAX_M = 64
-GEMV_MAX_M = 1  # at 4 and 16 rows the fused kernel below measured faster on an H200
+GEMV_MAX_M = 16
 _TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
-# GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, DOT) candidates per row bucket; the K split count is
-# derived from the shape (about _TARGET_PROGRAMS programs). The first entry is taken without timing.
-_GEMV_CANDIDATES: dict[int, tuple[tuple[int, int, int, int, bool], ...]] = {
-    1: ((16, 2, 4, 1, False), (32, 2, 4, 1, False), (8, 4, 4, 1, False), (32, 1, 4, 1, False), (16, 4, 8, 1, False),
-        (64, 1, 4, 1, False)),
-    4: ((16, 2, 4, 4, False), (32, 1, 4, 4, False), (8, 2, 4, 4, False), (32, 1, 4, 16, True)),
-    16: ((64, 2, 4, 16, True), (32, 1, 4, 16, True), (16, 2, 4, 8, False), (32, 2, 8, 16, True)),
+# GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND) candidates per row bucket. KIND: "flatp" / "flat"
+# (subnormal nibbles, one int op per nibble, on a flat [BLOCK_N, words] tile: gemv_subnormal_2d, with or
+# without the next step's loads issued before this step's math), "subp" / "sub" (the same on a 3-D
+# [BLOCK_N, groups, words] tile: gemv_subnormal), "fma" (shift-and-mask nibbles) or "dot" (tensor cores).
+# 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K, warps, stages): whichever kernel times fastest for
+# the shape runs. The K split count is derived from the shape: about _TARGET_PROGRAMS programs, or the
+# optional sixth entry of a GEMV config (fewer, longer programs suit the prefetching kernel). The first
+# entry is taken without timing (CUDA-graph capture, interpreter); the order follows an H200 sweep.
+_GEMV_KINDS = ("flatp", "flat", "subp", "sub", "fma", "dot")
+GemvConfig = tuple[Any, ...]  # (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs])
+_GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
+    1: ((16, 2, 4, 1, "fma"), (16, 2, 4, 1, "fma", 264), (32, 2, 2, 1, "flatp", 528), (32, 2, 2, 1, "flatp", 264),
+        (32, 4, 4, 1, "flatp", 264), (16, 4, 4, 1, "subp", 264), (32, 2, 4, 1, "fma", 528)),
+    4: ((32, 2, 4, 4, "subp", 264), (16, 4, 4, 4, "subp", 264), (64, 256, 4, 3), (32, 256, 4, 4),
+        (16, 2, 4, 4, "fma")),
+    16: ((64, 256, 4, 3), (32, 256, 4, 4), (32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")),
 }
 DTYPES = (torch.bfloat16, torch.float16)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates per row bucket; BLOCK_K is raised to the group size.
@@ -144,13 +158,14 @@ def w4a16_gemv(
     zero_points: torch.Tensor | None,
     block_size: int,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, bool] | None = None,
+    config: GemvConfig | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
-    ``config`` is (BLOCK_N, BLOCK_G groups per step, num_warps, BLOCK_M, DOT); ``splits`` the
-    number of K slices (derived from the shape when None).
+    ``config`` is (BLOCK_N, BLOCK_G groups per step, num_warps, BLOCK_M, KIND) with KIND "sub",
+    "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
+    shape when None).
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
@@ -160,36 +175,51 @@ def w4a16_gemv(
     key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
-    def launch(cfg: tuple[int, int, int, int, bool]) -> None:
-        _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
+    def launch(cfg: tuple[Any, ...]) -> None:
+        if len(cfg) == 4:  # a fused-kernel candidate
+            _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, 16, cfg)
+        else:
+            _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
 
     launch(config or _tuned(key, launch, _GEMV_CANDIDATES[bucket], block_size))
     return out
 
 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: tuple[int, int, int, int, bool],
+                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
                  splits: int | None) -> None:
     import triton
 
-    block_n, block_g, warps, block_m, dot = cfg
+    block_n, block_g, warps, block_m, kind = cfg[:5]
+    target_programs = cfg[5] if len(cfg) > 5 else _TARGET_PROGRAMS
+    if kind not in _GEMV_KINDS:
+        raise ValueError(f"GEMV kind {kind!r}: use one of {_GEMV_KINDS}.")
+    dot = kind == "dot"
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     block_m = max(16, block_m) if dot else min(block_m, triton.next_power_of_2(m))
-    wanted = splits or gemv_splits(n, k_blocks, block_n, block_g)
+    wanted = splits or gemv_splits(n, k_blocks, block_n, block_g, target_programs)
     per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
     n_splits = -(-k_blocks // per_split)
     direct = n_splits == 1
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), n_splits, triton.cdiv(m, block_m))
     kernels = _kernels()
-    kernels.gemv[grid](
-        x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
-        bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
-        zero_points.stride(0) if zero_points is not None else 0,
-        GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, DOT=dot, num_warps=warps,
-    )
+    args = (x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
+            bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
+            zero_points.stride(0) if zero_points is not None else 0)
+    flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps)
+    if kind in ("sub", "subp", "flat", "flatp"):  # one row per program (grid axis 2 is then the row)
+        del flags["BLOCK_M"]
+        grid = (grid[0], grid[1], m)
+        if kind.startswith("flat"):  # BLOCK_G groups per step as a flat tile of BLOCK_G * GROUP / 8 words
+            del flags["BLOCK_G"]
+            kernels.gemv_subnormal_2d[grid](*args, BLOCK_W=block_g * group // 8, PREFETCH=kind == "flatp", **flags)
+        else:
+            kernels.gemv_subnormal[grid](*args, PREFETCH=kind == "subp", **flags)
+    else:
+        kernels.gemv[grid](*args, DOT=dot, **flags)
     if not direct:
         block = 1024
         kernels.split_sum[(triton.cdiv(m * n, block),)](
@@ -242,16 +272,41 @@ def _tuned(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...],
         return table[key]
     if interpreting() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    from triton.testing import do_bench
-
     timings = []
     for cfg in dict.fromkeys(_fit(c, group) for c in candidates):
         try:
-            timings.append((do_bench(lambda c=cfg: launch(c), warmup=5, rep=25), cfg))
+            timings.append((_graph_time(lambda c=cfg: launch(c)), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
             note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
     table[key] = min(timings)[1] if timings else candidates[0]
     return table[key]
+
+
+def _graph_time(fn: Any, calls: int = 10, reps: int = 5) -> float:
+    """Median GPU milliseconds of one ``fn()``, replayed from a CUDA graph of ``calls`` calls.
+
+    Why a graph: a decode-sized kernel runs for 5-40 µs, less than its Python launch, so timing
+    eager calls measures the launcher and picks configurations at random.
+    """
+    fn()  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    torch.cuda.current_stream().wait_stream(stream)
+    return sorted(times)[len(times) // 2]
 
 
 def dequantize_packed(

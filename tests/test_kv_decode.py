@@ -1,0 +1,152 @@
+"""Packed int4 KV decode attention kernels (all variants) against the fp64 reference, on fresh random codes.
+
+On CPU the kernels run under Triton's interpreter (fp32 / fp16 queries: the interpreter mishandles
+bf16) in a process of their own; on CUDA the compiled kernels run, which is where a flush of
+subnormals (the "subnormal" variant depends on them) would show up as wrong outputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmsdk.plugins.quantizers.quantized_cache import Packed, StaticCodec
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.cuda.is_available()
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # must be set before Triton first compiles anything
+WORD_VARIANTS = ("subnormal", "magic")
+
+
+@pytest.fixture
+def device():
+    """The device the kernels run on, skipping where they cannot run."""
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    if CUDA:
+        return "cuda"
+    if not INTERPRETING:
+        pytest.skip("interpreter checks run in their own process (test_kv_decode_under_the_interpreter)")
+    from tests import _interpreter
+
+    _interpreter.patch()
+    return "cpu"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _problem(device, hq, hkv, dim, t_max, length, dtype=torch.float32, key_codes=None, query=None):
+    """(query, codes, scales, length tensor, dequantized K, dequantized V) with random codes and scales."""
+    codes = [torch.randint(0, 256, (1, hkv, t_max, dim // 2), dtype=torch.uint8, device=device) for _ in range(2)]
+    if key_codes is not None:
+        codes[0] = key_codes
+    scales = [torch.rand(hkv, dim, device=device) * 0.3 + 0.05 for _ in range(2)]
+    deq = [StaticCodec("int4", s).decode(Packed(c[:, :, :length]), torch.float32, dim)
+           for c, s in zip(codes, scales, strict=True)]
+    if query is None:
+        query = torch.randn(1, hq, 1, dim, device=device)
+    count = torch.tensor([length], dtype=torch.int64, device=device)
+    return query.to(dtype), codes, scales, count, deq[0], deq[1]
+
+
+def _check(device, variant, config, hq, hkv, dim, t_max, length, dtype, masks, tol):
+    """Run one variant on a fresh problem with each mask and compare with the reference."""
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+
+    query, codes, scales, count, k_deq, v_deq = _problem(device, hq, hkv, dim, t_max, length, dtype)
+    for mask in masks:
+        out = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, mask, config=config, variant=variant)
+        assert out.dtype == dtype
+        assert _rel(out, reference_decode_attention(query, k_deq, v_deq, dim**-0.5, mask)) < tol
+
+
+@pytest.mark.parametrize("variant", WORD_VARIANTS)
+def test_mha_word_kernels_match_reference(device, variant):
+    torch.manual_seed(1)
+    # (dim, t_max, length, BLOCK_T, target programs): a length that is no multiple of BLOCK_T over several
+    # splits, a length far below t_max (most splits empty), head_dim 128 (16 words per token)
+    for dim, t_max, length, block_t, target in ((32, 100, 77, 16, 8), (32, 200, 5, 16, 16), (128, 48, 41, 16, 4)):
+        mask = torch.rand(1, length + 3, device=device) > 0.3
+        _check(device, variant, (block_t, 1, target), 2, 2, dim, t_max, length, torch.float32, (None, mask),
+               1e-4)  # interpreter fp32 ~5e-7 measured
+    mask = torch.rand(1, 80, device=device) > 0.3
+    _check(device, variant, None, 2, 2, 64, 80, 70, torch.float16, (None, mask), 3e-3)  # fp16 output ~2e-4
+
+
+@pytest.mark.parametrize("hq", [4, 7])
+def test_gqa_subnormal_kernel_matches_reference(device, hq):
+    torch.manual_seed(2)
+    mask = torch.rand(1, 60, device=device) > 0.3
+    # a group of 4, and of 7 (padded to 8 heads)
+    _check(device, "subnormal", (16, 4, 4), hq, 1, 32, 64, 57, torch.float32, (None, mask), 1e-4)  # ~5e-7
+
+
+def test_lazy_rescaling_follows_growing_scores(device):
+    """Later keys line up with q more and more, so the running max climbs many times past the slack."""
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+
+    torch.manual_seed(3)
+    dim, t_max, length = 32, 160, 150
+    query = torch.randn(1, 2, 1, dim, device=device) * 6
+    noise = torch.randint(-3, 4, (1, 2, t_max, dim), device=device)
+    trend = (torch.arange(t_max, device=device) * 8 // t_max)[None, None, :, None]
+    values = (noise + trend * query.sign().long()).clamp(-8, 7) + 8
+    key_codes = (values[..., 0::2] | (values[..., 1::2] << 4)).to(torch.uint8)
+    query, codes, scales, count, k_deq, v_deq = _problem(device, 2, 2, dim, t_max, length, key_codes=key_codes,
+                                                         query=query)
+    scores = (query.double() @ k_deq.double().transpose(-1, -2)) * dim**-0.5 * 1.4426950408889634
+    climb = scores[..., :length].cummax(-1).values
+    assert float((climb[..., -1] - climb[..., 15]).min()) > 32  # > 4 rescales of 8 (log2 units) after tile 1
+    expected = reference_decode_attention(query, k_deq, v_deq, dim**-0.5)
+    for variant in WORD_VARIANTS:
+        out = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, config=(16, 1, 2), variant=variant)
+        assert _rel(out, expected) < 1e-4  # interpreter fp32: subnormal ~1.4e-6, magic ~6e-7
+
+
+def test_leading_masked_tiles_and_empty_rows(device):
+    """Whole tiles masked before the first kept token, and a batch row whose mask keeps nothing, give no NaN."""
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+
+    torch.manual_seed(4)
+    query, codes, scales, count, k_deq, v_deq = _problem(device, 2, 2, 32, 96, 90)
+    mask = torch.rand(1, 96, device=device) > 0.3
+    mask[:, :50] = False
+    out = decode_attention(query, *codes, *scales, count, "int4", 32**-0.5, mask, config=(16, 1, 2),
+                           variant="subnormal")
+    assert _rel(out, reference_decode_attention(query, k_deq, v_deq, 32**-0.5, mask)) < 1e-4  # ~5e-7
+    out = decode_attention(query, *codes, *scales, count, "int4", 32**-0.5, torch.zeros_like(mask),
+                           config=(16, 1, 2), variant="subnormal")
+    assert not out.isnan().any() and float(out.abs().max()) == 0.0
+
+
+def test_variant_choice_is_validated(device):
+    from mmsdk.kernels.kv_decode import VARIANTS, decode_attention
+
+    assert VARIANTS[0] == "subnormal"
+    query, codes, scales, count, _, _ = _problem(device, 2, 2, 32, 20, 10)
+    with pytest.raises(ValueError, match="one of"):
+        decode_attention(query, *codes, *scales, count, "int4", 0.1, variant="fast")
+    int8_codes = [torch.zeros(1, 2, 20, 32, dtype=torch.int8, device=device) for _ in range(2)]
+    with pytest.raises(ValueError, match="int32 words"):
+        decode_attention(query, *int8_codes, *scales, count, "int8", 0.1, variant="subnormal")
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
+def test_kv_decode_under_the_interpreter():
+    """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~25 s)."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                             "-k", "not under_the_interpreter"], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "7 passed" in result.stdout, result.stdout[-2000:]
