@@ -54,11 +54,8 @@ def check_w4a16() -> list[dict[str, Any]]:
     cases = [((1, 4096, 4096), True, (16, 2, 4, 1, "fma"), None), ((1, 1000, 4000), False, (8, 4, 4, 1, "fma"), 5),
              ((3, 4096, 11008), True, (16, 2, 4, 4, "fma"), None), ((16, 4096, 4096), False, (32, 1, 4, 16, "dot"), None),
              ((16, 512, 4096), True, (16, 1, 4, 8, "fma"), 3), ((7, 300, 1024), True, None, None),
-             ((1, 4096, 4096), True, (16, 2, 4, 1, "sub"), None), ((1, 1000, 4000), False, (8, 4, 4, 1, "sub"), 5),
-             ((1, 22016, 4096), True, (32, 1, 4, 1, "sub"), 1), ((4, 4096, 11008), False, (16, 2, 4, 4, "sub"), None),
-             ((16, 512, 4096), True, (16, 1, 4, 16, "sub"), 3), ((1, 4096, 4096), True, (16, 4, 4, 1, "subp"), None),
-             ((1, 1000, 4000), False, (8, 4, 4, 1, "subp"), 5), ((1, 22016, 4096), True, (32, 2, 8, 1, "subp"), 1),
-             ((4, 4096, 11008), False, (32, 2, 4, 4, "subp"), None), ((1, 4096, 11008), True, (16, 4, 4, 1, "subp", 264), None)]
+             ((1, 4096, 4096), True, (32, 16, 4, 1, "quad"), None), ((1, 1000, 4000), False, (16, 32, 8, 1, "quad"), 5),
+             ((1, 22016, 4096), True, (32, 16, 4, 1, "quad", 264), None), ((2, 4096, 11008), False, (16, 16, 4, 1, "quad"), 3)]
     for (m, n, k), sym, cfg, splits in cases:
         p = quantize_int4(torch.randn(n, k, device="cuda"), 128, symmetric=sym, scale_dtype=torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -101,13 +98,13 @@ SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008),
 
 
 def gemv_space(m: int) -> list[tuple[Any, ...]]:
-    """GEMV configurations to sweep: the prefetching subnormal kernel widely, the other kinds as reference."""
+    """GEMV configurations to sweep: the quad kernel widely, the shift-and-mask and tensor-core kernels as reference."""
     if m == 1:
-        return ([(bn, bg, w, 1, "flatp") for bn, bg, w in ((16, 4, 4), (32, 4, 4), (64, 4, 8), (16, 8, 8), (32, 8, 8),
-                                                           (64, 2, 4), (32, 2, 2))]
-                + [(32, 4, 4, 1, "subp"), (16, 4, 4, 1, "subp"), (16, 2, 4, 1, "fma")])
+        return ([(bn, c, w, 1, "quad") for bn, c, w in ((16, 16, 4), (32, 16, 4), (16, 32, 8), (8, 16, 4), (8, 32, 8),
+                                                         (32, 32, 8), (64, 16, 8), (16, 8, 2))]
+                + [(16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")])
     if m == 4:
-        return [(32, 2, 4, 4, "subp"), (16, 4, 4, 4, "flatp"), (32, 4, 4, 4, "flatp")]
+        return [(16, 2, 4, 4, "fma"), (32, 1, 4, 16, "dot")]
     return [(32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")]
 
 
@@ -156,7 +153,7 @@ def sweep_w4a16(deadline: float) -> list[dict[str, Any]]:
 def sweep_kv(deadline: float) -> list[dict[str, Any]]:
     """Each int4 decode variant over its configuration candidates, MHA and GQA, 4k and 16k, against SDPA on bf16."""
     from benchmarks.gpu_suite import kv_problem
-    from mmsdk.kernels.kv_decode import _GQA_CANDIDATES, _WORD_CANDIDATES, decode_attention
+    from mmsdk.kernels.kv_decode import _WORD_CANDIDATES, decode_attention
 
     old_space = [(bt, w, t) for bt in (32, 64) for w in (2, 4) for t in (528, 1056)]
     rows = []
@@ -166,8 +163,7 @@ def sweep_kv(deadline: float) -> list[dict[str, Any]]:
             scale, _, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
             sdpa = gtime(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
             results = []
-            spaces = {"subnormal": _WORD_CANDIDATES if hq == hkv else _GQA_CANDIDATES, "magic": old_space,
-                      "generic": [None]}
+            spaces = {"subnormal": _WORD_CANDIDATES if hq == hkv else [], "magic": old_space, "generic": [None]}
             for variant, space in spaces.items():
                 for cfg in space:
                     if time.perf_counter() > deadline:

@@ -73,19 +73,15 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
     from mmsdk.kernels.w4a16 import w4a16_gemv
 
     device, dtype, tol = target
-    # (m, n, k, group, (BLOCK_N, BLOCK_G, warps, BLOCK_M, KIND), K splits): one row, a few rows, tensor-core
-    # rows, and the subnormal-nibble kernel for one and several rows
+    # (m, n, k, group, (BLOCK_N, BLOCK_G, warps, BLOCK_M, KIND[, programs]), K splits): shift-and-mask rows, tensor-core
+    # rows, and the quad kernel (16-byte activation loads, subnormal nibbles) for one and two rows, split and not,
+    # with K not a multiple of the group (padded layers)
     for m, n, k, group, config, splits in ((1, 40, 512, 64, (8, 4, 4, 1, "fma"), 3),
                                            (3, 33, 200, 32, (16, 2, 4, 4, "fma"), 2),
                                            (5, 24, 256, 16, (16, 2, 4, 16, "dot"), 1),
-                                           (1, 40, 512, 64, (8, 4, 4, 1, "sub"), 3),
-                                           (1, 24, 256, 128, (16, 1, 4, 1, "sub"), 1),
-                                           (1, 40, 512, 64, (8, 2, 4, 1, "subp"), 2),
-                                           (2, 24, 200, 32, (16, 2, 4, 2, "subp"), 1),
-                                           (1, 40, 512, 64, (8, 4, 4, 1, "flatp"), 2),
-                                           (2, 24, 200, 32, (16, 2, 4, 1, "flat"), 1),
-                                           (1, 33, 296, 8 * 16, (16, 2, 4, 1, "flatp", 64), None),
-                                           (3, 33, 200, 32, (16, 2, 4, 4, "sub"), 2)):
+                                           (1, 40, 512, 64, (16, 4, 4, 1, "quad"), 2),
+                                           (1, 33, 296, 128, (16, 8, 4, 1, "quad", 64), None),
+                                           (2, 24, 296, 32, (8, 8, 2, 1, "quad", 64), None)):
         packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
         x = torch.randn(m, k, device=device).to(dtype)
         bias = torch.randn(n, device=device).to(dtype)

@@ -81,14 +81,6 @@ def test_mha_word_kernels_match_reference(device, variant):
     _check(device, variant, None, 2, 2, 64, 80, 70, torch.float16, (None, mask), 3e-3)  # fp16 output ~2e-4
 
 
-@pytest.mark.parametrize("hq", [4, 7])
-def test_gqa_subnormal_kernel_matches_reference(device, hq):
-    torch.manual_seed(2)
-    mask = torch.rand(1, 60, device=device) > 0.3
-    # a group of 4, and of 7 (padded to 8 heads)
-    _check(device, "subnormal", (16, 4, 4), hq, 1, 32, 64, 57, torch.float32, (None, mask), 1e-4)  # ~5e-7
-
-
 def test_lazy_rescaling_follows_growing_scores(device):
     """Later keys line up with q more and more, so the running max climbs many times past the slack."""
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
@@ -137,6 +129,9 @@ def test_variant_choice_is_validated(device):
     int8_codes = [torch.zeros(1, 2, 20, 32, dtype=torch.int8, device=device) for _ in range(2)]
     with pytest.raises(ValueError, match="int32 words"):
         decode_attention(query, *int8_codes, *scales, count, "int8", 0.1, variant="subnormal")
+    gqa_query = torch.randn(1, 4, 1, 32, device=device)  # 4 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="one KV head per query head"):
+        decode_attention(gqa_query, *codes, *scales, count, "int4", 0.1, variant="subnormal")
 
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
@@ -149,4 +144,4 @@ def test_kv_decode_under_the_interpreter():
                              "-k", "not under_the_interpreter"], cwd=root, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "7 passed" in result.stdout, result.stdout[-2000:]
+    assert "5 passed" in result.stdout, result.stdout[-2000:]

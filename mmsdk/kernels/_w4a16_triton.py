@@ -191,198 +191,94 @@ def nibble_factor(P: tl.constexpr):
 
 
 @triton.jit
-def load_step(x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g0, g_end, k_blocks, KW, K_in,
-              GROUP: tl.constexpr, WPG: tl.constexpr):
-    """One step's operands: words [BN, BG, WPG], scales [BN, BG] and the 8 activation tensors [BG, WPG]."""
-    g = g0 + rg
-    g_ok = g < g_end
-    ok2 = n_ok[:, None] & g_ok[None, :]
-    words = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * KW + g[None, :, None] * WPG + rw[None, None, :],
-                    mask=ok2[:, :, None], other=0)
-    s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok2, other=0.0)
-    k = g0 * GROUP + k2
-    x0 = load_x(x_row + k, g_ok, k, K_in, 0)
-    x1 = load_x(x_row + k, g_ok, k, K_in, 1)
-    x2 = load_x(x_row + k, g_ok, k, K_in, 2)
-    x3 = load_x(x_row + k, g_ok, k, K_in, 3)
-    x4 = load_x(x_row + k, g_ok, k, K_in, 4)
-    x5 = load_x(x_row + k, g_ok, k, K_in, 5)
-    x6 = load_x(x_row + k, g_ok, k, K_in, 6)
-    x7 = load_x(x_row + k, g_ok, k, K_in, 7)
-    return words, s, x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def load_x(x, g_ok, k, K_in, J: tl.constexpr):
-    """Activations ``x[k + J]`` for each word's first ``k`` (zero past the real K: padded layers)."""
-    return tl.load(x + J, mask=g_ok[:, None] & (k + J < K_in), other=0.0)
-
-
-@triton.jit
 def nibble_term(t, masked, xj, P: tl.constexpr):
-    """``t + code * x * 2**-64`` for a nibble left at bit ``P`` of ``masked`` (a subnormal once bitcast)."""
-    xf = xj.to(tl.float32) * nibble_factor(P)
-    return t + masked.to(tl.float32, bitcast=True) * xf[None, :, :]
+    """``t + code * x * 2**-64`` for the nibble left at bit ``P`` of ``masked`` (a subnormal once bitcast); also x."""
+    xj = xj.to(tl.float32)
+    return t + masked.to(tl.float32, bitcast=True) * (xj * nibble_factor(P))[None, :, :], xj
 
 
 @triton.jit
-def step_sum(words, x0, x1, x2, x3, x4, x5, x6, x7):
-    """``sum over the 8 nibbles of code * x * 2**-64`` per word, [BN, BG, WPG], and ``sum x * 2**-64``."""
-    high = words >> 20  # nibbles 5..7 at bits 0..11 (the sign extension is masked off below)
-    t = nibble_term(0.0, words & 15, x0, 0)
-    t = nibble_term(t, words & 0xF0, x1, 4)
-    t = nibble_term(t, words & 0xF00, x2, 8)
-    t = nibble_term(t, words & 0xF000, x3, 12)
-    t = nibble_term(t, words & 0xF0000, x4, 16)
-    t = nibble_term(t, high & 15, x5, 0)
-    t = nibble_term(t, high & 0xF0, x6, 4)
-    t = nibble_term(t, high & 0xF00, x7, 8)
-    xs = (x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32) + x4.to(tl.float32)
-          + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)) * 5.421010862427522e-20  # 2**-64
-    return t, xs
+def activations_by_nibble(x_row, cw, c_ok, K_in):
+    """The 8 activations of every word of a step, ``[C, 4]`` each, from one 16-byte vector per word.
+
+    ``x[8w .. 8w+7]`` is loaded as ``[C, 4, 8]`` (contiguous per word) and split by nibble position
+    with three in-register splits (``j = 4 i0 + 2 i1 + i2``).
+    """
+    rq, rj = tl.arange(0, 4), tl.arange(0, 8)
+    k = (cw[:, None, None] + rq[None, :, None]) * 8 + rj[None, None, :]
+    x = tl.load(x_row + k, mask=c_ok[:, None, None] & (k < K_in), other=0.0)
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2, 2, 2)))
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
-def gemv_subnormal(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
-                   stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DIRECT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr):
-    """:func:`gemv` for one activation row per program with about one integer instruction per nibble.
+def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
+              stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+              DIRECT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
-    Why: ``(w >> 4j) & 15 | magic`` spends two or three int ops per nibble, and a Hopper SM issues
-    128 fp32 lanes but only 64 int32 lanes per clock. Here a nibble is masked in place,
-    ``w & (15 << 4j)``, and the masked word is read as an fp32 bit pattern: with the nibble in
-    mantissa bits 0..19 that is the subnormal ``code * 2**(4j - 149)``, exact. Multiplying it by
-    ``x * 2**(85 - 4j)`` (prepared once per activation, shared by all BLOCK_N rows) gives
-    ``code * x * 2**-64`` in one FMA; nibbles 5..7 come from one shift by 20. The zero point folds
-    out per group (``s * (sum c x - z sum x)``) and the 2**-64 at the end (exact; activations up to
-    2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without ``.ftz``, Triton's
-    default); the GPU tests compare against the reference and would catch a flush.
+    Three things make it fast where :func:`gemv` is not (H200 measurements in docs/benchmarks.md):
 
-    Every tensor is 3-D ``[BN, BG, WPG]`` or a slice of it, so no step moves data between threads
-    (a 4-D row axis made the compiler convert the eight nibble products through shared memory).
-    With ``PREFETCH`` the next step's words, scales and activations are loaded before this step's
-    arithmetic, so each program keeps two steps of loads in flight.
+    * Activations as 16-byte vectors. :func:`gemv` gathers each nibble position's activation
+      (``x[8w + j]``) with a 2-byte load whose 32 lanes hit addresses 64 bytes apart, about 16 L1
+      wavefronts per load and 8 loads per weight word: the activations, not the weights, saturated
+      the load path (1.0-1.2 TB/s whatever else changed). Here a word's 8 activations are one
+      16-byte load, split by nibble position in registers.
+    * Subnormal nibbles. A nibble masked in place, ``w & (15 << 4j)``, read as an fp32 bit pattern
+      is the exact subnormal ``code * 2**(4j - 149)`` (nibble in mantissa bits 0..19); times
+      ``x * 2**(85 - 4j)`` it gives ``code * x * 2**-64`` in one FMA, so a nibble costs one AND
+      instead of a shift, an AND, an OR and a subtraction (nibbles 5..7 come from one shift by 20).
+      The zero point folds out (``s * (sum c x - z sum x)``), the 2**-64 is undone at the end (exact;
+      activations up to 2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without
+      ``.ftz``, Triton's default); the GPU tests compare against the reference and catch a flush.
+    * Quads. The last tile axis is one 16-byte weight load of 4 words of one group, so a thread
+      loads one scale per row and quad and sums its 4 words before scaling; the weights are loaded
+      as one contiguous run per row (lanes along K) and viewed as quads; rows run over warps, so an
+      activation a thread loads serves ``BLOCK_N / num_warps`` rows. About 60 registers.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_blocks = KW // WPG
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rg, rw = tl.arange(0, BLOCK_G), tl.arange(0, WPG)
-    n_ok = rn < N
-    k2 = rg[:, None] * GROUP + rw[None, :] * 8  # first k of each word in a step, [BG, WPG]
-    x_row = x_ptr + row * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_G, WPG), dtype=tl.float32)
-    g_begin = split * groups_per_split
-    g_end = tl.minimum(g_begin + groups_per_split, k_blocks)
-    if PREFETCH:
-        words, s, x0, x1, x2, x3, x4, x5, x6, x7 = load_step(
-            x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g_begin, g_end, k_blocks, KW, K_in, GROUP, WPG)
-    for g0 in range(g_begin, g_end, BLOCK_G):
-        if PREFETCH:
-            (words_n, s_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n) = load_step(
-                x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g0 + BLOCK_G, g_end, k_blocks, KW, K_in, GROUP, WPG)
-        else:
-            words, s, x0, x1, x2, x3, x4, x5, x6, x7 = load_step(
-                x_row, w_ptr, s_ptr, rn, n_ok, k2, rg, rw, g0, g_end, k_blocks, KW, K_in, GROUP, WPG)
-        if HAS_ZP:
-            g = g0 + rg
-            ok2 = n_ok[:, None] & (g < g_end)[None, :]
-            zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok2, other=0)
-            z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
-        else:
-            z = tl.full((BLOCK_N, BLOCK_G), 8.0, tl.float32)
-        t, xs = step_sum(words, x0, x1, x2, x3, x4, x5, x6, x7)
-        acc += s.to(tl.float32)[:, :, None] * (t - z[:, :, None] * xs[None, :, :])
-        if PREFETCH:
-            words, s, x0, x1, x2, x3, x4, x5, x6, x7 = words_n, s_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n
-    out = tl.sum(tl.sum(acc, 2), 1) * 1.8446744073709552e+19  # undo 2**-64
-    dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
-    if DIRECT:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        tl.store(dst, out, mask=n_ok)
-
-
-@triton.jit
-def load_words_2d(x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, cw, w_end, k_blocks, KW, K_in, stride_zn,
-                  WPG: tl.constexpr, HAS_ZP: tl.constexpr):
-    """One step of :func:`gemv_subnormal_2d`: words, per-word scale and zero point [BN, BW], activations [BW] x 8."""
-    c_ok = cw < w_end
-    ok = n_ok[:, None] & c_ok[None, :]
-    words = tl.load(w_ptr + rn[:, None].to(tl.int64) * KW + cw[None, :], mask=ok, other=0)
-    g = cw // WPG
-    s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok, other=0.0)
-    if HAS_ZP:
-        zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok, other=0)
-        z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
-    else:
-        z = tl.full(words.shape, 8.0, tl.float32)
-    k = cw * 8
-    x0 = tl.load(x_row + k, mask=c_ok & (k < K_in), other=0.0)
-    x1 = tl.load(x_row + k + 1, mask=c_ok & (k + 1 < K_in), other=0.0)
-    x2 = tl.load(x_row + k + 2, mask=c_ok & (k + 2 < K_in), other=0.0)
-    x3 = tl.load(x_row + k + 3, mask=c_ok & (k + 3 < K_in), other=0.0)
-    x4 = tl.load(x_row + k + 4, mask=c_ok & (k + 4 < K_in), other=0.0)
-    x5 = tl.load(x_row + k + 5, mask=c_ok & (k + 5 < K_in), other=0.0)
-    x6 = tl.load(x_row + k + 6, mask=c_ok & (k + 6 < K_in), other=0.0)
-    x7 = tl.load(x_row + k + 7, mask=c_ok & (k + 7 < K_in), other=0.0)
-    return words, s, z, x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def term_2d(t, masked, xj, P: tl.constexpr):
-    """:func:`nibble_term` for a 2-D word tile and 1-D activations."""
-    return t + masked.to(tl.float32, bitcast=True) * (xj.to(tl.float32) * nibble_factor(P))[None, :]
-
-
-@triton.jit
-def gemv_subnormal_2d(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
-                      stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      DIRECT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr):
-    """:func:`gemv_subnormal` on a flat ``[BLOCK_N, BLOCK_W]`` word tile (BLOCK_W words of K per step).
-
-    Why flat: with K contiguous over the whole step the compiler spreads a warp's threads along K
-    and gives each thread several rows of the same words, so each activation it loads serves
-    ``BLOCK_N / num_warps`` rows (the 3-D tile put one row per thread: eight activation loads per
-    word). Scales and zero points are read per word (the four words a thread loads share a group).
-    """
-    WPG: tl.constexpr = GROUP // 8
-    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_blocks = KW // WPG
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rw = tl.arange(0, BLOCK_W)
+    rc = tl.arange(0, BLOCK_C)
     n_ok = rn < N
     x_row = x_ptr + row * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     w_begin = split * groups_per_split * WPG
     w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
-    if PREFETCH:
-        words, s, z, x0, x1, x2, x3, x4, x5, x6, x7 = load_words_2d(
-            x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, w_begin + rw, w_end, k_blocks, KW, K_in, stride_zn, WPG, HAS_ZP)
-    for w0 in range(w_begin, w_end, BLOCK_W):
-        if PREFETCH:
-            (words_n, s_n, z_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n) = load_words_2d(
-                x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, w0 + BLOCK_W + rw, w_end, k_blocks, KW, K_in, stride_zn,
-                WPG, HAS_ZP)
+    for w0 in range(w_begin, w_end, 4 * BLOCK_C):
+        cw = w0 + 4 * rc  # first word of each quad
+        c_ok = cw < w_end
+        ok = n_ok[:, None] & c_ok[None, :]
+        rw = w0 + tl.arange(0, 4 * BLOCK_C)
+        flat = tl.load(w_ptr + rn[:, None].to(tl.int64) * KW + rw[None, :],
+                       mask=n_ok[:, None] & (rw < w_end)[None, :], other=0)
+        words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
+        g = cw // WPG
+        s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok, other=0.0).to(tl.float32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = activations_by_nibble(x_row, cw, c_ok, K_in)
+        high = words >> 20  # nibbles 5..7 at bits 0..11 (the sign extension is masked off below)
+        t, x0 = nibble_term(0.0, words & 15, a0, 0)
+        t, x1 = nibble_term(t, words & 0xF0, a1, 4)
+        t, x2 = nibble_term(t, words & 0xF00, a2, 8)
+        t, x3 = nibble_term(t, words & 0xF000, a3, 12)
+        t, x4 = nibble_term(t, words & 0xF0000, a4, 16)
+        t, x5 = nibble_term(t, high & 15, a5, 0)
+        t, x6 = nibble_term(t, high & 0xF0, a6, 4)
+        t, x7 = nibble_term(t, high & 0xF00, a7, 8)
+        xs = tl.sum((x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * 5.421010862427522e-20, 1)  # 2**-64 * sum x, [C]
+        if HAS_ZP:
+            zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok, other=0)
+            z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
         else:
-            words, s, z, x0, x1, x2, x3, x4, x5, x6, x7 = load_words_2d(
-                x_row, w_ptr, s_ptr, z_ptr, rn, n_ok, w0 + rw, w_end, k_blocks, KW, K_in, stride_zn, WPG, HAS_ZP)
-        high = words >> 20
-        t = term_2d(0.0, words & 15, x0, 0)
-        t = term_2d(t, words & 0xF0, x1, 4)
-        t = term_2d(t, words & 0xF00, x2, 8)
-        t = term_2d(t, words & 0xF000, x3, 12)
-        t = term_2d(t, words & 0xF0000, x4, 16)
-        t = term_2d(t, high & 15, x5, 0)
-        t = term_2d(t, high & 0xF0, x6, 4)
-        t = term_2d(t, high & 0xF00, x7, 8)
-        xs = (x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32) + x4.to(tl.float32)
-              + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)) * 5.421010862427522e-20  # 2**-64
-        acc += s.to(tl.float32) * (t - z * xs[None, :])
-        if PREFETCH:
-            words, s, z, x0, x1, x2, x3, x4, x5, x6, x7 = words_n, s_n, z_n, x0n, x1n, x2n, x3n, x4n, x5n, x6n, x7n
+            z = tl.full((BLOCK_N, BLOCK_C), 8.0, tl.float32)
+        acc += s * (tl.sum(t, 2) - z * xs[None, :])
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
     dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
     if DIRECT:

@@ -68,9 +68,9 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
             and all(c.is_contiguous() and c.data_ptr() % 4 == 0 for c in (key_codes, value_codes)))
 
 
-# Decode kernels for int4 codes that read as int32 words: "subnormal" (nibbles decoded as subnormal floats,
-# per-thread V sums, lazy rescaling) and "magic" (nibbles OR-ed into 2**23, V reduced every tile); "generic"
-# is the byte kernel every format can use.
+# Decode kernels for int4 codes that read as int32 words: "subnormal" (MHA only, _kv_subnormal_triton.py:
+# nibbles decoded as subnormal floats, per-thread V sums, lazy rescaling) and "magic" (nibbles OR-ed into
+# 2**23, V reduced every tile); "generic" is the byte kernel every format can use.
 VARIANTS = ("subnormal", "magic", "generic")
 # (BLOCK_T, num_warps, target programs) worth timing for the subnormal kernel. On an H200 (MHA 32 heads,
 # head_dim 128, benchmarks/gpu_tune.py sweep_kv) (32, 1, 1056) was fastest at 4k and 16k tokens.
@@ -79,14 +79,12 @@ VARIANTS = ("subnormal", "magic", "generic")
 # (Triton 3.6), every MHA candidate below fits in registers (128-228) without spills.
 _WORD_CANDIDATES = ((16, 1, 1056), (16, 1, 2112), (32, 1, 1056), (32, 2, 1056), (32, 2, 2112), (64, 2, 1056),
                     (64, 4, 528), (64, 4, 1056), (128, 4, 528), (128, 8, 528))
-# GQA (BLOCK_G > 1) candidates: larger tiles or fewer warps spill registers (sm_90 offline compile).
-_GQA_CANDIDATES = ((8, 4, 264), (8, 4, 528), (8, 4, 1056), (16, 8, 528), (16, 4, 528))
 
 
 def _word_config(group: int, variant: str) -> tuple[int, int, int]:
     """(BLOCK_T, num_warps, target programs) for an int4 word kernel ("magic": fastest in a sweep on an H200, MHA)."""
     if variant == "subnormal":
-        return (8, 4, _TARGET_PROGRAMS) if group > 1 else (32, 1, 2 * _TARGET_PROGRAMS)
+        return 32, 1, 2 * _TARGET_PROGRAMS
     if group >= 3:
         return 64, 4, _TARGET_PROGRAMS
     return 32, 2, 2 * _TARGET_PROGRAMS
@@ -96,13 +94,17 @@ def _pick_variant(variant: str | None, words: bool, group: int) -> str:
     """The kernel to run: ``variant`` if these inputs allow it, else the default for these inputs.
 
     Defaults: "subnormal" for MHA words; "magic" for groups of 2 and "generic" (tensor cores) for larger
-    groups, where the subnormal kernel's [BLOCK_G, BLOCK_T, W] tiles go through shared memory.
+    groups. "subnormal" is MHA only: a GQA version on [BLOCK_G, BLOCK_T, W] tiles went through shared
+    memory and measured 2.7x slower than "generic" on an H200 (Qwen2-VL-7B heads), so it was dropped.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"decode variant {variant!r} is not one of {VARIANTS}; pass one of them or None")
     if variant is not None and variant != "generic" and not words:
         raise ValueError(f"decode variant {variant!r} needs int4 codes readable as int32 words (head_dim a power "
                          "of two >= 16, contiguous codes); pass variant='generic' or None")
+    if variant == "subnormal" and group != 1:
+        raise ValueError(f"decode variant 'subnormal' needs one KV head per query head (got groups of {group}); "
+                         "pass variant='magic', 'generic' or None")
     if variant is not None:
         return variant
     if not words or group >= 3:
@@ -173,12 +175,11 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             length, mask if mask is not None else lse, partial, lse,
             query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
             mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, split_t, float(scaling) * _kv_triton.LOG2E)
-    if variant == "subnormal" and group == 1:
-        _kv_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
+    if variant == "subnormal":
+        from mmsdk.kernels import _kv_subnormal_triton
+
+        _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, num_warps=warps)
-    elif variant == "subnormal":
-        _kv_triton.decode_partial_int4_subnormal[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, BLOCK_G=_pow2(group), BLOCK_T=block_t, W=d // 8, num_warps=warps)
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](

@@ -42,21 +42,21 @@ __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "int4_linear", "uns
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
 _TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
-# GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND) candidates per row bucket. KIND: "flatp" / "flat"
-# (subnormal nibbles, one int op per nibble, on a flat [BLOCK_N, words] tile: gemv_subnormal_2d, with or
-# without the next step's loads issued before this step's math), "subp" / "sub" (the same on a 3-D
-# [BLOCK_N, groups, words] tile: gemv_subnormal), "fma" (shift-and-mask nibbles) or "dot" (tensor cores).
-# 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K, warps, stages): whichever kernel times fastest for
-# the shape runs. The K split count is derived from the shape: about _TARGET_PROGRAMS programs, or the
-# optional sixth entry of a GEMV config (fewer, longer programs suit the prefetching kernel). The first
-# entry is taken without timing (CUDA-graph capture, interpreter); the order follows an H200 sweep.
-_GEMV_KINDS = ("flatp", "flat", "subp", "sub", "fma", "dot")
-GemvConfig = tuple[Any, ...]  # (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs])
+# GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
+# "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
+# 4 words; one row per program; group sizes >= 32), "fma" (gemv: shift-and-mask nibbles, any group size) or
+# "dot" (gemv on the tensor cores, for several rows). 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K,
+# warps, stages). Whichever candidate times fastest for the shape runs. The K split count is derived from the
+# shape: about the config's target number of programs (default _TARGET_PROGRAMS). The first applicable entry
+# is taken without timing (CUDA-graph capture, interpreter); the order follows an H200 sweep
+# (benchmarks/gpu_tune.py sweep_w4a16).
+GemvConfig = tuple[Any, ...]
+_GEMV_KINDS = ("quad", "fma", "dot")
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
-    1: ((16, 2, 4, 1, "fma"), (16, 2, 4, 1, "fma", 264), (32, 2, 2, 1, "flatp", 528), (32, 2, 2, 1, "flatp", 264),
-        (32, 4, 4, 1, "flatp", 264), (16, 4, 4, 1, "subp", 264), (32, 2, 4, 1, "fma", 528)),
-    4: ((32, 2, 4, 4, "subp", 264), (16, 4, 4, 4, "subp", 264), (64, 256, 4, 3), (32, 256, 4, 4),
-        (16, 2, 4, 4, "fma")),
+    1: ((32, 16, 4, 1, "quad", 1056), (32, 16, 4, 1, "quad", 264), (32, 16, 4, 1, "quad", 1584),
+        (16, 32, 8, 1, "quad", 528), (16, 32, 8, 1, "quad", 1056), (16, 16, 4, 1, "quad", 1056),
+        (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
+    4: ((64, 256, 4, 3), (32, 256, 4, 4), (16, 512, 4, 3), (16, 2, 4, 4, "fma"), (32, 1, 4, 16, "dot")),
     16: ((64, 256, 4, 3), (32, 256, 4, 4), (32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")),
 }
 DTYPES = (torch.bfloat16, torch.float16)
@@ -181,7 +181,8 @@ def w4a16_gemv(
         else:
             _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
 
-    launch(config or _tuned(key, launch, _GEMV_CANDIDATES[bucket], block_size))
+    candidates = tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] != "quad" or block_size >= 32)
+    launch(config or _tuned(key, launch, candidates, block_size))
     return out
 
 
@@ -198,6 +199,8 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     block_m = max(16, block_m) if dot else min(block_m, triton.next_power_of_2(m))
+    # K slices are whole multiples of block_g groups (for "quad", whose block_g counts quads, this is coarser than
+    # a step; kept so, as measured on the H200)
     wanted = splits or gemv_splits(n, k_blocks, block_n, block_g, target_programs)
     per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
     n_splits = -(-k_blocks // per_split)
@@ -210,14 +213,11 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             zero_points.stride(0) if zero_points is not None else 0)
     flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps)
-    if kind in ("sub", "subp", "flat", "flatp"):  # one row per program (grid axis 2 is then the row)
-        del flags["BLOCK_M"]
-        grid = (grid[0], grid[1], m)
-        if kind.startswith("flat"):  # BLOCK_G groups per step as a flat tile of BLOCK_G * GROUP / 8 words
-            del flags["BLOCK_G"]
-            kernels.gemv_subnormal_2d[grid](*args, BLOCK_W=block_g * group // 8, PREFETCH=kind == "flatp", **flags)
-        else:
-            kernels.gemv_subnormal[grid](*args, PREFETCH=kind == "subp", **flags)
+    if kind == "quad":  # one activation row per program (grid axis 2 is then the row)
+        if group < 32:
+            raise ValueError(f"GEMV kind 'quad' reads 4-word quads of one group: group size {group} < 32.")
+        del flags["BLOCK_M"], flags["BLOCK_G"]
+        kernels.gemv_quad[(grid[0], grid[1], m)](*args, BLOCK_C=block_g, **flags)
     else:
         kernels.gemv[grid](*args, DOT=dot, **flags)
     if not direct:

@@ -1,0 +1,167 @@
+"""Subnormal-nibble int4 decode attention for MHA (one KV head per query head), behind mmsdk.kernels.kv_decode.
+
+Imported only when the kernel is launched. Partials and log-sum-exps have the layout of
+:func:`mmsdk.kernels._kv_triton.decode_partial_int4`, so :func:`~mmsdk.kernels._kv_triton.decode_combine_natural`
+merges them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Subnormal decoding. An integer x < 2**24 in the low bits of an
+# int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
+# mantissa m: 2**-126 + m * 2**-149, the same line). So a nibble masked in place at bit ``b`` <= 20
+# is ``c * 2**(b - 149)``, and the other operand carries ``2**(149 - b)``: one AND and one FMA do the
+# work of shift + AND + convert + subtract + FMA (the integer pipe has half the fp32 pipe's lanes).
+# The factor 2**-40 keeps pre-scaled operands (|x| * 2**109, for p <= 256 and |q * K scale * softmax
+# scale| < 2**18) below fp32's 2**128; results are multiplied by 2**40 at the end (exact: powers of
+# two). This needs the FMA to keep subnormal inputs (PTX fma.rn.f32 without .ftz does); a flush would
+# zero most code sums, leaving nearly uniform attention and outputs near -8 * V's scale, which the
+# tests catch.
+SUB_F0 = tl.constexpr(2.0 ** 109)  # nibble at bit 0 (nibble 0, and nibble 7 after >> 28)
+SUB_F1 = tl.constexpr(2.0 ** 105)  # bit 4 (nibble 1, and nibble 6 after >> 20)
+SUB_F2 = tl.constexpr(2.0 ** 101)  # bit 8 (nibble 2)
+SUB_F3 = tl.constexpr(2.0 ** 97)  # bit 12 (nibble 3)
+SUB_F4 = tl.constexpr(2.0 ** 93)  # bit 16 (nibble 4)
+SUB_F5 = tl.constexpr(2.0 ** 89)  # bit 20 (nibble 5)
+SUB_UNDO = tl.constexpr(2.0 ** 40)
+RESCALE_SLACK = tl.constexpr(8.0)  # log2 units: p stays <= 256 between lazy rescales
+
+
+@triton.jit
+def subnormal_nibbles(w):
+    """The 8 nibbles of int32 words ``w`` as exact tiny floats (see above), at bits 0, 4, .., 20, 4, 0.
+
+    Nibbles 6 and 7 reach bits the exponent does not keep linear, so they come from logical shifts;
+    the masks are not low-bit masks, so the compiler cannot turn them into two-instruction bit extracts.
+    """
+    u = w.to(tl.uint32, bitcast=True)
+    f = tl.float32
+    return ((w & 0xF).to(f, bitcast=True), (w & 0xF0).to(f, bitcast=True), (w & 0xF00).to(f, bitcast=True),
+            (w & 0xF000).to(f, bitcast=True), (w & 0xF0000).to(f, bitcast=True),
+            (w & 0xF00000).to(f, bitcast=True), ((u >> 20) & 0xF0).to(f, bitcast=True), (u >> 28).to(f, bitcast=True))
+
+
+@triton.jit
+def load_q_nibble(q_row, ks_ptr, rw, scale, J: tl.constexpr, F: tl.constexpr):
+    """One head's q channels ``8w + J`` [W] (see :func:`load_q_nibble`), and them pre-scaled by ``F``."""
+    q = tl.load(q_row + 8 * rw + J).to(tl.float32) * tl.load(ks_ptr + 8 * rw + J) * scale
+    return q, q * F
+
+
+@triton.jit
+def subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7):
+    """One head's ``sum_d q_d c_d * 2**-40`` [BLOCK_T] of word tile ``kw`` [BLOCK_T, W] and pre-scaled q [W]."""
+    k0, k1, k2, k3, k4, k5, k6, k7 = subnormal_nibbles(kw)
+    s = k0 * q0[None, :]
+    s += k1 * q1[None, :]
+    s += k2 * q2[None, :]
+    s += k3 * q3[None, :]
+    s += k4 * q4[None, :]
+    s += k5 * q5[None, :]
+    s += k6 * q6[None, :]
+    s += k7 * q7[None, :]
+    return tl.sum(s, 1)
+
+
+@triton.jit
+def store_nibble_out(po_ptr, slot, rw, acc, l_i, l_safe, J: tl.constexpr, W: tl.constexpr):
+    """One head's channels ``8w + J`` of the partial output (see :func:`store_nibble_out`)."""
+    tl.store(po_ptr + slot * (8 * W) + 8 * rw + J, (tl.sum(acc, 0) * SUB_UNDO - 8.0 * l_i) / l_safe)
+
+
+@triton.jit
+def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
+                                      sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
+                                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr):
+    """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
+
+    Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
+    costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
+    of a token per thread from the load through the V sums. The rescale test is a scalar branch.
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    b = bh // H_KV
+    hk = bh % H_KV
+    length = tl.load(len_ptr)
+    t_begin = split * SPLIT_T
+    t_end = tl.minimum(t_begin + SPLIT_T, length)
+    rw = tl.arange(0, W)
+    q_row = q_ptr + b * sq_b + hk * sq_h
+    ks_row = ks_ptr + hk * (8 * W)
+    a0, q0 = load_q_nibble(q_row, ks_row, rw, qk_scale, 0, SUB_F0)
+    a1, q1 = load_q_nibble(q_row, ks_row, rw, qk_scale, 1, SUB_F1)
+    a2, q2 = load_q_nibble(q_row, ks_row, rw, qk_scale, 2, SUB_F2)
+    a3, q3 = load_q_nibble(q_row, ks_row, rw, qk_scale, 3, SUB_F3)
+    a4, q4 = load_q_nibble(q_row, ks_row, rw, qk_scale, 4, SUB_F4)
+    a5, q5 = load_q_nibble(q_row, ks_row, rw, qk_scale, 5, SUB_F5)
+    a6, q6 = load_q_nibble(q_row, ks_row, rw, qk_scale, 6, SUB_F1)
+    a7, q7 = load_q_nibble(q_row, ks_row, rw, qk_scale, 7, SUB_F0)
+    q_off = 8.0 * tl.sum(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7, 0)
+    m_ref = tl.full([], float("-inf"), tl.float32)
+    l_acc = tl.zeros((BLOCK_T,), tl.float32)
+    v0 = tl.zeros((BLOCK_T, W), tl.float32)
+    v1 = tl.zeros((BLOCK_T, W), tl.float32)
+    v2 = tl.zeros((BLOCK_T, W), tl.float32)
+    v3 = tl.zeros((BLOCK_T, W), tl.float32)
+    v4 = tl.zeros((BLOCK_T, W), tl.float32)
+    v5 = tl.zeros((BLOCK_T, W), tl.float32)
+    v6 = tl.zeros((BLOCK_T, W), tl.float32)
+    v7 = tl.zeros((BLOCK_T, W), tl.float32)
+    base = bh.to(tl.int64) * TMAX
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        t_ok = rt < t_end
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + b * sm_b + rt, mask=t_ok & (rt < mask_len), other=0)
+            t_ok = t_ok & (keep != 0)
+        rows = (base + rt)[:, None] * W + rw[None, :]
+        kw = tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0)
+        s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
+        s = tl.where(t_ok, s, float("-inf"))
+        m_tile = tl.max(s, 0)
+        if m_tile > m_ref + RESCALE_SLACK:  # also the first tile with a valid token (m_ref = -inf)
+            alpha = tl.math.exp2(m_ref - m_tile)
+            l_acc *= alpha
+            v0 *= alpha
+            v1 *= alpha
+            v2 *= alpha
+            v3 *= alpha
+            v4 *= alpha
+            v5 *= alpha
+            v6 *= alpha
+            v7 *= alpha
+            m_ref = m_tile
+        p = tl.math.exp2(s - tl.where(m_ref == float("-inf"), 0.0, m_ref))
+        l_acc += p
+        vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
+        c0, c1, c2, c3, c4, c5, c6, c7 = subnormal_nibbles(vw)
+        # one factor per nibble position, shared by all words of a token
+        p0 = (p * SUB_F0)[:, None]
+        p1 = (p * SUB_F1)[:, None]
+        p2 = (p * SUB_F2)[:, None]
+        v0 += c0 * p0
+        v1 += c1 * p1
+        v2 += c2 * p2
+        v3 += c3 * (p * SUB_F3)[:, None]
+        v4 += c4 * (p * SUB_F4)[:, None]
+        v5 += c5 * (p * SUB_F5)[:, None]
+        v6 += c6 * p1
+        v7 += c7 * p0
+    l_i = tl.sum(l_acc, 0)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_ref + tl.math.log2(l_safe))
+    slot = (b * H_KV + hk).to(tl.int64) * n_splits + split
+    store_nibble_out(po_ptr, slot, rw, v0, l_i, l_safe, 0, W)
+    store_nibble_out(po_ptr, slot, rw, v1, l_i, l_safe, 1, W)
+    store_nibble_out(po_ptr, slot, rw, v2, l_i, l_safe, 2, W)
+    store_nibble_out(po_ptr, slot, rw, v3, l_i, l_safe, 3, W)
+    store_nibble_out(po_ptr, slot, rw, v4, l_i, l_safe, 4, W)
+    store_nibble_out(po_ptr, slot, rw, v5, l_i, l_safe, 5, W)
+    store_nibble_out(po_ptr, slot, rw, v6, l_i, l_safe, 6, W)
+    store_nibble_out(po_ptr, slot, rw, v7, l_i, l_safe, 7, W)
+    tl.store(pl_ptr + slot, lse)
