@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -162,10 +160,8 @@ def test_bad_inputs_fall_back_or_refuse():
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 def test_kernels_under_the_interpreter():
     """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~15 s)."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                             "-k", "interpreter"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    from tests import _interpreter
+
+    result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "7 passed" in result.stdout, result.stdout[-2000:]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -137,11 +135,8 @@ def test_variant_choice_is_validated(device):
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 def test_kv_decode_under_the_interpreter():
     """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~25 s)."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                             "-k", "not under_the_interpreter"], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
+    from tests import _interpreter
+
+    result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "5 passed" in result.stdout, result.stdout[-2000:]
