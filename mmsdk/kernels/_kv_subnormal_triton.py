@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmsdk.kernels._kv_triton import decode_program
+
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
 # mantissa m: 2**-126 + m * 2**-149, the same line). So a nibble masked in place at bit ``b`` <= 20
@@ -82,14 +84,7 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
     """
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
-    b = bh // H_KV
-    hk = bh % H_KV
-    length = tl.load(len_ptr)
-    t_begin = split * SPLIT_T
-    t_end = tl.minimum(t_begin + SPLIT_T, length)
+    bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rw = tl.arange(0, W)
     q_row = q_ptr + b * sq_b + hk * sq_h
     ks_row = ks_ptr + hk * (8 * W)

@@ -68,6 +68,20 @@ def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, H, TMAX, D, HD
 
 
 @triton.jit
+def decode_program(len_ptr, H_KV, SPLIT_T):
+    """This decode program's (batch * KV head row, batch, KV head, split, number of splits, first token, end token).
+
+    Grid: axis 0 is batch * KV heads, axis 1 the splits of ``SPLIT_T`` tokens; the valid length is read
+    from the device (CUDA-graph safe), so splits past it get an empty range.
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    t_begin = split * SPLIT_T
+    return bh, bh // H_KV, bh % H_KV, split, tl.num_programs(1), t_begin, tl.minimum(t_begin + SPLIT_T,
+                                                                                      tl.load(len_ptr))
+
+
+@triton.jit
 def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
     """Even- and odd-channel values (fp32, scale not applied) of code rows ``rows`` [BLOCK_T]."""
     if FMT == 0:
@@ -86,14 +100,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp."""
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
-    b = bh // H_KV
-    hk = bh % H_KV
-    length = tl.load(len_ptr)
-    t_begin = split * SPLIT_T
-    t_end = tl.minimum(t_begin + SPLIT_T, length)
+    bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
     heads = hk * G + rg
@@ -200,14 +207,7 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
     Partials are stored in natural channel order (``[slot, 8 * W]``) for :func:`decode_combine_natural`.
     """
     D: tl.constexpr = 8 * W
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
-    b = bh // H_KV
-    hk = bh % H_KV
-    length = tl.load(len_ptr)
-    t_begin = split * SPLIT_T
-    t_end = tl.minimum(t_begin + SPLIT_T, length)
+    bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
     heads = hk * G + rg
