@@ -24,22 +24,9 @@ RESULTS: dict[str, Any] = {}
 
 def gtime(fn: Callable[[], Any], calls: int = 20, reps: int = 15) -> float:
     """Median microseconds of one call of fn, from replays of a CUDA graph of ``calls`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    from mmsdk.kernels import graph_time_ms
+
+    return graph_time_ms(fn, calls, reps) * 1e3
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -248,8 +235,9 @@ def decode_profile() -> dict[str, Any]:
     The breakdown is torch.profiler's device time per kernel name over a 32-token fast generate
     (CUDA-graph replays included), divided by the number of graph-replayed steps.
     """
-    import benchmarks.gpu_suite as suite
     from torch.profiler import ProfilerActivity, profile
+
+    import benchmarks.gpu_suite as suite
 
     inputs = suite.llava_inputs(1, 1024, images=False)
     out: dict[str, Any] = {}

@@ -18,6 +18,15 @@ from mmsdk.testing import tiny_inputs
 QUESTIONS = ("what digit is this ?", "what digit is this ?")  # no padding: the fast path refuses padded batches
 
 
+def _optimized(tiny, session, name, passes):
+    """(optimizer of the tiny model ``name`` with ``passes`` applied, inputs for the test questions)."""
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    if passes:
+        opt.apply(*passes)
+    return opt, tiny_inputs(loaded.processor, QUESTIONS)
+
+
 def _greedy(model, inputs, new_tokens, **kwargs):
     return type(model).generate(model, **inputs, max_new_tokens=new_tokens, do_sample=False, **kwargs)
 
@@ -25,12 +34,8 @@ def _greedy(model, inputs, new_tokens, **kwargs):
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:qwen2-vl", ()),
                                          ("tiny:llava", ("token-prune",)), ("tiny:llava", ("int4-kv",))])
 def test_static_path_matches_transformers_greedy_on_cpu(name, passes, session, tiny):
-    loaded = tiny(name)
-    opt = Optimizer(loaded.model, loaded.processor, session=session)
-    if passes:
-        opt.apply(*passes)
+    opt, inputs = _optimized(tiny, session, name, passes)
     model = opt.model
-    inputs = tiny_inputs(loaded.processor, QUESTIONS)
     expected = _greedy(model, inputs, 7)
     got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 7}, graphs=False).run()
     assert torch.equal(got, expected)
@@ -38,12 +43,8 @@ def test_static_path_matches_transformers_greedy_on_cpu(name, passes, session, t
 
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ("int4-kv",)), ("tiny:qwen2-vl", ())])
 def test_chunked_prefill_matches_whole_prefill_on_cpu(name, passes, session, tiny):
-    loaded = tiny(name)
-    opt = Optimizer(loaded.model, loaded.processor, session=session)
-    if passes:
-        opt.apply(*passes)
+    opt, inputs = _optimized(tiny, session, name, passes)
     model = opt.model
-    inputs = tiny_inputs(loaded.processor, QUESTIONS)
     expected = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False).run()
     generator = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False)
     generator.prefill_chunk = 5  # several chunks, the last one short
@@ -90,12 +91,10 @@ def test_cuda_graph_generate_matches_transformers(passes, session, tiny):
 @pytest.mark.parametrize("passes", [("token-prune",), ("token-prune", "int4-kv"), ("token-merge", "int4-kv")])
 def test_chunked_prefill_keeps_the_passes_and_their_answers(passes, session, tiny):
     """Chunks run inside the passes' wrappers (token pruning sees the whole prompt), and the wrappers survive."""
-    loaded = tiny("tiny:llava")
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes)
+    opt, inputs = _optimized(tiny, session, "tiny:llava", passes)
     model = opt.model
     language = opt.adapter.language_model(model)
     wrapped = language.forward
-    inputs = tiny_inputs(loaded.processor, QUESTIONS)
     expected = _greedy(model, inputs, 6)
     for _ in range(2):  # the second call must still run the passes
         generator = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False)

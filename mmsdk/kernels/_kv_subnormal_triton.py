@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._kv_triton import decode_program
+from mmsdk.kernels._kv_triton import decode_program, token_tile
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -109,11 +109,7 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     v7 = tl.zeros((BLOCK_T, W), tl.float32)
     base = bh.to(tl.int64) * TMAX
     for t0 in range(t_begin, t_end, BLOCK_T):
-        rt = t0 + tl.arange(0, BLOCK_T)
-        t_ok = rt < t_end
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + b * sm_b + rt, mask=t_ok & (rt < mask_len), other=0)
-            t_ok = t_ok & (keep != 0)
+        rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         rows = (base + rt)[:, None] * W + rw[None, :]
         kw = tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0)
         s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off

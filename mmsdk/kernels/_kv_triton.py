@@ -82,6 +82,17 @@ def decode_program(len_ptr, H_KV, SPLIT_T):
 
 
 @triton.jit
+def token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Token ids of a tile and which to attend to: inside the split and, with a mask, not dropped by it."""
+    rt = t0 + tl.arange(0, BLOCK_T)
+    t_ok = rt < t_end
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + b * sm_b + rt, mask=t_ok & (rt < mask_len), other=0)
+        t_ok = t_ok & (keep != 0)
+    return rt, t_ok
+
+
+@triton.jit
 def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
     """Even- and odd-channel values (fp32, scale not applied) of code rows ``rows`` [BLOCK_T]."""
     if FMT == 0:
@@ -118,11 +129,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
     base = bh.to(tl.int64) * TMAX
     for t0 in range(t_begin, t_end, BLOCK_T):
-        rt = t0 + tl.arange(0, BLOCK_T)
-        t_ok = rt < t_end
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + b * sm_b + rt, mask=t_ok & (rt < mask_len), other=0)
-            t_ok = t_ok & (keep != 0)
+        rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         ke, ko = load_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
         if USE_DOT:
             s = tl.dot(qe, tl.trans(ke)) + tl.dot(qo, tl.trans(ko))
@@ -152,8 +159,13 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
 
 
 @triton.jit
-def split_weights(pl_ptr, bh, n_splits, BLOCK_S: tl.constexpr):
-    """(split ids, valid mask, weight of each split's partial, sum of weights) from the splits' log-sum-exp."""
+def combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S: tl.constexpr):
+    """A combine program's (row, batch, query head, KV head) and its splits' (ids, valid mask, weights, weight sum).
+
+    One program per (batch, query head); each split's partial weighs ``2**(lse - max lse)``.
+    """
+    bh = tl.program_id(0)
+    h = bh % HQ
     rs = tl.arange(0, BLOCK_S)
     s_ok = rs < n_splits
     lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
@@ -161,18 +173,14 @@ def split_weights(pl_ptr, bh, n_splits, BLOCK_S: tl.constexpr):
     top = tl.where(top == float("-inf"), 0.0, top)  # a row with no keys: every weight 0, total 1
     w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
     total = tl.sum(w, 0)
-    return rs, s_ok, w, tl.where(total == 0.0, 1.0, total)
+    return bh, bh // HQ, h, h // G, rs, s_ok, w, tl.where(total == 0.0, 1.0, total)
 
 
 @triton.jit
 def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h,
                    BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
     """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D]."""
-    bh = tl.program_id(0)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // G
-    rs, s_ok, w, total = split_weights(pl_ptr, bh, n_splits, BLOCK_S)
+    bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, BLOCK_HD)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]
     oe = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
@@ -225,11 +233,7 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
         acc = tl.zeros((BLOCK_G, W, 8), tl.float32)
     base = bh.to(tl.int64) * TMAX
     for t0 in range(t_begin, t_end, BLOCK_T):
-        rt = t0 + tl.arange(0, BLOCK_T)
-        t_ok = rt < t_end
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + b * sm_b + rt, mask=t_ok & (rt < mask_len), other=0)
-            t_ok = t_ok & (keep != 0)
+        rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         k = int4_words(kc_ptr, base + rt, t_ok, rw, rs, W)
         if USE_DOT:
             s = tl.dot(q2, tl.trans(tl.reshape(k, (BLOCK_T, D))))
@@ -263,11 +267,7 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
 def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h,
                            BLOCK_S: tl.constexpr, D: tl.constexpr):
     """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine)."""
-    bh = tl.program_id(0)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // G
-    rs, s_ok, w, total = split_weights(pl_ptr, bh, n_splits, BLOCK_S)
+    bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, D)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
     o = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotate_half", "rms_norm", "add_rms_norm", "rope_qk", "rms_norm_rope_qk", "mrope_streams", "mrope_cos_sin"]
+__all__ = ["add_rms_norm", "mrope_cos_sin", "mrope_streams", "rms_norm", "rms_norm_rope_qk", "rope_qk", "rotate_half"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import interpreting, note_fallback, triton_ready
+from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, triton_ready
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "int4_linear", "unsupported_reason", "w4a16_gemv",
            "w4a16_matmul"]
@@ -121,8 +121,7 @@ def w4a16_matmul(
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     kp = k_blocks * block_size
-    if k_in > kp:
-        raise ValueError(f"x has {k_in} columns but the packed weight holds only {kp} (K padded to groups).")
+    _check_columns(k_in, kp)
     bucket = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     key = (bucket, n, kp, block_size, x.dtype, zero_points is not None, bias is not None)
@@ -133,6 +132,13 @@ def w4a16_matmul(
     cfg = config or _tuned(key, launch, _CANDIDATES[bucket], block_size)
     launch(cfg)
     return out
+
+
+def _check_columns(k_in: int, packed_k: int) -> None:
+    """Refuse activations wider than the packed weight (which holds K rounded up to whole groups)."""
+    if k_in > packed_k:
+        raise ValueError(f"x has {k_in} columns but the packed weight holds only {packed_k}: pass activations with "
+                         "the layer's in_features columns.")
 
 
 def _ceil(a: int, b: int) -> int:
@@ -163,14 +169,13 @@ def w4a16_gemv(
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
-    ``config`` is (BLOCK_N, BLOCK_G groups per step, num_warps, BLOCK_M, KIND) with KIND "sub",
+    ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
     shape when None).
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
-    if k_in > k_blocks * block_size:
-        raise ValueError(f"x has {k_in} columns but the packed weight holds only {k_blocks * block_size}.")
+    _check_columns(k_in, k_blocks * block_size)
     bucket = 1 if m == 1 else (4 if m <= 4 else 16)
     key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -181,9 +186,14 @@ def w4a16_gemv(
         else:
             _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
 
-    candidates = tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] != "quad" or block_size >= 32)
-    launch(config or _tuned(key, launch, candidates, block_size))
+    launch(config or _tuned(key, launch, _gemv_candidates(bucket, block_size), block_size))
     return out
+
+
+@cache
+def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
+    """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
+    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] != "quad" or group >= 32)
 
 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -212,14 +222,14 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
             zero_points.stride(0) if zero_points is not None else 0)
     flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps)
+                 BLOCK_N=block_n, num_warps=warps)
     if kind == "quad":  # one activation row per program (grid axis 2 is then the row)
         if group < 32:
-            raise ValueError(f"GEMV kind 'quad' reads 4-word quads of one group: group size {group} < 32.")
-        del flags["BLOCK_M"], flags["BLOCK_G"]
+            raise ValueError(f"GEMV kind 'quad' reads 4-word quads of one group: group size {group} < 32; "
+                             "use kind 'fma'.")
         kernels.gemv_quad[(grid[0], grid[1], m)](*args, BLOCK_C=block_g, **flags)
     else:
-        kernels.gemv[grid](*args, DOT=dot, **flags)
+        kernels.gemv[grid](*args, BLOCK_M=block_m, BLOCK_G=block_g, DOT=dot, **flags)
     if not direct:
         block = 1024
         kernels.split_sum[(triton.cdiv(m * n, block),)](
@@ -275,38 +285,11 @@ def _tuned(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...],
     timings = []
     for cfg in dict.fromkeys(_fit(c, group) for c in candidates):
         try:
-            timings.append((_graph_time(lambda c=cfg: launch(c)), cfg))
+            timings.append((graph_time_ms(lambda c=cfg: launch(c)), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
             note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
     table[key] = min(timings)[1] if timings else candidates[0]
     return table[key]
-
-
-def _graph_time(fn: Any, calls: int = 10, reps: int = 5) -> float:
-    """Median GPU milliseconds of one ``fn()``, replayed from a CUDA graph of ``calls`` calls.
-
-    Why a graph: a decode-sized kernel runs for 5-40 µs, less than its Python launch, so timing
-    eager calls measures the launcher and picks configurations at random.
-    """
-    fn()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-    torch.cuda.current_stream().wait_stream(stream)
-    return sorted(times)[len(times) // 2]
 
 
 def dequantize_packed(
