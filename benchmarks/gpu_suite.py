@@ -23,7 +23,6 @@ import torch
 
 COPY_BW = 4.27e12  # measured device-to-device copy on this H200 (techniques.md 7); re-measured below
 RESULTS: dict[str, Any] = {}
-COMPILE: list[bool] = [False]  # --compile: also time the torch.compile peers (minutes of compilation)
 
 
 def save(path: str) -> None:
@@ -273,12 +272,14 @@ def lm_bytes(model: Any, kv_bytes_per_token: float, ctx: int) -> float:
     return total + kv_bytes_per_token * ctx
 
 
-def section_decode(quick: bool) -> list[dict[str, Any]]:
+KV_BF16 = 32 * 2 * 32 * 128 * 2  # bytes of K and V per token, 32 layers x 32 heads x 128
+KV_INT4 = 32 * 2 * 32 * 128 * 0.5
+
+
+def decode_recorder(quick: bool, rows: list[dict[str, Any]]) -> Callable[..., None]:
+    """``record(name, model, kv_bytes_per_token, generate=None)``: one decode row at 1k context into ``rows``."""
     ctx, new, reps = (1024, 32, 1) if quick else (1024, 128, 3)
     inputs = llava_inputs(1, ctx, images=False)
-    kv_bf16 = 32 * 2 * 32 * 128 * 2
-    kv_int4 = 32 * 2 * 32 * 128 * 0.5
-    rows = []
 
     def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
         row = {"variant": name, **decode_rate(model, inputs, new, reps, generate)}
@@ -288,15 +289,16 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
         rows.append(row)
         print(row, flush=True)
 
+    return record
+
+
+def section_decode(quick: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    record = decode_recorder(quick, rows)
+    kv_bf16, kv_int4 = KV_BF16, KV_INT4
+
     model = build_llava()
     record("HF bf16 eager generate", model, kv_bf16, type(model).generate.__get__(model))
-    if COMPILE[0]:
-        try:
-            model.generation_config.cache_implementation = "static"
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
-            record("HF bf16 static cache + torch.compile", model, kv_bf16, type(model).generate.__get__(model))
-        except Exception as error:
-            rows.append({"variant": "HF bf16 static cache + torch.compile", "error": repr(error)[:500]})
     del model
     torch.cuda.empty_cache()
     model = optimized(build_llava(), (), kv=False)
@@ -309,11 +311,6 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
         model = build_llava()
         quantize_(model.model.language_model, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
         record("torchao int4 weight-only (HF eager generate)", model, kv_bf16, type(model).generate.__get__(model))
-        if COMPILE[0]:
-            model.generation_config.cache_implementation = "static"
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
-            record("torchao int4 weight-only + static cache + torch.compile", model, kv_bf16,
-                   type(model).generate.__get__(model))
         del model
     except Exception as error:
         rows.append({"variant": "torchao int4 weight-only", "error": repr(error)[:500]})
@@ -329,6 +326,56 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
     record("mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv (fast generate)", model, kv_int4)
     del model
     torch.cuda.empty_cache()
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    model = optimized(build_llava(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+    record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model,
+           kv_int4)
+    del model
+    torch.cuda.empty_cache()
+    # the same stack without the one-kernel input/final norms and the paired gate/up kernel (their share)
+    earlier = ("qkv-fuse", Int4WeightConfig(gated_mlp_kernel=False), RMSNormRoPEFusionConfig(plain_norms=False))
+    model = optimized(build_llava(), earlier, kv=True)
+    record("same stack without plain-norm and gated-MLP kernels (fast generate)", model, kv_int4)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def section_compiled(quick: bool) -> list[dict[str, Any]]:
+    """The compiled peers (static cache + torch.compile, minutes of compilation) next to mmsdk's full stack."""
+    rows: list[dict[str, Any]] = []
+    record = decode_recorder(quick, rows)
+
+    def compiled(name: str, prepare: Callable[[Any], None]) -> None:
+        try:
+            model = build_llava()
+            prepare(model)
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            start = time.perf_counter()
+            record(name, model, KV_BF16, type(model).generate.__get__(model))
+            rows[-1]["seconds_incl_compile"] = time.perf_counter() - start
+        except Exception as error:
+            traceback.print_exc()
+            rows.append({"variant": name, "error": repr(error)[:500]})
+        torch.cuda.empty_cache()
+
+    def torchao_int4(model: Any) -> None:
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+        quantize_(model.model.language_model, Int4WeightOnlyConfig(group_size=128,
+                                                                   int4_packing_format="tile_packed_to_4d"))
+
+    compiled("HF bf16 static cache + torch.compile", lambda model: None)
+    torch._dynamo.reset()
+    compiled("torchao int4 weight-only g128 + static cache + torch.compile", torchao_int4)
+    torch._dynamo.reset()
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    model = optimized(build_llava(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+    record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, KV_INT4)
     return rows
 
 
@@ -399,14 +446,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gpu_suite.json")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--sections", default="env,w4a16,kv,norm,decode,memory,ttft")
     args = parser.parse_args()
-    COMPILE[0] = args.compile
-    RESULTS["command"] = "python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "") + ("--compile " if args.compile else "") + \
-        f"--sections {args.sections}"
+    RESULTS["command"] = ("python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "")
+                          + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv, "norm": section_norm,
-                "decode": section_decode, "memory": section_memory, "ttft": section_ttft}
+                "decode": section_decode, "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
         start = time.perf_counter()
         try:

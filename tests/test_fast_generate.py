@@ -72,7 +72,8 @@ def test_fast_path_refuses_what_it_does_not_do(tiny):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("passes", [(), ("int4-weight",), ("int4-weight", "int4-kv"), ("int8-kv",)])
+@pytest.mark.parametrize("passes", [(), ("int4-weight",), ("int4-weight", "int4-kv"), ("int8-kv",),
+                                    ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")])
 def test_cuda_graph_generate_matches_transformers(passes, session, tiny):
     loaded = tiny("tiny:llava")
     opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)

@@ -232,3 +232,51 @@ def test_cuda_kernel_matches_dequantized_reference_without_a_weight_copy():
         assert {name: b.data_ptr() for name, b in layer.named_buffers()} == before, "the layer kept a weight copy"
         # bf16 activations and tensor-core products: bf16 rounding, ~1e-2 relative at most
         assert (out.float() - reference).norm() / reference.norm() < 2e-2
+
+
+def test_gated_mlps_get_the_paired_kernel_body_and_keep_their_output(session, tiny, tmp_path):
+    loaded = tiny("tiny:qwen2-vl")
+    inputs = tiny_inputs(loaded.processor)
+    plain = Optimizer(tiny("tiny:qwen2-vl").model, session=session).apply(Int4WeightConfig(gated_mlp_kernel=False))
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-weight")
+    layers = opt.adapter.decoder_layers(opt.model)
+    plain.model  # noqa: B018 - runs the pass
+    records = opt.results[0].records
+    assert len(records["gated_mlp"]) == len(layers) and "gated_mlp" not in plain.results[0].records
+    with torch.no_grad():  # on CPU the body runs the original forward: same logits as without it
+        assert torch.equal(opt.model(**inputs).logits, plain.model(**inputs).logits)
+    opt.export("torch", tmp_path / "out")
+    reloaded = mmsdk.load(tmp_path / "out", session=session)
+    mlp = opt.adapter.mlp(opt.adapter.decoder_layers(reloaded)[0])
+    assert "_mmsdk_body" in mlp.__dict__  # restore put the body back
+
+
+def test_mlps_that_are_not_silu_gated_keep_their_forward(session, tiny):
+    loaded = tiny("tiny:llava")
+    for layer in loaded.model.model.language_model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    opt = Optimizer(loaded.model, session=session).apply("int4-weight")
+    opt.model  # noqa: B018 - runs the pass
+    assert opt.results[0].records["gated_mlp"] == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_gated_mlp_body_matches_the_original_mlp():
+    from transformers.models.llama.configuration_llama import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from mmsdk.plugins.adapters.llava import LlavaAdapter
+    from mmsdk.plugins.quantizers.int4_mlp import install_gated_mlp
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=704)).cuda().to(torch.bfloat16)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(mlp, name, Int4Linear.from_linear(getattr(mlp, name), block_size=64))
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference = mlp(x).float()
+        install_gated_mlp(mlp, LlavaAdapter())
+        out = mlp(x).float()
+    # one bf16 rounding less than transformers (SiLU and product in fp32): ~3e-3 relative
+    assert (out - reference).norm() / reference.norm() < 1e-2

@@ -89,6 +89,26 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
         assert _rel(out, expected) < tol  # interpreter fp16 ~2-3e-4, H200 bf16 ~2e-3
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_gated_silu_matches_two_matmuls(target, symmetric):
+    from mmsdk.kernels.w4a16 import w4a16_gated_silu
+
+    device, dtype, tol = target
+    # (n, k, group, config, K splits): one split and several, N not a multiple of BLOCK_N, K padded past in_features
+    for n, k, group, config, splits in ((40, 512, 64, (16, 4, 4, 1, "quad"), 3),
+                                        (33, 296, 128, (16, 8, 4, 1, "quad"), 1),
+                                        (24, 256, 32, (8, 8, 2, 1, "quad", 64), None)):
+        gate, up = (quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+                    for _ in range(2))
+        x = torch.randn(1, 1, k, device=device).to(dtype)
+        g = x.float() @ dequantize_int4(gate, torch.float32).T
+        expected = torch.nn.functional.silu(g) * (x.float() @ dequantize_int4(up, torch.float32).T)
+        parts = [(p.qweight, p.scales, p.zero_points) for p in (gate, up)]
+        out = w4a16_gated_silu(x, parts[0], parts[1], k, group, config=config, splits=splits)
+        assert out.shape == (1, 1, n) and out.dtype == dtype
+        assert _rel(out, expected) < tol  # interpreter fp16 ~3e-4
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_packed_kv_append_and_decode_attention(target, fmt):
     from mmsdk.kernels.kv_decode import append_kv, decode_attention, reference_decode_attention

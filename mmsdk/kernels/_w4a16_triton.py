@@ -176,6 +176,25 @@ def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.c
 
 
 @triton.jit
+def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = silu(gate) * up`` from fp32 partials ``p [SPLITS, M, 2N]`` (gate at columns < N, up after).
+
+    SiLU and the product run in fp32 and are rounded once (transformers rounds the SiLU output and
+    the product to the model dtype separately: the difference is one bf16 rounding).
+    """
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < MN
+    at = (r // N) * (2 * N) + r % N
+    gate = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        gate += tl.load(p_ptr + s * 2 * MN + at, mask=ok, other=0.0)
+        up += tl.load(p_ptr + s * 2 * MN + at + N, mask=ok, other=0.0)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + r, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def nibble_factor(P: tl.constexpr):
     """2**(85 - P): turns a nibble left at bit position ``P`` of a subnormal float into ``code * 2**-64``."""
     if P == 0:
@@ -219,9 +238,15 @@ def activations_by_nibble(x_row, cw, c_ok, K_in):
 
 @triton.jit
 def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
-              stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-              DIRECT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+              stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_C: tl.constexpr):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
+
+    With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
+    projections): programs past ``n_blocks`` along axis 0 read the second weight (``w2/s2/z2``) and
+    write its fp32 partials at columns ``N .. 2N`` of ``out`` (rows ``2N`` wide), for
+    :func:`split_gated` to finish as ``silu(gate) * up``.
 
     Three things make it fast where :func:`gemv` is not (H200 measurements in docs/benchmarks.md):
 
@@ -244,6 +269,14 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    out_cols = N
+    column0 = 0
+    if PAIRED:
+        out_cols = 2 * N
+        if pid_n >= n_blocks:  # the second weight: same shape, its own buffers
+            pid_n -= n_blocks
+            column0 = N
+            w_ptr, s_ptr, z_ptr = w2_ptr, s2_ptr, z2_ptr
     k_blocks = KW // WPG
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rc = tl.arange(0, BLOCK_C)
@@ -280,7 +313,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             z = tl.full((BLOCK_N, BLOCK_C), 8.0, tl.float32)
         acc += s * (tl.sum(t, 2) - z * xs[None, :])
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
-    dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
+    dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
         if HAS_BIAS:
             out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)

@@ -36,8 +36,8 @@ import torch
 
 from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, triton_ready
 
-__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "int4_linear", "unsupported_reason", "w4a16_gemv",
-           "w4a16_matmul"]
+__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "gated_silu_reason", "int4_linear", "unsupported_reason",
+           "w4a16_gated_silu", "w4a16_gemv", "w4a16_matmul"]
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
@@ -51,6 +51,7 @@ _TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # is taken without timing (CUDA-graph capture, interpreter); the order follows an H200 sweep
 # (benchmarks/gpu_tune.py sweep_w4a16).
 GemvConfig = tuple[Any, ...]
+PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
 _GEMV_KINDS = ("quad", "fma", "dot")
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
     1: ((32, 16, 4, 1, "quad", 1056), (32, 16, 4, 1, "quad", 264), (32, 16, 4, 1, "quad", 1584),
@@ -190,6 +191,52 @@ def w4a16_gemv(
     return out
 
 
+def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
+    """Why :func:`w4a16_gated_silu` cannot take these inputs (None when it can)."""
+    reason = unsupported_reason(x, gate[0], gate[1], block_size) or unsupported_reason(x, up[0], up[1], block_size)
+    if reason is not None:
+        return reason
+    if x.reshape(-1, x.shape[-1]).shape[0] != 1:
+        return "more than one activation row (the paired GEMV is the batch-1 decode kernel)"
+    if block_size < 32:
+        return f"group size {block_size} (the paired GEMV reads 4-word quads: groups >= 32)"
+    if gate[0].shape != up[0].shape or gate[1].shape != up[1].shape or gate[1].dtype != up[1].dtype:
+        return "gate and up weights differ in shape or scale dtype"
+    if (gate[2] is None) != (up[2] is None) or not (gemv_ready(gate[0]) and gemv_ready(up[0])):
+        return "one weight has zero points and the other not, or a weight is not contiguous and 4-byte aligned"
+    return None
+
+
+def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
+                     config: GemvConfig | None = None, splits: int | None = None) -> torch.Tensor | None:
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, in two launches, or None (the caller falls back).
+
+    ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
+    MLP): one GEMV launch computes both products (programs split between the two weights) and a small
+    epilogue sums the K slices and applies SiLU and the product, where transformers runs two GEMVs, two
+    split sums, a SiLU and a multiply.
+    """
+    reason = gated_silu_reason(x, gate, up, block_size)
+    if reason is not None:
+        note_fallback("w4a16 gated silu", reason)
+        return None
+    flat = x.reshape(1, in_features)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    qweight, scales, zero_points = gate
+    n, k_blocks, _ = qweight.shape
+    _check_columns(in_features, k_blocks * block_size)
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    key = ("gated", n, k_blocks, block_size, x.dtype, zero_points is not None)
+
+    def launch(cfg: tuple[Any, ...]) -> None:
+        _launch_gemv(flat, qweight, scales, zero_points, None, out, block_size, cfg, splits, second=up)
+
+    quads = tuple(c for c in _gemv_candidates(1, block_size) if len(c) > 4 and c[4] == "quad")
+    launch(config or _tuned(key, launch, quads, block_size))
+    return out.reshape(*x.shape[:-1], n)
+
+
 @cache
 def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
@@ -198,25 +245,30 @@ def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                  bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
-                 splits: int | None) -> None:
+                 splits: int | None, second: PackedWeight | None = None) -> None:
+    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``."""
     import triton
 
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else _TARGET_PROGRAMS
     if kind not in _GEMV_KINDS:
         raise ValueError(f"GEMV kind {kind!r}: use one of {_GEMV_KINDS}.")
+    paired = second is not None
+    if paired and kind != "quad":
+        raise ValueError(f"a paired (gated) GEMV runs the 'quad' kind only, not {kind!r}.")
     dot = kind == "dot"
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
+    rows = 2 * n if paired else n
     block_m = max(16, block_m) if dot else min(block_m, triton.next_power_of_2(m))
     # K slices are whole multiples of block_g groups (for "quad", whose block_g counts quads, this is coarser than
     # a step; kept so, as measured on the H200)
-    wanted = splits or gemv_splits(n, k_blocks, block_n, block_g, target_programs)
+    wanted = splits or gemv_splits(rows, k_blocks, block_n, block_g, target_programs)
     per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
     n_splits = -(-k_blocks // per_split)
-    direct = n_splits == 1
-    target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, block_n), n_splits, triton.cdiv(m, block_m))
+    direct = n_splits == 1 and not paired  # the gated epilogue needs both products: always via fp32 partials
+    target = out if direct else torch.empty(n_splits, m, rows, device=x.device, dtype=torch.float32)
+    n_blocks = triton.cdiv(n, block_n)
     kernels = _kernels()
     args = (x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
             bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
@@ -227,11 +279,18 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         if group < 32:
             raise ValueError(f"GEMV kind 'quad' reads 4-word quads of one group: group size {group} < 32; "
                              "use kind 'fma'.")
-        kernels.gemv_quad[(grid[0], grid[1], m)](*args, BLOCK_C=block_g, **flags)
+        w2, s2, z2 = second if paired else (qweight, scales, zero_points)
+        kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
+            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, BLOCK_C=block_g,
+            PAIRED=paired, **flags)
     else:
-        kernels.gemv[grid](*args, BLOCK_M=block_m, BLOCK_G=block_g, DOT=dot, **flags)
-    if not direct:
-        block = 1024
+        kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
+                                                                    DOT=dot, **flags)
+    block = 1024
+    if paired:
+        kernels.split_gated[(triton.cdiv(m * n, block),)](target, out, m * n, n, SPLITS=n_splits, BLOCK=block,
+                                                          num_warps=4)
+    elif not direct:
         kernels.split_sum[(triton.cdiv(m * n, block),)](
             target, bias if bias is not None else target, out, m * n, n, SPLITS=n_splits, HAS_BIAS=bias is not None,
             BLOCK=block, num_warps=4,

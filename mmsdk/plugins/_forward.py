@@ -22,6 +22,7 @@ __all__ = [
     "add_forward_wrapper",
     "body_function",
     "foreign_forward",
+    "has_forward_body",
     "innermost_override",
     "module_body",
     "rebind_global",
@@ -36,6 +37,11 @@ def module_body(module: nn.Module) -> Callable[..., Any]:
     """What the module computes now: an installed body, else the class's forward bound to it."""
     body = module.__dict__.get(BODY_ATTR)
     return body if body is not None else types.MethodType(type(module).forward, module)
+
+
+def has_forward_body(module: nn.Module) -> bool:
+    """True when a pass (or another component) already replaced what the module computes."""
+    return module.__dict__.get(BODY_ATTR) is not None or foreign_forward(module) is not None
 
 
 def foreign_forward(module: nn.Module) -> Callable[..., Any] | None:

@@ -3,6 +3,10 @@
 * Residual add + RMSNorm as one op: each pre-norm decoder layer's post-attention norm becomes a
   :class:`FusedAddRMSNorm` (same weight), and the layer computes ``norm(residual + attn)`` with
   the sum as the next residual (ONNX Runtime ``SkipSimplifiedLayerNormalization``).
+* The remaining RMSNorms of the decoder (each layer's input norm, the final norm) become a
+  :class:`FusedAddRMSNorm` without residual: one kernel on CUDA instead of the eight elementwise
+  and reduction kernels transformers' RMSNorm launches (a batch-1 decode step is made of such
+  short kernels: each costs more in launch gaps than in work).
 * RoPE on q and k together: the module-level rotary function each self-attention calls is bound,
   for that module only, to a :class:`FusedRoPE` (ORT ``RotaryEmbedding``; ``MRotaryEmbedding``
   for M-RoPE). M-RoPE models also get :class:`FusedMRoPEEmbedding`, which picks each frequency
@@ -58,6 +62,8 @@ class RMSNormRoPEFusionConfig(PassConfig):
     """Which fusions to make."""
 
     residual_norm: bool = Field(True, description="Fuse residual add + post-attention RMSNorm in decoder layers.")
+    plain_norms: bool = Field(True, description="Run the decoder layers' input RMSNorms and the final RMSNorm as "
+                              "one fused op each.")
     rope: bool = Field(True, description="Rotate q and k in one op in every self-attention.")
     qk_norm: bool = Field(True, description="Fold per-head q/k RMSNorms into the RoPE op where adjacent (Qwen3).")
     mrope_tables: bool = Field(True, description="M-RoPE models: build sectioned cos/sin in one pass.")
@@ -181,6 +187,17 @@ def _probe(weight: torch.Tensor, *shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=generator).to(weight.device, weight.dtype)
 
 
+def _fused_norm(norm: nn.Module) -> FusedAddRMSNorm | None:
+    """A FusedAddRMSNorm that computes exactly what ``norm`` does (checked on a probe), or None."""
+    eps = _eps(norm)
+    weight = getattr(norm, "weight", None)
+    if eps is None or not isinstance(weight, nn.Parameter):
+        return None
+    fused = FusedAddRMSNorm(weight, eps)
+    x = _probe(weight, 2, 3, weight.shape[-1])
+    return fused if _same(norm(x), fused.reference(x)) else None
+
+
 def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str]) -> list[str]:
     fused_names = []
     names = {id(m): n for n, m in model.named_modules()}
@@ -189,17 +206,43 @@ def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[
         if norms is None:
             continue
         norm = getattr(layer, norms[1])
-        eps = _eps(norm)
-        weight = getattr(norm, "weight", None)
-        fused = FusedAddRMSNorm(weight, eps) if eps is not None and isinstance(weight, nn.Parameter) else None
-        x = _probe(norm.weight, 2, 3, norm.weight.shape[-1]) if fused else None
-        if fused is None or not _same(norm(x), fused.reference(x)):
+        fused = _fused_norm(norm)
+        if fused is None:
             skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
             continue
         setattr(layer, norms[1], fused)
         set_forward_body(layer, _fused_layer_body(layer, adapter, norms[0], fused))
         fused_names.append(names[id(layer)])
     return fused_names
+
+
+def _fuse_plain_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str]) -> list[str]:
+    """Replace each decoder layer's input norm and the final norm by a residual-free FusedAddRMSNorm."""
+    names = {id(m): n for n, m in model.named_modules()}
+    owners = []
+    for layer in adapter.decoder_layers(model):
+        norms = adapter.decoder_norm_names(layer)
+        if norms is not None:
+            owners.append((layer, norms[0]))
+    final = adapter.final_norm(model)
+    done = []
+    for owner, attr in owners:
+        norm = getattr(owner, attr)
+        if isinstance(norm, FusedAddRMSNorm):
+            continue
+        fused = _fused_norm(norm)
+        if fused is None:
+            skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
+            continue
+        setattr(owner, attr, fused)
+        done.append(names[id(norm)])
+    if isinstance(final, nn.Module) and not isinstance(final, FusedAddRMSNorm):
+        fused = _fused_norm(final)
+        if fused is None:
+            skipped.append(f"{names[id(final)]}: its normalization is not RMSNorm with a plain weight")
+        else:
+            done.append(_replace_module(model, final, fused))
+    return done
 
 
 def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str,
@@ -324,9 +367,12 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
     adapter = context.adapter
     names = {id(m): n for n, m in model.named_modules()}
     skipped: list[str] = []
-    records: dict[str, Any] = {"residual_norm": [], "rope": [], "rmsnorm_rope": [], "mrope_tables": None}
+    records: dict[str, Any] = {"residual_norm": [], "plain_norms": [], "rope": [], "rmsnorm_rope": [],
+                               "mrope_tables": None}
     if config.residual_norm:
         records["residual_norm"] = _fuse_residual_norms(model, adapter, skipped)
+    if config.plain_norms:
+        records["plain_norms"] = _fuse_plain_norms(model, adapter, skipped)
     section, streams = _mrope_layout(model, adapter)
     interleaved = streams is not None and section is not None and streams != mrope_streams(section)
     layout = None if section is None else ("interleaved" if interleaved else "sectioned")

@@ -7,7 +7,9 @@ releases), minus ``exclude`` patterns (``fnmatch`` on qualified module names). S
 A tied LM head is skipped: quantizing it would not free the shared embedding.
 
 Each is replaced by :class:`~mmsdk.plugins.quantizers.int4_linear.Int4Linear`; the torch export
-holds its packed buffers and ``restore`` rebuilds empty ones on load.
+holds its packed buffers and ``restore`` rebuilds empty ones on load. SiLU-gated MLPs whose gate
+and up projections were both quantized get a body that runs them as one kernel pair on CUDA
+(mmsdk/plugins/quantizers/int4_mlp.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mmsdk.core.registry import Registrar
 from mmsdk.plugins.quantizers.awq import search_clip, search_scale
 from mmsdk.plugins.quantizers.calibration_stats import CalibrationStats, collect_statistics
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
+from mmsdk.plugins.quantizers.int4_mlp import fuse_gated_mlps, install_gated_mlp
 from mmsdk.plugins.quantizers.packing import padded_k
 
 __all__ = ["Int4WeightConfig", "apply_int4_weight", "int4_targets", "packed_linear_bytes", "restore_int4_weight"]
@@ -50,6 +53,11 @@ class Int4WeightConfig(PassConfig):
     language_model: bool = Field(True, description="Quantize the decoder's linears.")
     lm_head: bool = Field(False, description="Quantize the output projection.")
     exclude: tuple[str, ...] = Field((), description="fnmatch patterns of module names to keep in full precision.")
+    gated_mlp_kernel: bool = Field(
+        True,
+        description="On CUDA, compute a SiLU-gated MLP's INT4 gate and up projections for one token in one kernel "
+        "pair (GEMV over both + SiLU*mul epilogue) instead of six kernels; the linears and exports are unchanged.",
+    )
     indivisible: Literal["auto", "error", "pad", "skip"] = Field(
         "auto",
         description="A layer whose input size the group size does not divide (real model widths never are; toy "
@@ -240,6 +248,8 @@ def apply_int4_weight(model: nn.Module, config: Int4WeightConfig, context: PassC
             "padded_to": padded_k(linear.in_features, config.group_size),
         }
     records: dict[str, Any] = {"quantized": quantized, "skipped": skipped, "awq_errors": plan["errors"]}
+    if config.gated_mlp_kernel:
+        records["gated_mlp"] = fuse_gated_mlps(model, context.adapter)
     if calibration:
         records["calibration"] = calibration
     return records
@@ -265,6 +275,8 @@ def restore_int4_weight(
                 device=old.weight.device,
             ),
         )
+    for name in records.get("gated_mlp", []):  # checked when the pass ran; the weights load after this
+        install_gated_mlp(model.get_submodule(name), context.adapter)
 
 
 def packed_linear_bytes(

@@ -1,0 +1,90 @@
+"""Gated MLPs whose gate and up projections are both INT4: one kernel pair for both at batch-1 decode.
+
+transformers' gated MLP (LLaMA, Qwen2) computes ``down(act(gate(x)) * up(x))``; for one token on
+CUDA that is two W4A16 GEMVs with their K-split sums, a SiLU and a multiply: six short kernels,
+each costing about as much in launch gap as in work. When ``int4-weight`` has packed both
+projections alike, the MLP's body runs :func:`mmsdk.kernels.w4a16.w4a16_gated_silu` instead (one
+GEMV launch over both weights and one epilogue that applies SiLU and the product) and the original
+forward for everything else (CPU, prompts, AWQ pre-scales, biases). The two linears stay separate
+modules with their own buffers, so exports see exactly what they saw before.
+
+Only MLPs that compute ``down(silu(gate(x)) * up(x))`` get the body: checked on a probe, bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmsdk.core.adapter import ModelAdapter
+from mmsdk.plugins._forward import has_forward_body, module_body, set_forward_body
+from mmsdk.plugins.quantizers.int4_linear import Int4Linear
+
+__all__ = ["fuse_gated_mlps", "install_gated_mlp"]
+
+
+def _projections(mlp: nn.Module, adapter: ModelAdapter) -> tuple[Int4Linear, Int4Linear, nn.Module] | None:
+    """(gate, up, down) when gate and up are INT4 linears the paired kernel can take together, else None."""
+    names = adapter.mlp_projections(mlp)
+    if names.gate is None:
+        return None
+    gate, up, down = (getattr(mlp, name, None) for name in (names.gate, names.up, names.down))
+    if not (isinstance(gate, Int4Linear) and isinstance(up, Int4Linear) and isinstance(down, nn.Module)):
+        return None
+    plain = all(m.prequant is None and m.bias is None for m in (gate, up))
+    same = (gate.in_features, gate.out_features, gate.block_size, gate.symmetric) == (
+        up.in_features, up.out_features, up.block_size, up.symmetric)
+    return (gate, up, down) if plain and same else None
+
+
+def _gated_silu(x: torch.Tensor, gate: Int4Linear, up: Int4Linear) -> torch.Tensor | None:
+    """``silu(gate(x)) * up(x)`` from the paired kernel, or None where it cannot run."""
+    if not x.is_cuda:
+        return None
+    from mmsdk.kernels.w4a16 import w4a16_gated_silu
+
+    return w4a16_gated_silu(x, (gate.qweight, gate.scales, gate.zero_points), (up.qweight, up.scales, up.zero_points),
+                            gate.in_features, gate.block_size)
+
+
+def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
+    """Give ``mlp`` a body that runs the paired kernel where it can and the original forward elsewhere."""
+    original = module_body(mlp)
+
+    def body(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        parts = None if args or kwargs else _projections(mlp, adapter)
+        if parts is not None:
+            gate, up, down = parts
+            hidden = _gated_silu(x, gate, up)
+            if hidden is not None:
+                return down(hidden)
+        return original(x, *args, **kwargs)
+
+    set_forward_body(mlp, body)
+
+
+def _computes_gated_silu(mlp: nn.Module, parts: tuple[Int4Linear, Int4Linear, nn.Module]) -> bool:
+    """True when the MLP's forward equals ``down(silu(gate(x)) * up(x))`` on a probe (bitwise)."""
+    gate, up, down = parts
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, gate.in_features, generator=generator).to(gate.scales.device, gate.scales.dtype)
+    with torch.no_grad():
+        expected = down(torch.nn.functional.silu(gate(x)) * up(x))
+        got = module_body(mlp)(x)
+    return isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.equal(got, expected)
+
+
+def fuse_gated_mlps(model: nn.Module, adapter: ModelAdapter) -> list[str]:
+    """Install the paired-kernel body on every decoder MLP that qualifies; return their names."""
+    names = {id(m): n for n, m in model.named_modules()}
+    fused = []
+    for layer in adapter.decoder_layers(model):
+        mlp = adapter.mlp(layer)
+        parts = _projections(mlp, adapter)
+        if parts is None or has_forward_body(mlp) or not _computes_gated_silu(mlp, parts):
+            continue  # another pass already replaced what this MLP computes, or it is not a SiLU-gated MLP
+        install_gated_mlp(mlp, adapter)
+        fused.append(names[id(mlp)])
+    return fused
