@@ -11,6 +11,7 @@ section, so a failing section leaves the others' numbers.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -28,6 +29,12 @@ RESULTS: dict[str, Any] = {}
 def save(path: str) -> None:
     with open(path, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
+
+
+def save_now() -> None:
+    """Write the results so far (sections that run long save partial rows)."""
+    if "out" in RESULTS:
+        save(RESULTS["out"])
 
 
 def bench(fn: Callable[[], Any], rep: int = 200) -> float:
@@ -276,9 +283,9 @@ KV_BF16 = 32 * 2 * 32 * 128 * 2  # bytes of K and V per token, 32 layers x 32 he
 KV_INT4 = 32 * 2 * 32 * 128 * 0.5
 
 
-def decode_recorder(quick: bool, rows: list[dict[str, Any]]) -> Callable[..., None]:
+def decode_recorder(quick: bool, rows: list[dict[str, Any]], new: int = 128, reps: int = 3) -> Callable[..., None]:
     """``record(name, model, kv_bytes_per_token, generate=None)``: one decode row at 1k context into ``rows``."""
-    ctx, new, reps = (1024, 32, 1) if quick else (1024, 128, 3)
+    ctx, new, reps = (1024, 32, 1) if quick else (1024, new, reps)
     inputs = llava_inputs(1, ctx, images=False)
 
     def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
@@ -343,17 +350,58 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def section_compiled(quick: bool) -> list[dict[str, Any]]:
-    """The compiled peers (static cache + torch.compile, minutes of compilation) next to mmsdk's full stack."""
+def section_steady(quick: bool) -> list[dict[str, Any]]:
+    """mmsdk's decode step in steady state: (t(2n) - t(n)) / n, which leaves out each generate call's fixed
+    cost (prefill, two eager steps and the CUDA-graph capture) that ``decode_rate`` spreads over n - 1 steps."""
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    inputs = llava_inputs(1, 1024, images=False)
+    new, reps = (32, 1) if quick else (128, 3)
     rows: list[dict[str, Any]] = []
-    record = decode_recorder(quick, rows)
+    stacks = (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+              ("same with int4-weight g128", ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")),
+              ("same (g32) without plain-norm and gated-MLP kernels",
+               ("qkv-fuse", Int4WeightConfig(gated_mlp_kernel=False), RMSNormRoPEFusionConfig(plain_norms=False))))
+    for name, passes in stacks:
+        model = optimized(build_llava(), passes, kv=True)
+        t1, tn, t2n = (timed_generate(model, inputs, n, reps) for n in (1, new, 2 * new))
+        row = {"variant": name, "new": new, "t1_ms": t1 * 1e3, "tn_ms": tn * 1e3, "t2n_ms": t2n * 1e3,
+               "step_ms_per_call": (tn - t1) / (new - 1) * 1e3, "steady_step_ms": (t2n - tn) / new * 1e3,
+               "fixed_cost_per_call_ms": (tn - t1 - (new - 1) * (t2n - tn) / new) * 1e3}
+        row["floor_ms"] = lm_bytes(model, KV_INT4, 1024 + new) / COPY_BW * 1e3
+        row["steady_over_floor"] = row["steady_step_ms"] / row["floor_ms"]
+        rows.append(row)
+        print(row, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def section_compiled(quick: bool) -> list[dict[str, Any]]:
+    """The compiled peers next to mmsdk's full stack (64 new tokens, 2 reps: compilation takes minutes).
+
+    The peers use transformers' own compiled decoding: a static cache makes ``generate`` compile the
+    decode step itself (``generation_config.compile_config``, CUDA graphs via reduce-overhead).
+    Wrapping ``model.forward`` in ``torch.compile`` as well fails under generate on transformers 5.17
+    (a CUDA-graph output read after the next replay overwrote it).
+    """
+    rows: list[dict[str, Any]] = []
+    RESULTS["compiled"] = rows  # saved after each row: a row that runs out of time keeps the others
+    record = decode_recorder(quick, rows, new=64, reps=2)
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    model = optimized(build_llava(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+    record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, KV_INT4)
+    del model
+    torch.cuda.empty_cache()
+    save_now()
 
     def compiled(name: str, prepare: Callable[[Any], None]) -> None:
         try:
             model = build_llava()
             prepare(model)
             model.generation_config.cache_implementation = "static"
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
             start = time.perf_counter()
             record(name, model, KV_BF16, type(model).generate.__get__(model))
             rows[-1]["seconds_incl_compile"] = time.perf_counter() - start
@@ -361,6 +409,8 @@ def section_compiled(quick: bool) -> list[dict[str, Any]]:
             traceback.print_exc()
             rows.append({"variant": name, "error": repr(error)[:500]})
         torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        save_now()
 
     def torchao_int4(model: Any) -> None:
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
@@ -368,14 +418,8 @@ def section_compiled(quick: bool) -> list[dict[str, Any]]:
         quantize_(model.model.language_model, Int4WeightOnlyConfig(group_size=128,
                                                                    int4_packing_format="tile_packed_to_4d"))
 
-    compiled("HF bf16 static cache + torch.compile", lambda model: None)
-    torch._dynamo.reset()
-    compiled("torchao int4 weight-only g128 + static cache + torch.compile", torchao_int4)
-    torch._dynamo.reset()
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
-
-    model = optimized(build_llava(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
-    record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, KV_INT4)
+    compiled("HF bf16 static cache + generate's torch.compile", lambda model: None)
+    compiled("torchao int4 weight-only g128 + static cache + generate's torch.compile", torchao_int4)
     return rows
 
 
@@ -390,7 +434,11 @@ def section_memory(quick: bool) -> list[dict[str, Any]]:
     rows = []
     for name, passes, kv, keep in steps:
         try:
+            # the previous row's model must be gone: an optimized model holds reference cycles (its generate
+            # override refers back to it), which only the garbage collector frees
+            gc.collect()
             torch.cuda.empty_cache()
+            leftover = torch.cuda.memory_allocated()
             base = build_llava()
             passes = tuple(_pass(p) for p in passes)
             model = optimized(base, passes, kv) if (passes or kv) else base
@@ -403,7 +451,8 @@ def section_memory(quick: bool) -> list[dict[str, Any]]:
             with torch.inference_mode():
                 model.generate(**inputs, max_new_tokens=new, do_sample=False)
             torch.cuda.synchronize()
-            rows.append({"row": name, "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
+            rows.append({"row": name, "allocated_before_build_GB": leftover / 1e9,
+                         "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
                          "reserved_GB": torch.cuda.max_memory_reserved() / 1e9, "weights_GB": weights / 1e9,
                          "kv_GB": kv_bytes / 1e9, "floor_GB": (weights + kv_bytes) / 1e9,
                          "seconds": time.perf_counter() - start})
@@ -448,10 +497,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sections", default="env,w4a16,kv,norm,decode,memory,ttft")
     args = parser.parse_args()
+    RESULTS["out"] = args.out
     RESULTS["command"] = ("python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "")
                           + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv, "norm": section_norm,
-                "decode": section_decode, "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
+                "decode": section_decode, "steady": section_steady,
+                "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
         start = time.perf_counter()
         try:

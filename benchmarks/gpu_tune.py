@@ -260,6 +260,46 @@ def memory_probe() -> dict[str, Any]:
     return out
 
 
+def prune_memory() -> dict[str, Any]:
+    """Why token-prune's waterfall row peaks high: does generate keep the fast path, and where is the peak?
+
+    LLaVA-1.5-7B shapes, token-prune 0.25, batch 4 x 4096-token prompts with images, 8 new tokens; the
+    ``mmsdk.kernels`` log lines (fallback reasons) are collected, and peaks are taken after the prefill
+    forward alone and after the whole generate.
+    """
+    import benchmarks.gpu_suite as suite
+    from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("mmsdk").addHandler(handler)
+    try:
+        model = suite.optimized(suite.build_llava(), (TokenPruneConfig(keep_ratio=0.25),), False)
+        inputs = suite.llava_inputs(4, 4096, images=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        out: dict[str, Any] = {"weights_GB": base / 1e9}
+        with torch.inference_mode():
+            torch.cuda.reset_peak_memory_stats()
+            model(**inputs, logits_to_keep=1)
+            torch.cuda.synchronize()
+            out["forward_only_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+            torch.cuda.reset_peak_memory_stats()
+            model.generate(**inputs, max_new_tokens=8, do_sample=False)
+            torch.cuda.synchronize()
+            out["generate_peak_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        out["log"] = messages[:20]
+        print(out, flush=True)
+        return out
+    finally:
+        logging.getLogger("mmsdk").removeHandler(handler)
+
+
 def decode_profile() -> dict[str, Any]:
     """Decode step on LLaVA-1.5-7B shapes (1k context) for two pass stacks, and where its GPU time goes.
 
