@@ -18,9 +18,10 @@ in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N
   by a Triton kernel and multiplied by cuBLAS (compute-bound there, so the tensor cores' best
   kernel wins; the copy lives only for that call).
 
-For one row the GEMV candidates include the subnormal-nibble kernels (``gemv_subnormal`` /
-``gemv_subnormal_2d`` in _w4a16_triton.py: a nibble masked in place and read as an fp32 bit pattern is
-an exact subnormal, so each nibble costs one AND and one FMA).
+For one row the GEMV candidates are mostly the quad kernel (``gemv_quad`` in _w4a16_triton.py:
+16-byte weight and activation loads, and a nibble masked in place and read as an fp32 bit pattern is
+an exact subnormal, so each nibble costs one AND and one FMA). :func:`w4a16_gated_silu` runs it over
+two weights at once (a gated MLP's gate and up projections) with ``silu(gate) * up`` in the epilogue.
 
 Block configurations are chosen per shape by timing the candidates on first use, each replayed from a
 CUDA graph (a decode-sized kernel is shorter than its Python launch); CUDA only, and during CUDA-graph
