@@ -378,6 +378,68 @@ def section_steady(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def qwen2_vl_config(layers: int = 28, vision_depth: int = 32) -> Any:
+    """Qwen2-VL-7B's published configuration (28 layers, 28 query / 4 KV heads, M-RoPE [16, 24, 24])."""
+    from transformers import Qwen2VLConfig
+
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+    vision = dict(depth=vision_depth, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
+                           vision_start_token_id=151652, vision_end_token_id=151653)
+    for part in (config, config.text_config, config.vision_config):
+        part._attn_implementation = "sdpa"
+    return config
+
+
+def build_qwen2_vl(config: Any = None, device: str = "cuda") -> Any:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen2VLForConditionalGeneration(config or qwen2_vl_config()).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def section_qwen_decode(quick: bool) -> list[dict[str, Any]]:
+    """Batch-1 decode on Qwen2-VL-7B shapes (GQA 28/4, M-RoPE), 1k text context: HF eager vs mmsdk's stack."""
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    ctx, new, reps = (1024, 32, 1) if quick else (1024, 128, 3)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1, 150000, (1, ctx), device="cuda", generator=gen)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    kv_bytes = 28 * 2 * 4 * 128  # per token and byte of element: layers x (K, V) x KV heads x head_dim
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
+        row = {"variant": name, **decode_rate(model, inputs, new, reps, generate)}
+        row["floor_ms"] = lm_bytes(model, kv, ctx + new // 2) / COPY_BW * 1e3
+        row["x_floor"] = row["step_ms"] / row["floor_ms"]
+        rows.append(row)
+        print(row, flush=True)
+
+    model = build_qwen2_vl()
+    record("HF bf16 eager generate", model, kv_bytes * 2, type(model).generate.__get__(model))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    model = optimized(build_qwen2_vl(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"),
+                      kv=True)
+    record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, kv_bytes * 0.5)
+    return rows
+
+
 def section_compiled(quick: bool) -> list[dict[str, Any]]:
     """The compiled peers next to mmsdk's full stack (64 new tokens, 2 reps: compilation takes minutes).
 
@@ -501,7 +563,7 @@ def main() -> None:
     RESULTS["command"] = ("python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "")
                           + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv, "norm": section_norm,
-                "decode": section_decode, "steady": section_steady,
+                "decode": section_decode, "steady": section_steady, "qwen_decode": section_qwen_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
         start = time.perf_counter()

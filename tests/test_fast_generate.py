@@ -70,12 +70,41 @@ def test_fast_path_refuses_what_it_does_not_do(tiny):
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 4}) == "cpu"
 
 
+FULL_STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_decode_step_copies_nothing_from_the_host(name, session, tiny, monkeypatch):
+    """A CUDA-graph capture refuses host-to-device copies and host syncs: the step must make none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    opt, inputs = _optimized(tiny, session, name, FULL_STACK)
+    refused: list[str] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(op in str(func) for op in ("lift_fresh", "_local_scalar_dense", "nonzero")):
+                refused.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def watched_capture(self, step, device):
+        def run():
+            with Watch():
+                step()
+        return run
+
+    monkeypatch.setattr(_Generator, "_capture", watched_capture)
+    _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False).run()
+    assert refused == []  # with M-RoPE's slot map rebuilt per call: ['aten.lift_fresh.default']
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("passes", [(), ("int4-weight",), ("int4-weight", "int4-kv"), ("int8-kv",),
-                                    ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")])
-def test_cuda_graph_generate_matches_transformers(passes, session, tiny):
-    loaded = tiny("tiny:llava")
+@pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-weight",)),
+                                         ("tiny:llava", ("int4-weight", "int4-kv")), ("tiny:llava", ("int8-kv",)),
+                                         ("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK)])
+def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny):
+    loaded = tiny(name)
     opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
     if passes:  # the tiny model's 48/74-wide inputs need padding to whole 32-groups
         opt.apply(*[Int4WeightConfig(indivisible="pad") if p == "int4-weight" else p for p in passes])
@@ -83,7 +112,9 @@ def test_cuda_graph_generate_matches_transformers(passes, session, tiny):
     inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 40}) is None
     expected = _greedy(model, inputs, 40)
-    got = model.generate(**inputs, max_new_tokens=40)
+    # the generator itself, not model.generate: a capture failure must fail here, not fall back to transformers
+    got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 40}).run()
+    assert torch.equal(model.generate(**inputs, max_new_tokens=40), got)
     # bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()
     assert got.shape[0] == expected.shape[0] and agree > 0.9, (agree, got, expected)

@@ -59,10 +59,17 @@ def mrope_streams(section: list[int]) -> list[int]:
     return [i % 3 for i, n in enumerate(section) for _ in range(n)]
 
 
-def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: list[int], scaling: float,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, L, 2 * len(streams)] for 3-D positions [3, B, L]; ``streams[j]`` feeds frequency slot j."""
-    stream = torch.tensor(streams, dtype=torch.long, device=position_ids.device)
+def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: list[int] | torch.Tensor,
+                  scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, L, 2 * len(streams)] for 3-D positions [3, B, L]; ``streams[j]`` feeds frequency slot j.
+
+    ``streams`` may be a tensor already on the positions' device (no host-to-device copy per call, which
+    a CUDA-graph capture would refuse).
+    """
+    if isinstance(streams, torch.Tensor):
+        stream = streams.to(position_ids.device, torch.long)
+    else:
+        stream = torch.tensor(streams, dtype=torch.long, device=position_ids.device)
     picked = position_ids[stream]  # [slots, B, L]: each slot's own stream
     freqs = picked.permute(1, 2, 0).float() * inv_freq.to(position_ids.device, torch.float32)
     emb = torch.cat((freqs, freqs), dim=-1)

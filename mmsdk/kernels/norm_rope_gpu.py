@@ -154,9 +154,13 @@ def rms_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
     return _rope(q, k, cos, sin, 1, (q_weight, k_weight), eps)  # type: ignore[return-value]
 
 
-def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: list[int], scaling: float,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """M-RoPE cos/sin [B, L, 2 * len(streams)] for positions [3, B, L] (one kernel on CUDA)."""
+def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: list[int] | torch.Tensor,
+                  scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE cos/sin [B, L, 2 * len(streams)] for positions [3, B, L] (one kernel on CUDA).
+
+    Pass ``streams`` as a device tensor where the call may be captured in a CUDA graph: a list is copied
+    to the device on every call, and a capture refuses host-to-device copies.
+    """
     reason = _reason(position_ids.float(), inv_freq)
     if reason is None and (dtype not in DTYPES or inv_freq.numel() != len(streams)):
         reason = f"dtype {dtype} or {inv_freq.numel()} frequencies for {len(streams)} stream slots"
@@ -166,7 +170,10 @@ def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: l
     _, batch, length = position_ids.shape
     pos = position_ids.contiguous()
     half = len(streams)
-    stream = torch.tensor(streams, dtype=torch.int32, device=pos.device)
+    if isinstance(streams, torch.Tensor) and streams.device == pos.device:
+        stream = streams if streams.dtype == torch.int32 else streams.to(torch.int32)
+    else:
+        stream = torch.tensor(list(map(int, streams)), dtype=torch.int32, device=pos.device)
     cos = torch.empty(batch, length, 2 * half, device=pos.device, dtype=dtype)
     sin = torch.empty_like(cos)
     _kernels().mrope_cos_sin[(batch * length,)](

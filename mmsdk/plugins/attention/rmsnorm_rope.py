@@ -156,12 +156,16 @@ class FusedMRoPEEmbedding(nn.Module):
     def __init__(self, original: nn.Module, streams: list[int]) -> None:
         super().__init__()
         self.register_buffer("inv_freq", original.inv_freq, persistent=False)
+        # the slot -> stream map as a device buffer: a list would be copied to the GPU on every call, which
+        # breaks CUDA-graph capture of decode steps (mmsdk.kernels.fast_generate)
+        self.register_buffer("stream_index", torch.tensor(streams, dtype=torch.int32,
+                                                          device=original.inv_freq.device), persistent=False)
         self.attention_scaling = float(original.attention_scaling)
         self.streams = streams
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ops: Any = fast_ops) -> tuple[torch.Tensor, ...]:
         positions = position_ids.expand(3, -1, -1) if position_ids.dim() == 2 else position_ids
-        return ops.mrope_cos_sin(positions, self.inv_freq, self.streams, self.attention_scaling, x.dtype)
+        return ops.mrope_cos_sin(positions, self.inv_freq, self.stream_index, self.attention_scaling, x.dtype)
 
     def reference(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch reference ops' result."""
