@@ -73,12 +73,15 @@ def test_fast_path_refuses_what_it_does_not_do(tiny):
 FULL_STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")
 
 
-@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
-def test_decode_step_copies_nothing_from_the_host(name, session, tiny, monkeypatch):
+@pytest.mark.parametrize("name,passes", [("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK),
+                                         ("tiny:qwen2-vl", ("token-prune", "int8-kv")),
+                                         ("tiny:llava", ("token-merge", "ptq-align", "int4-kv")),
+                                         ("tiny:qwen2.5-vl", ("vit-prune", "rmsnorm-rope-fusion"))])
+def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, monkeypatch):
     """A CUDA-graph capture refuses host-to-device copies and host syncs: the step must make none."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    opt, inputs = _optimized(tiny, session, name, FULL_STACK)
+    opt, inputs = _optimized(tiny, session, name, passes)
     refused: list[str] = []
 
     class Watch(TorchDispatchMode):
