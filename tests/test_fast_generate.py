@@ -160,3 +160,24 @@ def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, sess
     opt = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes)
     reason = _reason_on_cuda(opt.model, loaded.processor)
     assert (reason is None) if expected is None else (reason is not None and expected in reason), reason
+
+
+def test_a_failing_fast_path_warns_and_answers_like_transformers(session, tiny, monkeypatch, caplog):
+    import logging
+
+    from mmsdk.kernels import fast_generate
+
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ("int4-kv",))
+    model = opt.model
+    expected = _greedy(model, inputs, 5)
+
+    def broken(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fast_generate, "unsupported_reason", lambda *args: None)  # as if on CUDA
+    monkeypatch.setattr(_Generator, "run", broken)
+    with caplog.at_level(logging.INFO, logger="mmsdk.kernels"):
+        got = model.generate(**inputs, max_new_tokens=5)
+    assert torch.equal(got, expected)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "fast generate" in r.getMessage()]
+    assert warnings and "stream is capturing" in warnings[0].getMessage()

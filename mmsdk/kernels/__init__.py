@@ -57,9 +57,14 @@ def triton_ready(*tensors: torch.Tensor) -> bool:
 
 
 @cache
-def note_fallback(kernel: str, reason: str) -> None:
-    """Log, once per (kernel, reason), that the torch reference op runs instead of the Triton kernel."""
-    LOG.info("mmsdk.kernels: %s runs the torch reference op (%s)", kernel, reason)
+def note_fallback(kernel: str, reason: str, warn: bool = False) -> None:
+    """Log, once per (kernel, reason), that the torch reference op runs instead of the Triton kernel.
+
+    ``warn`` logs at WARNING: for failures the user did not choose (an expected fallback, such as a CPU
+    tensor or a sampling option, stays at INFO).
+    """
+    LOG.log(logging.WARNING if warn else logging.INFO, "mmsdk.kernels: %s runs the torch reference op (%s)", kernel,
+            reason)
 
 
 def graph_time_ms(fn: Callable[[], Any], calls: int = 10, reps: int = 5) -> float:

@@ -68,7 +68,8 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
         try:
             return _Generator(model, adapter, kwargs).run()
         except Exception as error:  # never a wrong answer: anything unexpected reruns transformers' generate
-            note_fallback("fast generate", f"{type(error).__name__}: {error}")
+            # a warning: the user asked for the fast path and gets a slower one (a failed capture, a model quirk)
+            note_fallback("fast generate", f"{type(error).__name__}: {error}", warn=True)
             return original(*args, **kwargs)
 
     object.__setattr__(model, ATTRIBUTE, original)
