@@ -91,7 +91,7 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_w4a16_gated_silu_matches_two_matmuls(target, symmetric):
-    from mmsdk.kernels.w4a16 import w4a16_gated_silu
+    from mmsdk.kernels.w4a16 import gated_silu_reason, w4a16_gated_silu
 
     device, dtype, tol = target
     # (n, k, group, config, K splits): one split and several, N not a multiple of BLOCK_N, K padded past in_features
@@ -107,6 +107,17 @@ def test_w4a16_gated_silu_matches_two_matmuls(target, symmetric):
         out = w4a16_gated_silu(x, parts[0], parts[1], k, group, config=config, splits=splits)
         assert out.shape == (1, 1, n) and out.dtype == dtype
         assert _rel(out, expected) < tol  # interpreter fp16 ~3e-4
+    # what the paired kernel refuses (the caller then runs the two linears): returns None and says why
+    gate = quantize_int4(torch.randn(16, 64, device=device), 32, symmetric=symmetric, scale_dtype=dtype)
+    other = quantize_int4(torch.randn(8, 64, device=device), 32, symmetric=symmetric, scale_dtype=dtype)
+    small = quantize_int4(torch.randn(16, 64, device=device), 16, symmetric=symmetric, scale_dtype=dtype)
+    x = torch.randn(1, 64, device=device).to(dtype)
+    parts = {name: (p.qweight, p.scales, p.zero_points) for name, p in (("gate", gate), ("other", other),
+                                                                       ("small", small))}
+    assert "differ" in gated_silu_reason(x, parts["gate"], parts["other"], 32)
+    assert "more than one activation row" in gated_silu_reason(x.expand(2, 64), parts["gate"], parts["gate"], 32)
+    assert "group size 16" in gated_silu_reason(x, parts["small"], parts["small"], 16)
+    assert w4a16_gated_silu(x, parts["gate"], parts["other"], 64, 32) is None
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
