@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._kv_triton import decode_program, token_tile
+from mmsdk.kernels._kv_triton import decode_program, softmax_total, token_tile
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -144,8 +144,7 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
         v6 += c6 * p1
         v7 += c7 * p0
     l_i = tl.sum(l_acc, 0)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    lse = tl.where(l_i == 0.0, float("-inf"), m_ref + tl.math.log2(l_safe))
+    l_safe, lse = softmax_total(m_ref, l_i)
     slot = (b * H_KV + hk).to(tl.int64) * n_splits + split
     store_nibble_out(po_ptr, slot, rw, v0, l_i, l_safe, 0, W)
     store_nibble_out(po_ptr, slot, rw, v1, l_i, l_safe, 1, W)

@@ -106,6 +106,28 @@ def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
 
 
 @triton.jit
+def softmax_step(s, t_ok, m_i, l_i):
+    """One tile of a base-2 online softmax over scores ``s`` [rows, tokens] (invalid tokens masked out).
+
+    Returns the tile's weights, the factor that rescales what was summed before, the new running max and
+    the new running sum. A row that has seen no valid token keeps max -inf and weight 0 (no NaN).
+    """
+    s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def softmax_total(m_i, l_i):
+    """(sum safe to divide by, log2-sum-exp of the split; -inf where no token was valid)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    return l_safe, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+
+
+@triton.jit
 def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                    sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
@@ -135,12 +157,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
             s = tl.dot(qe, tl.trans(ke)) + tl.dot(qo, tl.trans(ko))
         else:
             s = tl.sum(qe[:, None, :] * ke[None, :, :], 2) + tl.sum(qo[:, None, :] * ko[None, :, :], 2)
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, t_ok, m_i, l_i)
         ve, vo = load_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
         if USE_DOT:
             acc_e = acc_e * alpha[:, None] + tl.dot(p, ve)
@@ -149,8 +166,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
             acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
             acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
         m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    l_safe, lse = softmax_total(m_i, l_i)
     slot = (b * (H_KV * G) + heads).to(tl.int64) * n_splits + split
     out = po_ptr + slot[:, None] * (2 * BLOCK_HD) + rd[None, :]
     tl.store(out, acc_e / l_safe[:, None], mask=g_ok[:, None])
@@ -239,20 +255,14 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
             s = tl.dot(q2, tl.trans(tl.reshape(k, (BLOCK_T, D))))
         else:
             s = tl.sum(tl.sum(q[:, None, :, :] * k[None, :, :, :], 3), 2)
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, t_ok, m_i, l_i)
         v = int4_words(vc_ptr, base + rt, t_ok, rw, rs, W)
         if USE_DOT:
             acc2 = acc2 * alpha[:, None] + tl.dot(p, tl.reshape(v, (BLOCK_T, D)))
         else:
             acc = acc * alpha[:, None, None] + tl.sum(p[:, :, None, None] * v[None, :, :, :], 1)
         m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    l_safe, lse = softmax_total(m_i, l_i)
     slot = (b * (H_KV * G) + heads).to(tl.int64) * n_splits + split
     if USE_DOT:
         rd = tl.arange(0, D)
