@@ -287,15 +287,23 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
+    if not direct:
+        _finish_splits(target, out, bias, n_splits, paired)
+
+
+def _finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,
+                   paired: bool) -> None:
+    """``out`` from the fp32 partials: their sum (+ bias), or for a paired GEMV ``silu(gate) * up``."""
+    import triton
+
+    m, n = out.shape
     block = 1024
+    grid = (triton.cdiv(m * n, block),)
     if paired:
-        kernels.split_gated[(triton.cdiv(m * n, block),)](target, out, m * n, n, SPLITS=n_splits, BLOCK=block,
-                                                          num_warps=4)
-    elif not direct:
-        kernels.split_sum[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, out, m * n, n, SPLITS=n_splits, HAS_BIAS=bias is not None,
-            BLOCK=block, num_warps=4,
-        )
+        _kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4)
+    else:
+        _kernels().split_sum[grid](partials, bias if bias is not None else partials, out, m * n, n,
+                                   SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
