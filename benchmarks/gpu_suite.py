@@ -55,6 +55,12 @@ def gbench(fn: Callable[[], Any], calls: int = 20) -> float:
     return bench(graph.replay, rep=100) / calls
 
 
+def release_memory() -> None:
+    """Free what dropped models held: optimized models hold reference cycles, which only the collector frees."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -307,11 +313,11 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
     model = build_llava()
     record("HF bf16 eager generate", model, kv_bf16, type(model).generate.__get__(model))
     del model
-    torch.cuda.empty_cache()
+    release_memory()
     model = optimized(build_llava(), (), kv=False)
     record("mmsdk bf16 (fast generate: static cache + CUDA graph)", model, kv_bf16)
     del model
-    torch.cuda.empty_cache()
+    release_memory()
     try:
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
 
@@ -322,17 +328,17 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
     except Exception as error:
         rows.append({"variant": "torchao int4 weight-only", "error": repr(error)[:500]})
         traceback.print_exc()
-    torch.cuda.empty_cache()
+    release_memory()
     model = optimized(build_llava(), ("int4-weight",), kv=True)
     record("mmsdk int4-weight + int4-kv (fast generate)", model, kv_int4)
     record("mmsdk int4-weight + int4-kv (HF generate, no graphs)", model, kv_int4,
            lambda **kw: model._mmsdk_fast_generate(**kw))
     del model
-    torch.cuda.empty_cache()
+    release_memory()
     model = optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
     record("mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv (fast generate)", model, kv_int4)
     del model
-    torch.cuda.empty_cache()
+    release_memory()
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
@@ -340,13 +346,13 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
     record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model,
            kv_int4)
     del model
-    torch.cuda.empty_cache()
+    release_memory()
     # the same stack without the one-kernel input/final norms and the paired gate/up kernel (their share)
     earlier = ("qkv-fuse", Int4WeightConfig(gated_mlp_kernel=False), RMSNormRoPEFusionConfig(plain_norms=False))
     model = optimized(build_llava(), earlier, kv=True)
     record("same stack without plain-norm and gated-MLP kernels (fast generate)", model, kv_int4)
     del model
-    torch.cuda.empty_cache()
+    release_memory()
     return rows
 
 
@@ -359,7 +365,8 @@ def section_steady(quick: bool) -> list[dict[str, Any]]:
     inputs = llava_inputs(1, 1024, images=False)
     new, reps = (32, 1) if quick else (128, 3)
     rows: list[dict[str, Any]] = []
-    stacks = (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+    stacks = (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv",
+               ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
               ("same with int4-weight g128", ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")),
               ("same (g32) without plain-norm and gated-MLP kernels",
                ("qkv-fuse", Int4WeightConfig(gated_mlp_kernel=False), RMSNormRoPEFusionConfig(plain_norms=False))))
@@ -374,7 +381,7 @@ def section_steady(quick: bool) -> list[dict[str, Any]]:
         rows.append(row)
         print(row, flush=True)
         del model
-        torch.cuda.empty_cache()
+        release_memory()
     return rows
 
 
@@ -432,8 +439,7 @@ def section_qwen_decode(quick: bool) -> list[dict[str, Any]]:
     model = build_qwen2_vl()
     record("HF bf16 eager generate", model, kv_bytes * 2, type(model).generate.__get__(model))
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory()
     model = optimized(build_qwen2_vl(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"),
                       kv=True)
     record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, kv_bytes * 0.5)
@@ -456,7 +462,7 @@ def section_compiled(quick: bool) -> list[dict[str, Any]]:
     model = optimized(build_llava(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
     record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, KV_INT4)
     del model
-    torch.cuda.empty_cache()
+    release_memory()
     save_now()
 
     def compiled(name: str, prepare: Callable[[Any], None]) -> None:
@@ -470,7 +476,7 @@ def section_compiled(quick: bool) -> list[dict[str, Any]]:
         except Exception as error:
             traceback.print_exc()
             rows.append({"variant": name, "error": repr(error)[:500]})
-        torch.cuda.empty_cache()
+        release_memory()
         torch._dynamo.reset()
         save_now()
 
@@ -498,8 +504,7 @@ def section_memory(quick: bool) -> list[dict[str, Any]]:
         try:
             # the previous row's model must be gone: an optimized model holds reference cycles (its generate
             # override refers back to it), which only the garbage collector frees
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_memory()
             leftover = torch.cuda.memory_allocated()
             base = build_llava()
             passes = tuple(_pass(p) for p in passes)
@@ -540,7 +545,7 @@ def section_ttft(quick: bool) -> list[dict[str, Any]]:
     rows = []
     for keep in (None, 0.5, 0.25):
         try:
-            torch.cuda.empty_cache()
+            release_memory()
             base = build_llava()
             model = optimized(base, (_pass({"keep_ratio": keep}),), False) if keep else base
             t = timed_generate(model, inputs, 1, 3 if quick else 10, type(model).generate.__get__(model))
