@@ -66,10 +66,7 @@ def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: l
     ``streams`` may be a tensor already on the positions' device (no host-to-device copy per call, which
     a CUDA-graph capture would refuse).
     """
-    if isinstance(streams, torch.Tensor):
-        stream = streams.to(position_ids.device, torch.long)
-    else:
-        stream = torch.tensor(streams, dtype=torch.long, device=position_ids.device)
+    stream = torch.as_tensor(streams, dtype=torch.long, device=position_ids.device)
     picked = position_ids[stream]  # [slots, B, L]: each slot's own stream
     freqs = picked.permute(1, 2, 0).float() * inv_freq.to(position_ids.device, torch.float32)
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -170,10 +170,7 @@ def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: l
     _, batch, length = position_ids.shape
     pos = position_ids.contiguous()
     half = len(streams)
-    if isinstance(streams, torch.Tensor) and streams.device == pos.device:
-        stream = streams if streams.dtype == torch.int32 else streams.to(torch.int32)
-    else:
-        stream = torch.tensor(list(map(int, streams)), dtype=torch.int32, device=pos.device)
+    stream = torch.as_tensor(streams, dtype=torch.int32, device=pos.device)  # no copy for an int32 device buffer
     cos = torch.empty(batch, length, 2 * half, device=pos.device, dtype=dtype)
     sin = torch.empty_like(cos)
     _kernels().mrope_cos_sin[(batch * length,)](

@@ -233,8 +233,7 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     def launch(cfg: tuple[Any, ...]) -> None:
         _launch_gemv(flat, qweight, scales, zero_points, None, out, block_size, cfg, splits, second=up)
 
-    quads = tuple(c for c in _gemv_candidates(1, block_size) if len(c) > 4 and c[4] == "quad")
-    launch(config or _tuned(key, launch, quads, block_size))
+    launch(config or _tuned(key, launch, _quad_candidates(block_size), block_size))
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -242,6 +241,12 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
 def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
     return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] != "quad" or group >= 32)
+
+
+@cache
+def _quad_candidates(group: int) -> tuple[tuple[Any, ...], ...]:
+    """The one-row candidates of the "quad" kind (the only kind the paired GEMV runs)."""
+    return tuple(c for c in _gemv_candidates(1, group) if len(c) > 4 and c[4] == "quad")
 
 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
