@@ -261,7 +261,8 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise ValueError(f"GEMV kind {kind!r}: use one of {_GEMV_KINDS}.")
     paired = second is not None
     if paired and kind != "quad":
-        raise ValueError(f"a paired (gated) GEMV runs the 'quad' kind only, not {kind!r}.")
+        raise ValueError(f"a paired (gated) GEMV runs the 'quad' kind only, not {kind!r}: "
+                         "pass a 'quad' config or none.")
     dot = kind == "dot"
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
