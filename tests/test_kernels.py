@@ -84,9 +84,19 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
         x = torch.randn(m, k, device=device).to(dtype)
         bias = torch.randn(n, device=device).to(dtype)
         expected = x.float() @ dequantize_int4(packed, torch.float32).T + bias.float()
-        out = w4a16_gemv(x, packed.qweight, packed.scales, packed.zero_points, group, bias, config=config,
-                         splits=splits)
-        assert _rel(out, expected) < tol  # interpreter fp16 ~2-3e-4, H200 bf16 ~2e-3
+        for fixup in (True, False):  # quad: K slices summed by the launch's last programs, or by a second kernel
+            out = w4a16_gemv(x, packed.qweight, packed.scales, packed.zero_points, group, bias, config=config,
+                             splits=splits, fixup=fixup)
+            assert _rel(out, expected) < tol  # interpreter fp16 ~2-3e-4, H200 bf16 ~2e-3
+    _assert_counters_reset(device)
+
+
+def _assert_counters_reset(device):
+    """Every fix-up launch leaves its counters at zero (a CUDA-graph replay relies on it)."""
+    from mmsdk.kernels.w4a16 import _tuning
+
+    counters = [c for d, c in _tuning().device_counters.items() if d.type == device]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -104,9 +114,11 @@ def test_w4a16_gated_silu_matches_two_matmuls(target, symmetric):
         g = x.float() @ dequantize_int4(gate, torch.float32).T
         expected = torch.nn.functional.silu(g) * (x.float() @ dequantize_int4(up, torch.float32).T)
         parts = [(p.qweight, p.scales, p.zero_points) for p in (gate, up)]
-        out = w4a16_gated_silu(x, parts[0], parts[1], k, group, config=config, splits=splits)
-        assert out.shape == (1, 1, n) and out.dtype == dtype
-        assert _rel(out, expected) < tol  # interpreter fp16 ~3e-4
+        for fixup in (True, False):
+            out = w4a16_gated_silu(x, parts[0], parts[1], k, group, config=config, splits=splits, fixup=fixup)
+            assert out.shape == (1, 1, n) and out.dtype == dtype
+            assert _rel(out, expected) < tol  # interpreter fp16 ~3e-4
+    _assert_counters_reset(device)
     # what the paired kernel refuses (the caller then runs the two linears): returns None and says why
     gate = quantize_int4(torch.randn(16, 64, device=device), 32, symmetric=symmetric, scale_dtype=dtype)
     other = quantize_int4(torch.randn(8, 64, device=device), 32, symmetric=symmetric, scale_dtype=dtype)

@@ -112,15 +112,26 @@ def _pick_variant(variant: str | None, words: bool, group: int) -> str:
     return "subnormal" if group == 1 else "magic"
 
 
+def _generic_config(config: tuple[int, ...] | None, wide_tile: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_T, num_warps, target programs, num_stages) of the generic kernel: ``config`` completed by defaults."""
+    default = (64 if wide_tile else 32, 4, _TARGET_PROGRAMS, 2)
+    if config is None:
+        return default
+    if not 3 <= len(config) <= 4:
+        raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages])")
+    return (*config, *default[len(config):])  # type: ignore[return-value]
+
+
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
                      scaling: float, mask: torch.Tensor | None = None,
-                     config: tuple[int, int, int] | None = None, variant: str | None = None) -> torch.Tensor:
+                     config: tuple[int, ...] | None = None, variant: str | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs) pick an int4 word kernel and override its defaults (tuning).
+    target programs; the generic kernel also takes num_stages as a fourth entry) pick a kernel and override
+    its defaults (tuning).
     """
     from mmsdk.kernels import _kv_triton
 
@@ -135,8 +146,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     block_hd = _pow2(half)
     use_dot = group >= 3 and block_hd >= 16
     block_g = max(16, _pow2(group)) if use_dot else _pow2(group)
-    block_t = 64 if use_dot or block_g * block_hd <= 64 else 32
-    n_splits, split_t = _splits(b * h_kv, t_max, block_t)
+    block_t, warps, target, stages = _generic_config(config, use_dot or block_g * block_hd <= 64)
+    n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
@@ -147,7 +158,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
         split_t, float(scaling) * _kv_triton.LOG2E,
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
-        BLOCK_HD=block_hd, num_warps=4, num_stages=2,
+        BLOCK_HD=block_hd, num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2),
@@ -158,7 +169,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
-                       mask: torch.Tensor | None, config: tuple[int, int, int] | None,
+                       mask: torch.Tensor | None, config: tuple[int, ...] | None,
                        variant: str) -> torch.Tensor:
     """Flash-decoding over int4 codes read as int32 words (8 channels per load element)."""
     from mmsdk.kernels import _kv_triton
@@ -166,7 +177,8 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
-    block_t, warps, target = config or _word_config(group, variant)
+    block_t, warps, target, *stages = config or _word_config(group, variant)
+    launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
@@ -179,12 +191,12 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         from mmsdk.kernels import _kv_subnormal_triton
 
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, num_warps=warps)
+            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, **launch_options)
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
             *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, _pow2(group)) if use_dot else
-            _pow2(group), BLOCK_T=block_t, W=d // 8, num_warps=warps)
+            _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
         BLOCK_S=_pow2(n_splits), D=d, num_warps=4 if d >= 64 else 1,

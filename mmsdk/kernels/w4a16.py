@@ -168,25 +168,27 @@ def w4a16_gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     splits: int | None = None,
+    fixup: bool = True,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
-    shape when None).
+    shape when None); ``fixup=False`` sums a "quad" launch's K slices in a second kernel instead of
+    in the launch itself (for comparison).
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     _check_columns(k_in, k_blocks * block_size)
     bucket = 1 if m == 1 else (4 if m <= 4 else 16)
-    key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
+    key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None, fixup)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
     def launch(cfg: tuple[Any, ...]) -> None:
         if len(cfg) == 4:  # a fused-kernel candidate
             _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, 16, cfg)
         else:
-            _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
+            _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits, fixup=fixup)
 
     launch(config or _tuned(key, launch, _gemv_candidates(bucket, block_size), block_size))
     return out
@@ -209,13 +211,15 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
 
 
 def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
-                     config: GemvConfig | None = None, splits: int | None = None) -> torch.Tensor | None:
-    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, in two launches, or None (the caller falls back).
+                     config: GemvConfig | None = None, splits: int | None = None,
+                     fixup: bool = True) -> torch.Tensor | None:
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, in one launch, or None (the caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
-    MLP): one GEMV launch computes both products (programs split between the two weights) and a small
-    epilogue sums the K slices and applies SiLU and the product, where transformers runs two GEMVs, two
-    split sums, a SiLU and a multiply.
+    MLP): one GEMV launch computes both products (programs split between the two weights), and the last
+    program of each column block sums the K slices and applies SiLU and the product (with
+    ``fixup=False``, a second small kernel does), where transformers runs two GEMVs, two split sums, a
+    SiLU and a multiply.
     """
     reason = gated_silu_reason(x, gate, up, block_size)
     if reason is not None:
@@ -228,10 +232,10 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     n, k_blocks, _ = qweight.shape
     _check_columns(in_features, k_blocks * block_size)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    key = ("gated", n, k_blocks, block_size, x.dtype, zero_points is not None)
+    key = ("gated", n, k_blocks, block_size, x.dtype, zero_points is not None, fixup)
 
     def launch(cfg: tuple[Any, ...]) -> None:
-        _launch_gemv(flat, qweight, scales, zero_points, None, out, block_size, cfg, splits, second=up)
+        _launch_gemv(flat, qweight, scales, zero_points, None, out, block_size, cfg, splits, second=up, fixup=fixup)
 
     launch(config or _tuned(key, launch, _quad_candidates(block_size), block_size))
     return out.reshape(*x.shape[:-1], n)
@@ -251,8 +255,12 @@ def _quad_candidates(group: int) -> tuple[tuple[Any, ...], ...]:
 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                  bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
-                 splits: int | None, second: PackedWeight | None = None) -> None:
-    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``."""
+                 splits: int | None, second: PackedWeight | None = None, fixup: bool = True) -> None:
+    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``.
+
+    ``fixup``: a "quad" launch over several K slices sums them in the same launch (the last program of
+    each column block does it) instead of a second kernel, when the device's counters are large enough.
+    """
     import triton
 
     block_n, block_g, warps, block_m, kind = cfg[:5]
@@ -282,18 +290,21 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             zero_points.stride(0) if zero_points is not None else 0)
     flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
                  BLOCK_N=block_n, num_warps=warps)
+    counters = None
     if kind == "quad":  # one activation row per program (grid axis 2 is then the row)
         if group < 32:
             raise ValueError(f"GEMV kind 'quad' reads 4-word quads of one group: group size {group} < 32; "
                              "use kind 'fma'.")
         w2, s2, z2 = second if paired else (qweight, scales, zero_points)
+        counters = _tuning().counters(x.device, m * n_blocks) if fixup and not direct else None
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
-            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, BLOCK_C=block_g,
-            PAIRED=paired, **flags)
+            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, out,
+            counters if counters is not None else scales, BLOCK_C=block_g, PAIRED=paired,
+            FIXUP=counters is not None, **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
-    if not direct:
+    if not direct and counters is None:
         _finish_splits(target, out, bias, n_splits, paired)
 
 
@@ -338,10 +349,28 @@ def _fit(cfg: tuple[Any, ...], group: int) -> tuple[Any, ...]:
 
 
 class _Tuning:
-    """Chosen configuration per problem key (one instance per process, created on first use)."""
+    """Chosen configuration per problem key and the fix-up counters per device (one instance per process)."""
+
+    COUNTERS = 1 << 16  # int32 counters per device: one per (row, column block) of a launch, 256 KiB
 
     def __init__(self) -> None:
         self.chosen: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.device_counters: dict[torch.device, torch.Tensor] = {}
+
+    def counters(self, device: torch.device, needed: int) -> torch.Tensor | None:
+        """The device's zeroed counters for a fix-up GEMV, or None when a launch needs more than there are.
+
+        One fixed buffer per device, never reallocated: CUDA graphs keep its address, and every fix-up
+        launch leaves the counters it used at zero. Launches on several streams at once would share it:
+        fix-up GEMVs are for one stream (the decode loop), as the rest of the decode step is.
+        """
+        if needed > self.COUNTERS:
+            return None
+        if device not in self.device_counters:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return None  # memory allocated in a capture belongs to that graph's pool: allocate eagerly only
+            self.device_counters[device] = torch.zeros(self.COUNTERS, dtype=torch.int32, device=device)
+        return self.device_counters[device]
 
 
 @cache
