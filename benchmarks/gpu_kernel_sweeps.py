@@ -1,16 +1,17 @@
 """Two decode-kernel questions on the GPU, one section each (CUDA only).
 
-* ``fixup``: does summing a batch-1 GEMV's K slices inside the launch (the last program of each column
-  block does it) beat the second epilogue kernel? Both forms on the LLaVA-1.5-7B / Qwen2-VL-7B
-  shapes, for the tuner's pick and for wider tiles (more weight bytes in flight per thread), plus the
-  paired gate/up GEMV.
+* ``tiles``: which "quad" GEMV tiles (rows x quads x warps, K-slice target) and whether prefetching the
+  next step's weights ("quadp") reach more bandwidth at batch 1 on the LLaVA-1.5-7B / Qwen2-VL-7B shapes,
+  against bf16 cuBLAS and the tuner's pick. (An earlier section, ``fixup``, summed the K slices inside the
+  launch instead of in a second kernel: no faster, 0-5% slower on every shape, so that code was removed;
+  its results are benchmarks/results/h200_kernel_sweeps_fixup.json, made at commit 575927b.)
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
   (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache.
 
 Times are medians of CUDA-graph replays (20 calls per graph), as in gpu_tune.py; errors are relative
 to the fp32 product of the dequantized weights (or the fp64 attention reference).
 
-    python benchmarks/gpu_kernel_sweeps.py --sections fixup,gqa --out sweeps.json
+    python benchmarks/gpu_kernel_sweeps.py --sections tiles,gqa --out sweeps.json
 """
 
 from __future__ import annotations
@@ -27,16 +28,19 @@ from benchmarks.gpu_tune import gtime, rel
 
 SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008), "o_proj": (4096, 4096),
           "qwen gate+up": (37888, 3584)}
-# (BLOCK_N, BLOCK_C quads, warps, 1, "quad", target programs): the default order's first entry, then tiles with
-# 2-4x the weight bytes per thread and step
-TILES = [(32, 16, 4, 1, "quad", t) for t in (264, 528, 1056)] + [
-    (64, 16, 4, 1, "quad", t) for t in (264, 528, 1056)] + [
-    (32, 32, 4, 1, "quad", t) for t in (264, 528)] + [
-    (128, 16, 8, 1, "quad", t) for t in (264, 528)] + [(64, 32, 8, 1, "quad", 528)]
+# (BLOCK_N, BLOCK_C quads, warps, 1, kind, target programs): wider steps (more weight bytes in flight per thread)
+# and the prefetching kind
+# (the first run's list, benchmarks/results/h200_kernel_sweeps_tiles.json, also had (32, 32|64, 4), (64, 32, 4),
+# (32, 32, 2) and more "quadp" tiles: all slower than the best below)
+TILES = [(32, 16, 4, 1, "quad", 264), (16, 64, 4, 1, "quad", 528), (16, 64, 4, 1, "quad", 264),
+         (16, 64, 4, 1, "quad", 1056), (16, 32, 2, 1, "quad", 528), (16, 32, 2, 1, "quad", 1056),
+         (16, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
+         (8, 128, 4, 1, "quad", 528), (8, 64, 4, 1, "quad", 528), (8, 32, 2, 1, "quad", 1056),
+         (16, 32, 4, 1, "quadp", 528), (16, 64, 4, 1, "quadp", 528), (8, 64, 2, 1, "quadp", 528)]
 
 
-def fixup() -> list[dict[str, Any]]:
-    """Fix-up (one launch) against split-sum (two launches) per shape and tile."""
+def tiles() -> list[dict[str, Any]]:
+    """The tuner's pick and every tile of TILES per shape: time, error, packed bytes per second."""
     from mmsdk.kernels.w4a16 import _tuning, w4a16_gemv
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
@@ -46,27 +50,24 @@ def fixup() -> list[dict[str, Any]]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         expected = x.float() @ dequantize_int4(p, torch.float32).T
-        row: dict[str, Any] = {"shape": name, "bf16_us": gtime(lambda: torch.nn.functional.linear(x, dense))}
-        for fix in (True, False):
-            out = w4a16_gemv(x, p.qweight, p.scales, None, 128, fixup=fix)
-            row[f"tuned_{'fixup' if fix else 'split_sum'}"] = {
-                "us": gtime(lambda: w4a16_gemv(x, p.qweight, p.scales, None, 128, fixup=fix)),
-                "rel_err": rel(out, expected),
-                "cfg": _tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False, fix))}
-        tiles = []
+        packed_bytes = p.qweight.numel() + p.scales.numel() * 2
+        out = w4a16_gemv(x, p.qweight, p.scales, None, 128)
+        row: dict[str, Any] = {
+            "shape": name, "bf16_us": gtime(lambda: torch.nn.functional.linear(x, dense)),
+            "tuned": {"us": gtime(lambda: w4a16_gemv(x, p.qweight, p.scales, None, 128)), "rel_err": rel(out, expected),
+                      "cfg": _tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False))}}
+        measured = []
         for cfg in TILES:
             try:
                 out = w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg)
                 t = gtime(lambda: w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg))
             except Exception as error:
-                tiles.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
+                measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
                 continue
-            tiles.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected)})
-        row["tiles"] = tiles
-        good = [t for t in tiles if "us" in t]
+            measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected), "TBps": packed_bytes / t / 1e6})
+        row["tiles"] = measured
+        good = [t for t in measured if "us" in t]
         row["best_tile"] = min(good, key=lambda t: t["us"]) if good else None
-        row["TBps_best"] = (p.qweight.numel() + p.scales.numel() * 2) / min(
-            [row["tuned_fixup"]["us"]] + [t["us"] for t in good]) / 1e6
         print({k: v for k, v in row.items() if k != "tiles"}, flush=True)
         rows.append(row)
     rows.append(_gated_rows())
@@ -74,7 +75,7 @@ def fixup() -> list[dict[str, Any]]:
 
 
 def _gated_rows() -> dict[str, Any]:
-    """The paired gate/up GEMV + SiLU*mul, fix-up against its separate epilogue kernel."""
+    """The paired gate/up GEMV + SiLU*mul with the tuner's pick and with a few wide and prefetching tiles."""
     from mmsdk.kernels.w4a16 import w4a16_gated_silu
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
@@ -86,19 +87,20 @@ def _gated_rows() -> dict[str, Any]:
         parts = [(w.qweight, w.scales, w.zero_points) for w in (gate, up)]
         expected = torch.nn.functional.silu(x.float() @ dequantize_int4(gate, torch.float32).T) * (
             x.float() @ dequantize_int4(up, torch.float32).T)
-        for fix in (True, False):
-            got = w4a16_gated_silu(x, parts[0], parts[1], k, 128, fixup=fix)
-            out[f"{label} {'fixup' if fix else 'split epilogue'}"] = {
-                "us": gtime(lambda: w4a16_gated_silu(x, parts[0], parts[1], k, 128, fixup=fix)),
+        for cfg in (None, (32, 16, 4, 1, "quad", 1056), (16, 64, 4, 1, "quad", 528), (16, 32, 2, 1, "quad", 528),
+                    (32, 16, 4, 1, "quadp", 1056), (16, 64, 4, 1, "quadp", 528)):
+            got = w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)
+            out[f"{label} {cfg or 'tuned'}"] = {
+                "us": gtime(lambda: w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)),
                 "rel_err": rel(got, expected)}
     print(out, flush=True)
     return {"gated": out}
 
 
-GQA_SPACE = {  # (BLOCK_T, warps, target programs[, stages]) per variant
-    "generic": [None] + [(bt, w, t, s) for bt in (64, 128) for w in (4, 8) for t in (132, 264, 528) for s in (2, 3)]
-    + [(256, 8, t, s) for t in (132, 264) for s in (2, 3)],
-    "magic": [(bt, w, t) for bt in (64, 128) for w in (4, 8) for t in (132, 264, 528)],
+GQA_SPACE = {  # (BLOCK_T, warps, target programs[, stages]) per variant, around the first sweep's best
+    "generic": [None, (64, 4, 528, 2)] + [(bt, w, t, 2) for bt in (128, 256) for w in (4, 8) for t in (66, 132, 264)]
+    + [(512, 8, t, 2) for t in (66, 132)],
+    "magic": [(bt, w, t) for bt in (128, 256) for w in (4, 8) for t in (66, 132, 264)],
 }
 
 
@@ -138,13 +140,13 @@ def gqa() -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="fixup,gqa")
+    parser.add_argument("--sections", default="tiles,gqa")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
-            results[name] = {"fixup": fixup, "gqa": gqa}[name]()
+            results[name] = {"tiles": tiles, "gqa": gqa}[name]()
         except Exception as error:
             traceback.print_exc()
             results[name] = {"error": repr(error)[:1000]}

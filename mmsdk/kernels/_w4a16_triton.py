@@ -238,21 +238,15 @@ def activations_by_nibble(x_row, cw, c_ok, K_in):
 
 @triton.jit
 def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
-              stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, fin_ptr, lock_ptr, GROUP: tl.constexpr,
-              HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr,
-              FIXUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+              stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
     projections): programs past ``n_blocks`` along axis 0 read the second weight (``w2/s2/z2``) and
     write its fp32 partials at columns ``N .. 2N`` of ``out`` (rows ``2N`` wide), for
     :func:`split_gated` to finish as ``silu(gate) * up``.
-
-    With ``FIXUP`` the K slices are summed in the same launch: every program stores its fp32 partial
-    and counts itself in at ``lock_ptr[row, column block]``; the program that arrives last sums
-    the block's partials (and applies the bias, or SiLU and the product) into ``fin_ptr`` and
-    resets the counter to zero for the next launch (see :func:`finish_last`). This saves the
-    separate epilogue launch, about a fifth of a decode-sized GEMV's time.
 
     Three things make it fast where :func:`gemv` is not (H200 measurements in docs/benchmarks.md):
 
@@ -272,6 +266,9 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
       loads one scale per row and quad and sums its 4 words before scaling; the weights are loaded
       as one contiguous run per row (lanes along K) and viewed as quads; rows run over warps, so an
       activation a thread loads serves ``BLOCK_N / num_warps`` rows. About 60 registers.
+
+    With ``PREFETCH`` (kind "quadp") each step issues the next step's weight loads before its own
+    arithmetic (registers for two word tiles), so a program keeps loads in flight while it computes.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -291,14 +288,21 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     w_begin = split * groups_per_split * WPG
     w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * KW
+    rw = tl.arange(0, 4 * BLOCK_C)
+    if PREFETCH:  # the first step's words; each step then loads the next step's before its arithmetic
+        flat = tl.load(w_rows + w_begin + rw[None, :], mask=n_ok[:, None] & (w_begin + rw < w_end)[None, :], other=0)
     for w0 in range(w_begin, w_end, 4 * BLOCK_C):
         cw = w0 + 4 * rc  # first word of each quad
         c_ok = cw < w_end
         ok = n_ok[:, None] & c_ok[None, :]
-        rw = w0 + tl.arange(0, 4 * BLOCK_C)
-        flat = tl.load(w_ptr + rn[:, None].to(tl.int64) * KW + rw[None, :],
-                       mask=n_ok[:, None] & (rw < w_end)[None, :], other=0)
-        words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
+        if PREFETCH:
+            words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
+            at = w0 + 4 * BLOCK_C + rw
+            flat = tl.load(w_rows + at[None, :], mask=n_ok[:, None] & (at < w_end)[None, :], other=0)
+        else:
+            flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
+            words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
         g = cw // WPG
         s = tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok, other=0.0).to(tl.float32)
         a0, a1, a2, a3, a4, a5, a6, a7 = activations_by_nibble(x_row, cw, c_ok, K_in)
@@ -326,34 +330,3 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
         tl.store(dst, out, mask=n_ok)
-        if FIXUP:
-            finish_last(out_ptr, b_ptr, fin_ptr, lock_ptr + row * n_blocks + pid_n, row, rn, n_ok, M, N,
-                        out_cols, HAS_BIAS, PAIRED)
-
-
-@triton.jit
-def finish_last(p_ptr, b_ptr, fin_ptr, lock, row, rn, n_ok, M, N, out_cols, HAS_BIAS: tl.constexpr,
-                PAIRED: tl.constexpr):
-    """Count this program's partial in at ``lock``; the last of a column block's programs finishes it.
-
-    The barrier makes every thread's partial store precede the (release) atomic; the last program's
-    (acquire) atomic then sees them all, and it reads them at L2 (``.cg``), past an L1 that may hold
-    stale lines. The counter goes back to zero, so the next launch (or CUDA-graph replay) starts clean.
-    """
-    arrivals = tl.num_programs(1) * (2 if PAIRED else 1)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(lock, 1, sem="acq_rel")
-    if arrived == arrivals - 1:
-        first = tl.zeros_like(rn).to(tl.float32)
-        second = tl.zeros_like(rn).to(tl.float32)
-        for s in range(0, tl.num_programs(1)):
-            at = p_ptr + (s * M + row).to(tl.int64) * out_cols + rn
-            first += tl.load(at, mask=n_ok, other=0.0, cache_modifier=".cg")
-            if PAIRED:
-                second += tl.load(at + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-        if PAIRED:
-            first = first / (1.0 + tl.exp(-first)) * second
-        elif HAS_BIAS:
-            first += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(fin_ptr + row.to(tl.int64) * N + rn, first.to(fin_ptr.dtype.element_ty), mask=n_ok)
-        tl.atomic_xchg(lock, 0)

@@ -45,19 +45,21 @@ GEMV_MAX_M = 16
 _TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
-# 4 words; one row per program; group sizes >= 32), "fma" (gemv: shift-and-mask nibbles, any group size) or
-# "dot" (gemv on the tensor cores, for several rows). 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K,
-# warps, stages). Whichever candidate times fastest for the shape runs. The K split count is derived from the
-# shape: about the config's target number of programs (default _TARGET_PROGRAMS). The first applicable entry
-# is taken without timing (CUDA-graph capture, interpreter); the order follows an H200 sweep
-# (benchmarks/gpu_tune.py sweep_w4a16).
+# 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights),
+# "fma" (gemv: shift-and-mask nibbles, any group size) or "dot" (gemv on the tensor cores, for several rows).
+# 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K, warps, stages). Whichever candidate times fastest for
+# the shape runs. The K split count is derived from the shape: about the config's target number of programs
+# (default _TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
+# interpreter); the order follows H200 sweeps (benchmarks/gpu_kernel_sweeps.py tiles: few rows and long K
+# steps, 128 weight bytes per thread and step, read fastest).
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
-_GEMV_KINDS = ("quad", "fma", "dot")
+_GEMV_KINDS = ("quad", "quadp", "fma", "dot")
+_QUAD_KINDS = ("quad", "quadp")
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
-    1: ((32, 16, 4, 1, "quad", 1056), (32, 16, 4, 1, "quad", 264), (32, 16, 4, 1, "quad", 1584),
-        (16, 32, 8, 1, "quad", 528), (16, 32, 8, 1, "quad", 1056), (16, 16, 4, 1, "quad", 1056),
-        (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
+    1: ((16, 64, 4, 1, "quad", 528), (16, 32, 2, 1, "quad", 528), (32, 32, 4, 1, "quad", 528),
+        (32, 16, 4, 1, "quad", 264), (32, 16, 4, 1, "quad", 1056), (16, 32, 4, 1, "quadp", 528),
+        (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
     4: ((64, 256, 4, 3), (32, 256, 4, 4), (16, 512, 4, 3), (16, 2, 4, 4, "fma"), (32, 1, 4, 16, "dot")),
     16: ((64, 256, 4, 3), (32, 256, 4, 4), (32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")),
 }
@@ -168,27 +170,25 @@ def w4a16_gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     splits: int | None = None,
-    fixup: bool = True,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
-    shape when None); ``fixup=False`` sums a "quad" launch's K slices in a second kernel instead of
-    in the launch itself (for comparison).
+    shape when None).
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     _check_columns(k_in, k_blocks * block_size)
     bucket = 1 if m == 1 else (4 if m <= 4 else 16)
-    key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None, fixup)
+    key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
     def launch(cfg: tuple[Any, ...]) -> None:
         if len(cfg) == 4:  # a fused-kernel candidate
             _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, 16, cfg)
         else:
-            _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits, fixup=fixup)
+            _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
 
     launch(config or _tuned(key, launch, _gemv_candidates(bucket, block_size), block_size))
     return out
@@ -211,15 +211,13 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
 
 
 def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
-                     config: GemvConfig | None = None, splits: int | None = None,
-                     fixup: bool = True) -> torch.Tensor | None:
-    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, in one launch, or None (the caller falls back).
+                     config: GemvConfig | None = None, splits: int | None = None) -> torch.Tensor | None:
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, in two launches, or None (the caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
-    MLP): one GEMV launch computes both products (programs split between the two weights), and the last
-    program of each column block sums the K slices and applies SiLU and the product (with
-    ``fixup=False``, a second small kernel does), where transformers runs two GEMVs, two split sums, a
-    SiLU and a multiply.
+    MLP): one GEMV launch computes both products (programs split between the two weights) and a small
+    epilogue sums the K slices and applies SiLU and the product, where transformers runs two GEMVs, two
+    split sums, a SiLU and a multiply.
     """
     reason = gated_silu_reason(x, gate, up, block_size)
     if reason is not None:
@@ -232,10 +230,10 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     n, k_blocks, _ = qweight.shape
     _check_columns(in_features, k_blocks * block_size)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    key = ("gated", n, k_blocks, block_size, x.dtype, zero_points is not None, fixup)
+    key = ("gated", n, k_blocks, block_size, x.dtype, zero_points is not None)
 
     def launch(cfg: tuple[Any, ...]) -> None:
-        _launch_gemv(flat, qweight, scales, zero_points, None, out, block_size, cfg, splits, second=up, fixup=fixup)
+        _launch_gemv(flat, qweight, scales, zero_points, None, out, block_size, cfg, splits, second=up)
 
     launch(config or _tuned(key, launch, _quad_candidates(block_size), block_size))
     return out.reshape(*x.shape[:-1], n)
@@ -244,23 +242,19 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
 @cache
 def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
-    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] != "quad" or group >= 32)
+    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in _QUAD_KINDS or group >= 32)
 
 
 @cache
 def _quad_candidates(group: int) -> tuple[tuple[Any, ...], ...]:
     """The one-row candidates of the "quad" kind (the only kind the paired GEMV runs)."""
-    return tuple(c for c in _gemv_candidates(1, group) if len(c) > 4 and c[4] == "quad")
+    return tuple(c for c in _gemv_candidates(1, group) if len(c) > 4 and c[4] in _QUAD_KINDS)
 
 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                  bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
-                 splits: int | None, second: PackedWeight | None = None, fixup: bool = True) -> None:
-    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``.
-
-    ``fixup``: a "quad" launch over several K slices sums them in the same launch (the last program of
-    each column block does it) instead of a second kernel, when the device's counters are large enough.
-    """
+                 splits: int | None, second: PackedWeight | None = None) -> None:
+    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``."""
     import triton
 
     block_n, block_g, warps, block_m, kind = cfg[:5]
@@ -268,8 +262,8 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if kind not in _GEMV_KINDS:
         raise ValueError(f"GEMV kind {kind!r}: use one of {_GEMV_KINDS}.")
     paired = second is not None
-    if paired and kind != "quad":
-        raise ValueError(f"a paired (gated) GEMV runs the 'quad' kind only, not {kind!r}: "
+    if paired and kind not in _QUAD_KINDS:
+        raise ValueError(f"a paired (gated) GEMV runs the {_QUAD_KINDS} kinds only, not {kind!r}: "
                          "pass a 'quad' config or none.")
     dot = kind == "dot"
     m, k_in = x.shape
@@ -290,21 +284,18 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             zero_points.stride(0) if zero_points is not None else 0)
     flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
                  BLOCK_N=block_n, num_warps=warps)
-    counters = None
-    if kind == "quad":  # one activation row per program (grid axis 2 is then the row)
+    if kind in _QUAD_KINDS:  # one activation row per program (grid axis 2 is then the row)
         if group < 32:
-            raise ValueError(f"GEMV kind 'quad' reads 4-word quads of one group: group size {group} < 32; "
+            raise ValueError(f"GEMV kind {kind!r} reads 4-word quads of one group: group size {group} < 32; "
                              "use kind 'fma'.")
         w2, s2, z2 = second if paired else (qweight, scales, zero_points)
-        counters = _tuning().counters(x.device, m * n_blocks) if fixup and not direct else None
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
-            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, out,
-            counters if counters is not None else scales, BLOCK_C=block_g, PAIRED=paired,
-            FIXUP=counters is not None, **flags)
+            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, BLOCK_C=block_g,
+            PAIRED=paired, PREFETCH=kind == "quadp", **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
-    if not direct and counters is None:
+    if not direct:
         _finish_splits(target, out, bias, n_splits, paired)
 
 
@@ -349,28 +340,10 @@ def _fit(cfg: tuple[Any, ...], group: int) -> tuple[Any, ...]:
 
 
 class _Tuning:
-    """Chosen configuration per problem key and the fix-up counters per device (one instance per process)."""
-
-    COUNTERS = 1 << 16  # int32 counters per device: one per (row, column block) of a launch, 256 KiB
+    """Chosen configuration per problem key (one instance per process, created on first use)."""
 
     def __init__(self) -> None:
         self.chosen: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self.device_counters: dict[torch.device, torch.Tensor] = {}
-
-    def counters(self, device: torch.device, needed: int) -> torch.Tensor | None:
-        """The device's zeroed counters for a fix-up GEMV, or None when a launch needs more than there are.
-
-        One fixed buffer per device, never reallocated: CUDA graphs keep its address, and every fix-up
-        launch leaves the counters it used at zero. Launches on several streams at once would share it:
-        fix-up GEMVs are for one stream (the decode loop), as the rest of the decode step is.
-        """
-        if needed > self.COUNTERS:
-            return None
-        if device not in self.device_counters:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return None  # memory allocated in a capture belongs to that graph's pool: allocate eagerly only
-            self.device_counters[device] = torch.zeros(self.COUNTERS, dtype=torch.int32, device=device)
-        return self.device_counters[device]
 
 
 @cache
