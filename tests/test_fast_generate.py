@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from mmsdk import Optimizer
-from mmsdk.kernels.fast_generate import _Generator, unsupported_reason
+from mmsdk.kernels import decode_state, fast_generate
+from mmsdk.kernels.decode_state import capacity_for, kept
+from mmsdk.kernels.fast_generate import _Generator, release, unsupported_reason
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 from mmsdk.testing import tiny_inputs
@@ -165,8 +167,6 @@ def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, sess
 def test_a_failing_fast_path_warns_and_answers_like_transformers(session, tiny, monkeypatch, caplog):
     import logging
 
-    from mmsdk.kernels import fast_generate
-
     opt, inputs = _optimized(tiny, session, "tiny:llava", ("int4-kv",))
     model = opt.model
     expected = _greedy(model, inputs, 5)
@@ -181,3 +181,106 @@ def test_a_failing_fast_path_warns_and_answers_like_transformers(session, tiny, 
     assert torch.equal(got, expected)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "fast generate" in r.getMessage()]
     assert warnings and "stream is capturing" in warnings[0].getMessage()
+
+
+def _count_builds(monkeypatch):
+    """{"build": decode steps built and warmed up, "capture": steps captured}, counted from now on."""
+    counts = {"build": 0, "capture": 0}
+    build, capture = _Generator._build_step, _Generator._capture
+
+    def counting_build(self, *args):
+        counts["build"] += 1
+        return build(self, *args)
+
+    def counting_capture(self, *args):
+        counts["capture"] += 1
+        return capture(self, *args)
+
+    monkeypatch.setattr(_Generator, "_build_step", counting_build)
+    monkeypatch.setattr(_Generator, "_capture", counting_capture)
+    return counts
+
+
+def _fast(opt, inputs, new_tokens):
+    """The fast path's answer (without graphs), checked against transformers' greedy generate."""
+    got = _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": new_tokens}, graphs=False).run()
+    assert torch.equal(got, _greedy(opt.model, inputs, new_tokens)), new_tokens
+    return got
+
+
+@pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-kv",)), ("tiny:qwen2-vl", ())])
+def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, session, tiny, monkeypatch):
+    """Every call answers like transformers; a call that fits reuses the cache and step, others build anew."""
+    monkeypatch.setattr(decode_state, "CAPACITY_STEP", 16)  # small capacities: short calls outgrow them
+    opt, inputs = _optimized(tiny, session, name, passes)
+    counts, model, prompt = _count_builds(monkeypatch), opt.model, inputs["input_ids"].shape[1]
+    first_answer = _fast(opt, inputs, 7)
+    kept_answer, state = first_answer.clone(), kept(model)
+    assert counts == {"build": 1, "capture": 1} and state.capacity == capacity_for(prompt + 8)
+    step, cache, tokens = state.step, state.cache, state.tokens
+    most = state.capacity - prompt - 1  # the most new tokens the kept cache holds for this prompt
+    other_images = tiny_inputs(opt.processor, QUESTIONS, seed=3)
+    shorter = tiny_inputs(opt.processor, ("odd ?", "odd ?"))
+    assert shorter["input_ids"].shape[1] < prompt
+    for call_inputs, new_tokens in ((other_images, most), (shorter, 5), (inputs, 1), (inputs, 2), (inputs, 3),
+                                    (inputs, 4)):
+        _fast(opt, call_inputs, new_tokens)
+        assert kept(model) is state and state.step is step and state.cache is cache and state.tokens is tokens, new_tokens
+    assert counts == {"build": 1, "capture": 1}  # no warm-up step and no capture after the first call
+    assert torch.equal(first_answer, kept_answer)  # answers are copies, not views of the kept buffers
+    _fast(opt, inputs, most + 1)  # one token more than the kept cache holds
+    assert kept(model) is not state and kept(model).capacity > state.capacity and counts["capture"] == 2
+    _fast(opt, inputs, 2 * state.capacity)
+    big = kept(model)
+    _fast(opt, inputs, 3)  # needs far less than the big cache: attention over it would cost more than a rebuild
+    assert kept(model) is not big and kept(model).capacity < big.capacity and kept(model).step is None  # 3: no replay
+    single = tiny_inputs(opt.processor, QUESTIONS[:1])
+    _fast(opt, single, 5)  # another batch size
+    assert kept(model).tokens.shape[0] == 1 and counts == {"build": 5, "capture": 4}
+    _fast(opt, single, 6)
+    assert counts == {"build": 5, "capture": 4}
+
+
+def test_release_and_model_changes_drop_the_kept_state(session, tiny):
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())
+    model = opt.model
+    _fast(opt, inputs, 5)
+    state = kept(model)
+    assert opt.model is model and kept(model) is state  # install again (every opt.model does) keeps it
+    release(model)
+    assert kept(model) is None
+    _fast(opt, inputs, 5)
+    assert kept(model) is not state and kept(model) is not None
+    opt.apply("qkv-fuse", "int4-kv")
+    assert opt.model is model and kept(model) is None  # the passes replaced modules: dropped at install
+    _fast(opt, inputs, 5)
+    state = kept(model)
+    assert all(type(layer).__name__ == "PackedStaticLayer" for layer in state.cache.layers)
+    head = opt.adapter.lm_head(model)
+    head.weight.data = head.weight.data.clone()  # what .to() does: same parameter, new storage
+    _fast(opt, inputs, 5)
+    assert kept(model) is not state
+    state = kept(model)
+    opt.adapter.decoder_layers(model)[0].mlp.down_proj = torch.nn.Linear(74, 48)  # a module replaced
+    _fast(opt, inputs, 5)
+    assert kept(model) is not state
+
+
+def test_a_failure_while_reusing_drops_the_state_and_answers_like_transformers(session, tiny, monkeypatch):
+    class OnCpu(_Generator):
+        def __init__(self, model, adapter, kwargs, graphs=False):
+            super().__init__(model, adapter, kwargs, graphs)
+
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ("int4-kv",))
+    model = opt.model
+    expected = _greedy(model, inputs, 6)
+    monkeypatch.setattr(fast_generate, "unsupported_reason", lambda *args: None)  # as if on CUDA
+    monkeypatch.setattr(fast_generate, "_Generator", OnCpu)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=6), expected) and kept(model) is not None
+
+    def broken(self, *args):
+        raise RuntimeError("refill failed")
+
+    monkeypatch.setattr(_Generator, "_refill", broken)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=6), expected)  # transformers' generate answered
+    assert kept(model) is None
