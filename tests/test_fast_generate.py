@@ -108,7 +108,7 @@ def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, m
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-weight",)),
                                          ("tiny:llava", ("int4-weight", "int4-kv")), ("tiny:llava", ("int8-kv",)),
                                          ("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK)])
-def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny):
+def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, monkeypatch):
     loaded = tiny(name)
     opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
     if passes:  # the tiny model's 48/74-wide inputs need padding to whole 32-groups
@@ -116,11 +116,23 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny):
     model = opt.model
     inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 40}) is None
-    expected = _greedy(model, inputs, 40)
+    counts = _count_builds(monkeypatch)
     # the generator itself, not model.generate: a capture failure must fail here, not fall back to transformers
     got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 40}).run()
+    step = kept(model).step
+    assert counts == {"build": 1, "capture": 1} and step is not None
+    _assert_agrees(got, _greedy(model, inputs, 40))
+    # the same call again through generate(): the kept graph replays from token 2 on (the first call's token 2
+    # came from the eager warm-up step: same kernels, so the same tokens)
     assert torch.equal(model.generate(**inputs, max_new_tokens=40), got)
-    # bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie
+    other = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS, seed=3).items()}
+    again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 33}).run()  # other images, fewer tokens
+    assert kept(model).step is step and counts == {"build": 1, "capture": 1}  # reused: no warm-up, no capture
+    _assert_agrees(again, _greedy(model, other, 33))
+
+
+def _assert_agrees(got, expected):
+    """bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie."""
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()
     assert got.shape[0] == expected.shape[0] and agree > 0.9, (agree, got, expected)
 
@@ -225,7 +237,8 @@ def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, sess
     for call_inputs, new_tokens in ((other_images, most), (shorter, 5), (inputs, 1), (inputs, 2), (inputs, 3),
                                     (inputs, 4)):
         _fast(opt, call_inputs, new_tokens)
-        assert kept(model) is state and state.step is step and state.cache is cache and state.tokens is tokens, new_tokens
+        assert kept(model) is state and state.step is step, new_tokens
+        assert state.cache is cache and state.tokens is tokens  # the same tensors: a graph holds their addresses
     assert counts == {"build": 1, "capture": 1}  # no warm-up step and no capture after the first call
     assert torch.equal(first_answer, kept_answer)  # answers are copies, not views of the kept buffers
     _fast(opt, inputs, most + 1)  # one token more than the kept cache holds
