@@ -254,29 +254,34 @@ def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, sess
     assert counts == {"build": 5, "capture": 4}
 
 
-def test_release_and_model_changes_drop_the_kept_state(session, tiny):
+def test_release_and_model_changes_drop_what_they_make_stale(session, tiny, monkeypatch):
     opt, inputs = _optimized(tiny, session, "tiny:llava", ())
-    model = opt.model
-    _fast(opt, inputs, 5)
-    state = kept(model)
+    model, counts = opt.model, _count_builds(monkeypatch)
+
+    def call():  # the generator alone, no install in between: each call checks for itself
+        got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 5}, graphs=False).run()
+        assert torch.equal(got, _greedy(model, inputs, 5))
+        return kept(model)
+
+    state = call()
     assert opt.model is model and kept(model) is state  # install again (every opt.model does) keeps it
     release(model)
     assert kept(model) is None
-    _fast(opt, inputs, 5)
-    assert kept(model) is not state and kept(model) is not None
+    state = call()
+    assert state is not None and counts["capture"] == 2
+    head = opt.adapter.lm_head(model)
+    head.weight.data = head.weight.data.clone()  # what .to() does: the same parameter, new storage
+    assert call() is state and counts["capture"] == 3  # the cache still serves; the step is captured again
+    opt.adapter.decoder_layers(model)[0].mlp.down_proj = torch.nn.Linear(74, 48)  # a module replaced
+    assert call() is state and counts["capture"] == 4
+    embed = model.get_input_embeddings()
+    embed.weight.data = embed.weight.data.clone()  # the model's dtype or device may have changed: a new cache
+    assert call() is not state and counts["capture"] == 5
     opt.apply("qkv-fuse", "int4-kv")
     assert opt.model is model and kept(model) is None  # the passes replaced modules: dropped at install
-    _fast(opt, inputs, 5)
-    state = kept(model)
-    assert all(type(layer).__name__ == "PackedStaticLayer" for layer in state.cache.layers)
-    head = opt.adapter.lm_head(model)
-    head.weight.data = head.weight.data.clone()  # what .to() does: same parameter, new storage
-    _fast(opt, inputs, 5)
-    assert kept(model) is not state
-    state = kept(model)
-    opt.adapter.decoder_layers(model)[0].mlp.down_proj = torch.nn.Linear(74, 48)  # a module replaced
-    _fast(opt, inputs, 5)
-    assert kept(model) is not state
+    assert all(type(layer).__name__ == "PackedStaticLayer" for layer in call().cache.layers)
+    model.generate(**inputs, max_new_tokens=2)  # a model off the GPU: transformers' loop, and nothing stays kept
+    assert kept(model) is None
 
 
 def test_a_failure_while_reusing_drops_the_state_and_answers_like_transformers(session, tiny, monkeypatch):

@@ -3,18 +3,22 @@
 Building a static cache, warming the decode step up and capturing its CUDA graph costs tens of
 milliseconds, on every call. A later call whose shapes fit reuses them instead: the cache is reset
 in place and the step's inputs are refilled with ``copy_`` / ``fill_``, because a graph replays the
-addresses it captured, so those tensors must never be reallocated. What a call needs and what was
-kept are compared in three parts:
+addresses it captured, so those tensors must never be reallocated. Before its prefill, a call
+compares with the kept state:
 
-* a key of plain values (batch, dtypes, device, end/pad tokens, attention implementation, graphs);
-* a :class:`Watch` of the objects the step reads (the KV-cache pass's state, every module of the
-  language model, embedding and LM head, their forward overrides, hooks, parameters and buffers):
-  a pass that replaces a module or a ``.to()`` that moves a weight makes the kept graph stale;
-* the cache capacity (:func:`fits`) and, after the first decode step, the :func:`signature` of the
-  arguments the language model received.
+* a key of plain values (batch, token dtype, device, end/pad tokens, attention implementation, graphs);
+* a :class:`Watch` of what the cache was built for (the KV-cache pass's state, the embedding weight,
+  whose dtype and storage change when the model is converted or moved);
+* the cache capacity (:func:`fits`).
 
-Anything that differs drops the kept state (so its memory can be freed) and builds a new one.
-:func:`release` frees it on request. The state lives in the model's ``__dict__``: nothing is kept
+After its first decode step (eager, through the model) it compares with the kept step: the
+:func:`signature` of the arguments the language model received, and a :class:`Watch` of every
+module of the language model, embedding and LM head with its forward overrides, hooks, parameters
+and buffers (a pass that replaced a module, or a ``.to()`` that moved a weight, stales a graph).
+
+A difference before the prefill drops the kept state (first, so its memory can serve the new one)
+and builds a new one; a difference after the first step builds and captures the step again, in the
+kept cache. :func:`release` frees everything on request. The state lives in the model's ``__dict__``: nothing is kept
 at module level.
 """
 
@@ -105,6 +109,7 @@ class Step:
     """A decode step's input/output buffers and how to run it (a graph replay, or the eager step)."""
 
     signature: tuple[Any, ...]
+    watch: Watch  # the modules and tensors the captured step reads
     token: torch.Tensor  # [B] last token
     index: torch.Tensor  # [1] column of ``tokens`` the step writes
     positions: torch.Tensor  # the language model's position_ids for the step
@@ -117,7 +122,7 @@ class DecodeState:
     """A model's kept static cache and decode buffers; ``step`` is set once a step was captured."""
 
     key: tuple[Any, ...]
-    watch: Watch
+    watch: Watch  # what the cache was built for (the KV-cache pass's state, the model's dtype and device)
     capacity: int
     cache: Any
     tokens: torch.Tensor  # [B, capacity] new tokens of the call (pad after the end)

@@ -70,12 +70,13 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
 
     ``refusal`` (why this model must keep transformers' loop, e.g. a pass not declared safe for the
     fast path) is kept on the model and re-read on every call, so a later install can change it.
-    A kept decode state is dropped here when the passes that just ran changed what its graph reads
+    A kept decode state is dropped here when the passes that just ran changed what it was built for
     (each call checks that too, but this frees the memory at once), or when the model is refused.
     """
     model.__dict__[_REFUSAL] = refusal
     state = kept(model)
-    if state is not None and (refusal or not state.watch.matches(_watched_objects(model, adapter))):
+    if state is not None and (refusal or not state.watch.matches(_cache_objects(model)) or (
+            state.step is not None and not state.step.watch.matches(_step_objects(model, adapter)))):
         release(model)
     del state
     if getattr(model, ATTRIBUTE, None) is not None:
@@ -88,6 +89,8 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
         if reason is not None:
             if reason != "cpu":
                 note_fallback("fast generate", reason)
+            else:  # a model moved off the GPU: what was kept for it there can only be stale
+                release(model)
             return original(*args, **kwargs)
         try:
             return _Generator(model, adapter, kwargs).run()
@@ -169,7 +172,14 @@ def _chunked(forward: Any, chunk: int) -> Any:
     return run
 
 
-def _watched_objects(model: nn.Module, adapter: Any) -> list[Any]:
+def _cache_objects(model: nn.Module) -> list[Any]:
+    """What a kept cache was built for: the KV-cache pass's state, and the embedding weight (its dtype and device)."""
+    from mmsdk.plugins.quantizers.kv_runtime import installed_state
+
+    return [installed_state(model), getattr(model.get_input_embeddings(), "weight", None)]
+
+
+def _step_objects(model: nn.Module, adapter: Any) -> list[Any]:
     """What a captured decode step reads: the KV-cache pass's state and the embedding, language model and LM head."""
     from mmsdk.plugins._forward import BODY_ATTR
     from mmsdk.plugins.quantizers.kv_runtime import installed_state
@@ -234,7 +244,7 @@ class _Generator:
 
     def _state(self, needed: int) -> DecodeState:
         """The kept decode state with its cache reset when it serves ``needed`` tokens; else a new one."""
-        watched = _watched_objects(self.model, self.adapter)
+        watched = _cache_objects(self.model)
         state = kept(self.model)
         if (state is not None and state.key == self._key() and fits(state.capacity, needed)
                 and state.watch.matches(watched)):
@@ -311,7 +321,9 @@ class _Generator:
     def _decode(self, state: DecodeState, seen: dict[str, Any]) -> None:
         """Steps 3.. : the kept graph refilled and replayed, or a new step warmed up once and captured."""
         step, wanted = state.step, signature(seen)
-        if step is not None and step.signature == wanted:
+        # the watch is read after this call's prefill and first step, which could have re-registered a buffer
+        if (step is not None and step.signature == wanted
+                and step.watch.matches(_step_objects(self.model, self.adapter))):
             self._refill(step, state, seen)
             replays = self.new_tokens - 2  # no warm-up step: the first replay writes token 2
         else:
@@ -322,6 +334,7 @@ class _Generator:
             if replays <= 0:
                 return
             step.replay = self._capture(step.replay, self.ids.device)
+            step.watch = Watch(_step_objects(self.model, self.adapter))  # what the graph just captured reads
             state.step = step
         for i in range(replays):
             step.replay()
@@ -351,7 +364,7 @@ class _Generator:
             index.add_(1)
             positions.add_(1)
 
-        return Step(wanted, token, index, positions, fixed, run)
+        return Step(wanted, Watch([]), token, index, positions, fixed, run)
 
     def _refill(self, step: Step, state: DecodeState, seen: dict[str, Any]) -> None:
         """This call's values into the kept step's inputs, in place (the graph reads their addresses)."""
