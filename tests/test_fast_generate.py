@@ -213,17 +213,17 @@ def _count_builds(monkeypatch):
     return counts
 
 
-def _fast(opt, inputs, new_tokens):
+def _fast(opt, inputs, new_tokens, **kwargs):
     """The fast path's answer (without graphs), checked against transformers' greedy generate."""
-    got = _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": new_tokens}, graphs=False).run()
-    assert torch.equal(got, _greedy(opt.model, inputs, new_tokens)), new_tokens
+    got = _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": new_tokens, **kwargs}, graphs=False).run()
+    assert torch.equal(got, _greedy(opt.model, inputs, new_tokens, **kwargs)), new_tokens
     return got
 
 
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-kv",)), ("tiny:qwen2-vl", ())])
 def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, session, tiny, monkeypatch):
     """Every call answers like transformers; a call that fits reuses the cache and step, others build anew."""
-    monkeypatch.setattr(decode_state, "CAPACITY_STEP", 16)  # small capacities: short calls outgrow them
+    monkeypatch.setattr(decode_state, "CAPACITY_STEP", 32)  # small capacities: short calls outgrow them
     opt, inputs = _optimized(tiny, session, name, passes)
     counts, model, prompt = _count_builds(monkeypatch), opt.model, inputs["input_ids"].shape[1]
     first_answer = _fast(opt, inputs, 7)
@@ -252,6 +252,17 @@ def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, sess
     assert kept(model).tokens.shape[0] == 1 and counts == {"build": 5, "capture": 4}
     _fast(opt, single, 6)
     assert counts == {"build": 5, "capture": 4}
+
+
+def test_rows_that_end_early_are_padded_on_every_call(session, tiny):
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())
+    prompt = inputs["input_ids"].shape[1]
+    end = int(_fast(opt, inputs, 12)[0, prompt + 3])  # row 0's fourth new token ends row 0 below
+    first = _fast(opt, inputs, 12, eos_token_id=end)
+    state = kept(opt.model)
+    assert first.shape[1] > prompt + 4 and (first[0, prompt + 4:] == opt.model.generation_config.pad_token_id).all()
+    _fast(opt, tiny_inputs(opt.processor, QUESTIONS, seed=3), 12, eos_token_id=end)  # the finished rows start over
+    assert torch.equal(_fast(opt, inputs, 12, eos_token_id=end), first) and kept(opt.model) is state
 
 
 def test_release_and_model_changes_drop_what_they_make_stale(session, tiny, monkeypatch):
