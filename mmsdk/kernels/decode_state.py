@@ -71,7 +71,7 @@ def _detail(value: Any) -> Any:
 
 
 class Watch:
-    """The objects a captured step reads, held weakly, to tell whether any was replaced, moved or re-hooked.
+    """Objects a kept cache or captured step depends on, held weakly: was any replaced, moved or re-hooked?
 
     Weak references: the kept state must not keep a replaced module's weights alive, and an object
     that died cannot be confused with a new one at the same address.
