@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from mmsdk import Optimizer
-from mmsdk.kernels.fast_generate import _Generator, unsupported_reason
+from mmsdk.kernels import decode_state, fast_generate
+from mmsdk.kernels.decode_state import capacity_for, kept
+from mmsdk.kernels.fast_generate import _Generator, release, unsupported_reason
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 from mmsdk.testing import tiny_inputs
@@ -106,7 +108,7 @@ def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, m
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-weight",)),
                                          ("tiny:llava", ("int4-weight", "int4-kv")), ("tiny:llava", ("int8-kv",)),
                                          ("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK)])
-def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny):
+def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, monkeypatch):
     loaded = tiny(name)
     opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
     if passes:  # the tiny model's 48/74-wide inputs need padding to whole 32-groups
@@ -114,11 +116,23 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny):
     model = opt.model
     inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 40}) is None
-    expected = _greedy(model, inputs, 40)
+    counts = _count_builds(monkeypatch)
     # the generator itself, not model.generate: a capture failure must fail here, not fall back to transformers
     got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 40}).run()
+    step = kept(model).step
+    assert counts == {"build": 1, "capture": 1} and step is not None
+    _assert_agrees(got, _greedy(model, inputs, 40))
+    # the same call again through generate(): the kept graph replays from token 2 on (the first call's token 2
+    # came from the eager warm-up step: same kernels, so the same tokens)
     assert torch.equal(model.generate(**inputs, max_new_tokens=40), got)
-    # bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie
+    other = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS, seed=3).items()}
+    again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 33}).run()  # other images, fewer tokens
+    assert kept(model).step is step and counts == {"build": 1, "capture": 1}  # reused: no warm-up, no capture
+    _assert_agrees(again, _greedy(model, other, 33))
+
+
+def _assert_agrees(got, expected):
+    """bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie."""
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()
     assert got.shape[0] == expected.shape[0] and agree > 0.9, (agree, got, expected)
 
@@ -165,8 +179,6 @@ def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, sess
 def test_a_failing_fast_path_warns_and_answers_like_transformers(session, tiny, monkeypatch, caplog):
     import logging
 
-    from mmsdk.kernels import fast_generate
-
     opt, inputs = _optimized(tiny, session, "tiny:llava", ("int4-kv",))
     model = opt.model
     expected = _greedy(model, inputs, 5)
@@ -181,3 +193,123 @@ def test_a_failing_fast_path_warns_and_answers_like_transformers(session, tiny, 
     assert torch.equal(got, expected)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "fast generate" in r.getMessage()]
     assert warnings and "stream is capturing" in warnings[0].getMessage()
+
+
+def _count_builds(monkeypatch):
+    """{"build": decode steps built and warmed up, "capture": steps captured}, counted from now on."""
+    counts = {"build": 0, "capture": 0}
+    build, capture = _Generator._build_step, _Generator._capture
+
+    def counting_build(self, *args):
+        counts["build"] += 1
+        return build(self, *args)
+
+    def counting_capture(self, *args):
+        counts["capture"] += 1
+        return capture(self, *args)
+
+    monkeypatch.setattr(_Generator, "_build_step", counting_build)
+    monkeypatch.setattr(_Generator, "_capture", counting_capture)
+    return counts
+
+
+def _fast(opt, inputs, new_tokens, **kwargs):
+    """The fast path's answer (without graphs), checked against transformers' greedy generate."""
+    got = _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": new_tokens, **kwargs}, graphs=False).run()
+    assert torch.equal(got, _greedy(opt.model, inputs, new_tokens, **kwargs)), new_tokens
+    return got
+
+
+@pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-kv",)), ("tiny:qwen2-vl", ())])
+def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, session, tiny, monkeypatch):
+    """Every call answers like transformers; a call that fits reuses the cache and step, others build anew."""
+    monkeypatch.setattr(decode_state, "CAPACITY_STEP", 32)  # small capacities: short calls outgrow them
+    opt, inputs = _optimized(tiny, session, name, passes)
+    counts, model, prompt = _count_builds(monkeypatch), opt.model, inputs["input_ids"].shape[1]
+    first_answer = _fast(opt, inputs, 7)
+    kept_answer, state = first_answer.clone(), kept(model)
+    assert counts == {"build": 1, "capture": 1} and state.capacity == capacity_for(prompt + 8)
+    step, cache, tokens = state.step, state.cache, state.tokens
+    most = state.capacity - prompt - 1  # the most new tokens the kept cache holds for this prompt
+    other_images = tiny_inputs(opt.processor, QUESTIONS, seed=3)
+    shorter = tiny_inputs(opt.processor, ("odd ?", "odd ?"))
+    assert shorter["input_ids"].shape[1] < prompt
+    for call_inputs, new_tokens in ((other_images, most), (shorter, 5), (inputs, 1), (inputs, 2), (inputs, 3),
+                                    (inputs, 4)):
+        _fast(opt, call_inputs, new_tokens)
+        assert kept(model) is state and state.step is step, new_tokens
+        assert state.cache is cache and state.tokens is tokens  # the same tensors: a graph holds their addresses
+    assert counts == {"build": 1, "capture": 1}  # no warm-up step and no capture after the first call
+    assert torch.equal(first_answer, kept_answer)  # answers are copies, not views of the kept buffers
+    _fast(opt, inputs, most + 1)  # one token more than the kept cache holds
+    assert kept(model) is not state and kept(model).capacity > state.capacity and counts["capture"] == 2
+    _fast(opt, inputs, 2 * state.capacity)
+    big = kept(model)
+    _fast(opt, inputs, 3)  # needs far less than the big cache: attention over it would cost more than a rebuild
+    assert kept(model) is not big and kept(model).capacity < big.capacity and kept(model).step is None  # 3: no replay
+    single = tiny_inputs(opt.processor, QUESTIONS[:1])
+    _fast(opt, single, 5)  # another batch size
+    assert kept(model).tokens.shape[0] == 1 and counts == {"build": 5, "capture": 4}
+    _fast(opt, single, 6)
+    assert counts == {"build": 5, "capture": 4}
+
+
+def test_rows_that_end_early_are_padded_on_every_call(session, tiny):
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())
+    prompt = inputs["input_ids"].shape[1]
+    end = int(_fast(opt, inputs, 12)[0, prompt + 3])  # row 0's fourth new token ends row 0 below
+    first = _fast(opt, inputs, 12, eos_token_id=end)
+    state = kept(opt.model)
+    assert first.shape[1] > prompt + 4 and (first[0, prompt + 4:] == opt.model.generation_config.pad_token_id).all()
+    _fast(opt, tiny_inputs(opt.processor, QUESTIONS, seed=3), 12, eos_token_id=end)  # the finished rows start over
+    assert torch.equal(_fast(opt, inputs, 12, eos_token_id=end), first) and kept(opt.model) is state
+
+
+def test_release_and_model_changes_drop_what_they_make_stale(session, tiny, monkeypatch):
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())
+    model, counts = opt.model, _count_builds(monkeypatch)
+
+    def call():  # the generator alone, no install in between: each call checks for itself
+        got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 5}, graphs=False).run()
+        assert torch.equal(got, _greedy(model, inputs, 5))
+        return kept(model)
+
+    state = call()
+    assert opt.model is model and kept(model) is state  # install again (every opt.model does) keeps it
+    release(model)
+    assert kept(model) is None
+    state = call()
+    assert state is not None and counts["capture"] == 2
+    head = opt.adapter.lm_head(model)
+    head.weight.data = head.weight.data.clone()  # what .to() does: the same parameter, new storage
+    assert call() is state and counts["capture"] == 3  # the cache still serves; the step is captured again
+    opt.adapter.decoder_layers(model)[0].mlp.down_proj = torch.nn.Linear(74, 48)  # a module replaced
+    assert call() is state and counts["capture"] == 4
+    embed = model.get_input_embeddings()
+    embed.weight.data = embed.weight.data.clone()  # the model's dtype or device may have changed: a new cache
+    assert call() is not state and counts["capture"] == 5
+    opt.apply("qkv-fuse", "int4-kv")
+    assert opt.model is model and kept(model) is None  # the passes replaced modules: dropped at install
+    assert all(type(layer).__name__ == "PackedStaticLayer" for layer in call().cache.layers)
+    model.generate(**inputs, max_new_tokens=2)  # a model off the GPU: transformers' loop, and nothing stays kept
+    assert kept(model) is None
+
+
+def test_a_failure_while_reusing_drops_the_state_and_answers_like_transformers(session, tiny, monkeypatch):
+    class OnCpu(_Generator):
+        def __init__(self, model, adapter, kwargs, graphs=False):
+            super().__init__(model, adapter, kwargs, graphs)
+
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ("int4-kv",))
+    model = opt.model
+    expected = _greedy(model, inputs, 6)
+    monkeypatch.setattr(fast_generate, "unsupported_reason", lambda *args: None)  # as if on CUDA
+    monkeypatch.setattr(fast_generate, "_Generator", OnCpu)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=6), expected) and kept(model) is not None
+
+    def broken(self, *args):
+        raise RuntimeError("refill failed")
+
+    monkeypatch.setattr(_Generator, "_refill", broken)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=6), expected)  # transformers' generate answered
+    assert kept(model) is None

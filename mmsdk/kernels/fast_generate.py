@@ -13,6 +13,10 @@ decoding without padding, it runs:
    and the LM head, takes the argmax and advances the positions, all on the device; the host checks
    for end-of-sequence every ``CHECK_EVERY`` steps.
 
+The static cache, the step's buffers and its graph stay on the model for the next call whose
+shapes fit (:mod:`mmsdk.kernels.decode_state`), which then pays only for its prefill and first
+step; :func:`release` frees them.
+
 Anything else (CPU, sampling, beams, padding, streamers, extra logits processors, a cache passed in,
 a capture that fails) runs transformers' ``generate`` unchanged, and the ``mmsdk.kernels`` log says
 why once. The output equals transformers' greedy output: prompt ids followed by new ids, sequences
@@ -30,8 +34,20 @@ import torch
 from torch import nn
 
 from mmsdk.kernels import note_fallback
+from mmsdk.kernels.decode_state import (
+    DecodeState,
+    Step,
+    Watch,
+    capacity_for,
+    fits,
+    keep,
+    kept,
+    release,
+    signature,
+    watched_objects,
+)
 
-__all__ = ["CHECK_EVERY", "PREFILL_CHUNK", "install", "unsupported_reason"]
+__all__ = ["CHECK_EVERY", "PREFILL_CHUNK", "install", "release", "unsupported_reason"]
 
 CHECK_EVERY = 16
 PREFILL_CHUNK = 1024
@@ -45,6 +61,8 @@ _PASSTHROUGH = {
     "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "min_new_tokens",
 }
 _DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
+# language-model arguments of the first decode step that the captured step makes itself
+_STEP_ARGUMENTS = ("inputs_embeds", "attention_mask", "position_ids", "cache_position")
 
 
 def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
@@ -52,8 +70,15 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
 
     ``refusal`` (why this model must keep transformers' loop, e.g. a pass not declared safe for the
     fast path) is kept on the model and re-read on every call, so a later install can change it.
+    A kept decode state is dropped here when the passes that just ran changed what it was built for
+    (each call checks that too, but this frees the memory at once), or when the model is refused.
     """
     model.__dict__[_REFUSAL] = refusal
+    state = kept(model)
+    if state is not None and (refusal or not state.watch.matches(_cache_objects(model)) or (
+            state.step is not None and not state.step.watch.matches(_step_objects(model, adapter)))):
+        release(model)
+    del state
     if getattr(model, ATTRIBUTE, None) is not None:
         return
     original = model.generate
@@ -64,6 +89,8 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
         if reason is not None:
             if reason != "cpu":
                 note_fallback("fast generate", reason)
+            else:  # a model moved off the GPU: what was kept for it there can only be stale
+                release(model)
             return original(*args, **kwargs)
         try:
             return _Generator(model, adapter, kwargs).run()
@@ -145,8 +172,37 @@ def _chunked(forward: Any, chunk: int) -> Any:
     return run
 
 
+def _cache_objects(model: nn.Module) -> list[Any]:
+    """What a kept cache was built for: the KV-cache pass's state, and the embedding weight (its dtype and device)."""
+    from mmsdk.plugins.quantizers.kv_runtime import installed_state
+
+    return [installed_state(model), getattr(model.get_input_embeddings(), "weight", None)]
+
+
+def _step_objects(model: nn.Module, adapter: Any) -> list[Any]:
+    """What a captured decode step reads: the KV-cache pass's state and the embedding, language model and LM head."""
+    from mmsdk.plugins._forward import BODY_ATTR
+    from mmsdk.plugins.quantizers.kv_runtime import installed_state
+
+    modules = (adapter.language_model(model), model.get_input_embeddings(), adapter.lm_head(model))
+    return watched_objects(installed_state(model), modules, ("forward", BODY_ATTR))
+
+
+def pick(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int) -> torch.Tensor:
+    """Greedy token per row (pad where finished); marks rows that produced an end token."""
+    token = logits.argmax(-1)
+    token = torch.where(finished, torch.full_like(token, pad), token)
+    if eos.numel():
+        finished |= torch.isin(token, eos)
+    return token
+
+
 class _Generator:
-    """One fast generate() call: static cache, eager prefill + first step, graph-replayed decode."""
+    """One fast generate() call: static cache, eager prefill + first step, graph-replayed decode.
+
+    The cache, the decode step's buffers and its graph stay on the model (:mod:`mmsdk.kernels.decode_state`)
+    for the next call whose shapes fit, which then skips the warm-up step and the capture.
+    """
 
     def __init__(self, model: nn.Module, adapter: Any, kwargs: dict[str, Any], graphs: bool = True) -> None:
         self.model, self.adapter, self.graphs = model, adapter, graphs
@@ -160,9 +216,9 @@ class _Generator:
         self.new_tokens = int(kwargs["max_new_tokens"])
         config = model.generation_config
         eos = kwargs.get("eos_token_id", config.eos_token_id)
-        self.eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=self.ids.device)
+        self.eos_ids = tuple(int(e) for e in ([eos] if isinstance(eos, int) else list(eos or [])))
         pad = kwargs.get("pad_token_id", config.pad_token_id)
-        self.pad = int(pad if pad is not None else (self.eos[0].item() if self.eos.numel() else 0))
+        self.pad = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
 
     def _cache(self, max_len: int) -> Any:
         from mmsdk.plugins.quantizers.kv_runtime import installed_state
@@ -180,6 +236,35 @@ class _Generator:
 
         return StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
 
+    def _key(self) -> tuple[Any, ...]:
+        """The plain values a kept decode state must share with this call."""
+        attention = getattr(self.adapter.text_config(self.model), "_attn_implementation", None)
+        return (self.ids.shape[0], self.ids.dtype, str(self.ids.device), self.graphs, self.cache_name,
+                self.eos_ids, self.pad, attention)
+
+    def _state(self, needed: int) -> DecodeState:
+        """The kept decode state with its cache reset when it serves ``needed`` tokens; else a new one."""
+        watched = _cache_objects(self.model)
+        state = kept(self.model)
+        if (state is not None and state.key == self._key() and fits(state.capacity, needed)
+                and state.watch.matches(watched)):
+            state.cache.reset()  # in place: a captured graph reads the addresses of the cache's tensors
+            return state
+        del state
+        release(self.model)  # before allocating, so the old cache's memory can serve the new one
+        capacity = capacity_for(needed)
+        cache = self._cache(capacity)
+        batch, device = self.ids.shape[0], self.ids.device
+        state = DecodeState(
+            key=self._key(),  # after _cache, which may wrap the attention implementation
+            watch=Watch(watched), capacity=capacity, cache=cache,
+            tokens=torch.empty(batch, capacity, dtype=self.ids.dtype, device=device),
+            finished=torch.empty(batch, dtype=torch.bool, device=device),
+            eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device), pad=self.pad,
+        )
+        keep(self.model, state)
+        return state
+
     def _prefill_in_chunks(self) -> AbstractContextManager[None]:
         """Chunk the language model's prefill inside the passes' wrappers (token pruning sees the whole prompt)."""
         from mmsdk.plugins._forward import innermost_override
@@ -189,34 +274,31 @@ class _Generator:
 
     @torch.inference_mode()
     def run(self) -> torch.Tensor:
-        batch, prompt = self.ids.shape
         if self.new_tokens <= 0:
             return self.ids
-        cache = self._cache(prompt + self.new_tokens + 1)
-        mask = self.kwargs.get("attention_mask")
+        try:
+            return self._generate(self._state(self.ids.shape[1] + self.new_tokens + 1))
+        except BaseException:
+            release(self.model)  # never reuse what a failed call may have left half-written
+            raise
+
+    def _generate(self, state: DecodeState) -> torch.Tensor:
+        """Prefill and the first step through the model, then the decode steps: prompt + new tokens."""
+        tokens = state.tokens[:, : self.new_tokens]
+        state.tokens.fill_(state.pad)  # columns after an early stop stay pad
+        state.finished.zero_()
         with self._prefill_in_chunks():
-            out = self.model(**self.kwargs, **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
-        tokens = torch.full((batch, self.new_tokens), self.pad, dtype=self.ids.dtype, device=self.ids.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=self.ids.device)
-        token = self._pick(out.logits[:, -1], finished)
+            out = self.model(**self.kwargs, **{self.cache_name: state.cache}, use_cache=True, logits_to_keep=1)
+        token = pick(out.logits[:, -1], state.finished, state.eos, state.pad)
         tokens[:, 0] = token
-        if self.new_tokens == 1:
-            return self._finish(tokens)
-        seen = self._first_step(token, mask, cache, prompt)
-        tokens[:, 1] = self._pick(seen["_logits"], finished)
-        if self.new_tokens > 2:
-            self._decode(seen, tokens, finished)
-        return self._finish(tokens)
+        if self.new_tokens > 1:
+            seen = self._first_step(token, state.cache)
+            tokens[:, 1] = pick(seen.pop("_logits"), state.finished, state.eos, state.pad)
+            if self.new_tokens > 2:
+                self._decode(state, seen)
+        return self._finish(tokens, state.eos)
 
-    def _pick(self, logits: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
-        """Greedy token per row (pad where finished); marks rows that produced an end token."""
-        token = logits.argmax(-1)
-        token = torch.where(finished, torch.full_like(token, self.pad), token)
-        if self.eos.numel():
-            finished |= torch.isin(token, self.eos)
-        return token
-
-    def _first_step(self, token: torch.Tensor, mask: Any, cache: Any, prompt: int) -> dict[str, Any]:
+    def _first_step(self, token: torch.Tensor, cache: Any) -> dict[str, Any]:
         """Run the first decode step through the full model, recording what the language model receives."""
         language = self.adapter.language_model(self.model)
         seen: dict[str, Any] = {}
@@ -236,64 +318,95 @@ class _Generator:
         seen["_logits"] = out.logits[:, -1]
         return seen
 
-    def _decode(self, seen: dict[str, Any], tokens: torch.Tensor, finished: torch.Tensor) -> None:
-        """Steps 3.. : one eager warm-up step, then graph replays (eager steps if capture fails)."""
+    def _decode(self, state: DecodeState, seen: dict[str, Any]) -> None:
+        """Steps 3.. : the kept graph refilled and replayed, or a new step warmed up once and captured."""
+        step, wanted = state.step, signature(seen)
+        # the watch is read after this call's prefill and first step, which could have re-registered a buffer
+        if (step is not None and step.signature == wanted
+                and step.watch.matches(_step_objects(self.model, self.adapter))):
+            self._refill(step, state, seen)
+            replays = self.new_tokens - 2  # no warm-up step: the first replay writes token 2
+        else:
+            state.step = None  # a stale graph goes before another is captured
+            step = self._build_step(state, seen, wanted)
+            self._warm_up(step.replay)
+            replays = self.new_tokens - 3  # the warm-up step wrote token 2
+            if replays <= 0:
+                return
+            step.replay = self._capture(step.replay, self.ids.device)
+            step.watch = Watch(_step_objects(self.model, self.adapter))  # what the graph just captured reads
+            state.step = step
+        for i in range(replays):
+            step.replay()
+            if (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
+                break
+
+    def _build_step(self, state: DecodeState, seen: dict[str, Any], wanted: tuple[Any, ...]) -> Step:
+        """A decode step over new buffers: embeds the last token, runs the language model and head, advances."""
         language = self.adapter.language_model(self.model)
         embed = self.model.get_input_embeddings()
         head = self.adapter.lm_head(self.model)
-        device = tokens.device
-        token = tokens[:, 1].clone()
-        index = torch.tensor([2], device=device)
         positions = seen.get("position_ids")
         if isinstance(positions, torch.Tensor):
-            positions = positions.clone() + 1
+            positions = positions + 1
         else:  # the language model counts positions from the cache; in a graph they must live on the device
-            positions = torch.full((1, 1), self.first_position + 1, dtype=torch.long, device=device)
-        fixed = {k: v for k, v in seen.items()
-                 if k not in ("inputs_embeds", "attention_mask", "position_ids", "cache_position", "_logits")}
+            positions = torch.full((1, 1), self.first_position + 1, dtype=torch.long, device=self.ids.device)
+        fixed = {k: v for k, v in seen.items() if k not in _STEP_ARGUMENTS}
+        token, index = state.tokens[:, 1].clone(), torch.tensor([2], device=self.ids.device)
+        tokens, finished, eos, pad = state.tokens, state.finished, state.eos, state.pad
 
-        def step() -> None:
+        def run() -> None:  # refers to no Step / state / model: nothing here forms a reference cycle
             hidden = language(inputs_embeds=embed(token[:, None]), attention_mask=None, position_ids=positions, **fixed)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden.last_hidden_state
-            new = self._pick(head(hidden[:, -1]), finished)
+            new = pick(head(hidden[:, -1]), finished, eos, pad)
             tokens.index_copy_(1, index, new[:, None])
             token.copy_(new)
             index.add_(1)
             positions.add_(1)
 
-        if self.graphs:  # warm up on a side stream, as graph capture wants
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream(device).wait_stream(side)
+        return Step(wanted, Watch([]), token, index, positions, fixed, run)
+
+    def _refill(self, step: Step, state: DecodeState, seen: dict[str, Any]) -> None:
+        """This call's values into the kept step's inputs, in place (the graph reads their addresses)."""
+        step.token.copy_(state.tokens[:, 1])
+        step.index.fill_(2)
+        positions = seen.get("position_ids")
+        if isinstance(positions, torch.Tensor):
+            step.positions.copy_(positions + 1)
         else:
+            step.positions.fill_(self.first_position + 1)
+        for name, value in step.fixed.items():  # same shapes: the signatures matched
+            if isinstance(value, torch.Tensor) and seen[name] is not value:
+                value.copy_(seen[name])
+
+    def _warm_up(self, step: Any) -> None:
+        """Run ``step`` once eagerly; on a side stream where a capture follows, as graph capture wants."""
+        if not self.graphs:
             step()
-        remaining = self.new_tokens - 3
-        if remaining <= 0:
             return
-        replay = self._capture(step, device)
-        for i in range(remaining):
-            replay()
-            if (i + 1) % CHECK_EVERY == 0 and bool(finished.all()):
-                break
+        device = self.ids.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
 
     def _capture(self, step: Any, device: torch.device) -> Any:
-        """``step`` as a CUDA graph replay, or ``step`` itself when it cannot be captured (logged)."""
+        """``step`` as a CUDA graph replay, or ``step`` itself when graphs are off."""
         if not self.graphs:
             return step
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 step()
-        except Exception as error:  # a host sync or an uncapturable op in the model: run the steps eagerly
+        except Exception as error:  # a host sync or an uncapturable op in the model
             raise _Unsupported(f"the decode step could not be captured ({type(error).__name__}: {error})") from error
         return graph.replay
 
-    def _finish(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Prompt + new tokens, cut where every row has finished (as transformers stops)."""
-        if self.eos.numel():
-            ended = torch.isin(tokens, self.eos)
+    def _finish(self, tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+        """Prompt + new tokens (a new tensor), cut where every row has finished (as transformers stops)."""
+        if eos.numel():
+            ended = torch.isin(tokens, eos)
             done_at = torch.where(ended.any(1), ended.int().argmax(1), tokens.shape[1] - 1)
             tokens = tokens[:, : int(done_at.max().item()) + 1]
         return torch.cat([self.ids, tokens], dim=1)
