@@ -199,16 +199,3 @@ def test_kernels_under_the_interpreter():
     result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "9 passed" in result.stdout, result.stdout[-2000:]
-
-
-def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
-    """PDL options go only to CUDA tensors on sm_90+ (the kernels then wait for their predecessor first)."""
-    from mmsdk.kernels import PDL_ENV, pdl_options
-
-    assert pdl_options(torch.zeros(1)) == {}  # CPU (and the interpreter): plain launches
-    if CUDA:
-        on_gpu = torch.zeros(1, device="cuda")
-        hopper = torch.cuda.get_device_capability() >= (9, 0)
-        assert pdl_options(on_gpu) == ({"PDL": True, "launch_pdl": True} if hopper else {})
-        monkeypatch.setenv(PDL_ENV, "0")
-        assert pdl_options(on_gpu) == {}

@@ -26,12 +26,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "PDL_ENV", "graph_time_ms", "note_fallback", "pdl_options", "triton_available",
-           "triton_ready"]
+__all__ = ["INTERPRET_ENV", "graph_time_ms", "note_fallback", "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
-PDL_ENV = "MMSDK_PDL"  # "0" turns programmatic dependent launch off (to measure what it buys)
 
 
 @cache
@@ -57,23 +55,6 @@ def triton_ready(*tensors: torch.Tensor) -> bool:
         return all(t.device.type == "cpu" for t in tensors)
     device = tensors[0].device
     return device.type == "cuda" and all(t.device == device for t in tensors)
-
-
-def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
-    """Launch options that turn on programmatic dependent launch for a decode-step kernel, where it exists.
-
-    ``{"PDL": True, "launch_pdl": True}`` (the kernel's ``PDL`` flag makes it wait for its predecessor
-    first: see mmsdk/kernels/_pdl_triton.py) on CUDA devices of compute capability 9.0 or newer;
-    ``{}`` elsewhere, under Triton's interpreter, or with ``MMSDK_PDL=0``.
-    """
-    if tensor.device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "1") == "0":
-        return {}
-    return {"PDL": True, "launch_pdl": True} if _compute_capability(tensor.device.index or 0) >= (9, 0) else {}
-
-
-@cache
-def _compute_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 @cache

@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._kv_triton import decode_program, softmax_total, token_tile
-from mmsdk.kernels._pdl_triton import pdl_start
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -78,15 +77,13 @@ def store_nibble_out(po_ptr, slot, rw, acc, l_i, l_safe, J: tl.constexpr, W: tl.
 @triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
-                                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
-                                      PDL: tl.constexpr = False):
+                                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
     costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
     """
-    pdl_start(PDL)
     bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rw = tl.arange(0, W)
     q_row = q_ptr + b * sq_b + hk * sq_h

@@ -9,8 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._pdl_triton import pdl_start
-
 LOG2E = 1.4426950408889634
 
 
@@ -37,9 +35,8 @@ def encode(x, s, FMT: tl.constexpr):
 
 @triton.jit
 def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, H, TMAX, D, HDP,
-           sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, FMT: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr = False):
+           sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, FMT: tl.constexpr, BLOCK_HD: tl.constexpr):
     """Quantize token ``program_id(1)`` of one (batch, head) row of K and V and store it at ``length + l``."""
-    pdl_start(PDL)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -134,9 +131,8 @@ def softmax_total(m_i, l_i):
 def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                    sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp."""
-    pdl_start(PDL)
     bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
@@ -198,9 +194,8 @@ def combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h,
-                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
     """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D]."""
-    pdl_start(PDL)
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, BLOCK_HD)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]
@@ -230,12 +225,11 @@ def int4_words(c_ptr, rows, t_ok, rw, rs, W):
 def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                         sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
                         HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_T: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_T: tl.constexpr, W: tl.constexpr):
     """Like :func:`decode_partial` for int4 codes read as int32 words (head_dim = 8 * W, a power of two).
 
     Partials are stored in natural channel order (``[slot, 8 * W]``) for :func:`decode_combine_natural`.
     """
-    pdl_start(PDL)
     D: tl.constexpr = 8 * W
     bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rg = tl.arange(0, BLOCK_G)
@@ -281,9 +275,8 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
 
 @triton.jit
 def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h,
-                           BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_S: tl.constexpr, D: tl.constexpr):
     """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine)."""
-    pdl_start(PDL)
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, D)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]

@@ -11,14 +11,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._pdl_triton import pdl_start
-
 
 @triton.jit
 def add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, H, sx, sr, so, ss, eps,
-                 HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                 HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
     """One row: ``total = x + residual`` (stored), ``out = weight * rms_norm(total)``."""
-    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -67,9 +64,8 @@ def _rotate_heads(x_ptr, o_ptr, w_ptr, c1, c2, s1, s2, base_x, base_o, sxh, soh,
 @triton.jit
 def rope_qk(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, L, HQ, HK, HALF, D,
             sqb, sqh, sql, skb, skh, skl, sob_q, soh_q, sol_q, sob_k, soh_k, sol_k, scb, scl, eps_q, eps_k,
-            NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D2: tl.constexpr, PDL: tl.constexpr = False):
+            NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D2: tl.constexpr):
     """One token (batch b, position l): every q and k head rotated by that token's cos/sin row."""
-    pdl_start(PDL)
     pid = tl.program_id(0)
     b = (pid // L).to(tl.int64)
     l_ = (pid % L).to(tl.int64)
@@ -88,9 +84,8 @@ def rope_qk(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, L, H
 
 @triton.jit
 def mrope_cos_sin(pos_ptr, inv_ptr, stream_ptr, cos_ptr, sin_ptr, BL, HALF, sps, scaling,
-                  BLOCK_D2: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_D2: tl.constexpr):
     """One token: slot j reads position stream ``streams[j]`` and writes cos/sin at j and j + HALF."""
-    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     rd = tl.arange(0, BLOCK_D2)
     dm = rd < HALF

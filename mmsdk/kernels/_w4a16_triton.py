@@ -5,8 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._pdl_triton import pdl_start
-
 
 @triton.jit
 def dequant_tile(w, s_ptr, z_ptr, rn, n_ok, k0, kp, stride_zn,
@@ -33,8 +31,7 @@ def dequant_tile(w, s_ptr, z_ptr, rn, n_ok, k0, kp, stride_zn,
 @triton.jit
 def fused(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KP, stride_xm, stride_om, stride_zn,
           GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_start(PDL)
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,8 +76,7 @@ def dequant(w_ptr, s_ptr, z_ptr, out_ptr, N, K_out, KP, stride_zn,
 @triton.jit
 def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm, stride_zn,
          GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DOT: tl.constexpr,
-         PDL: tl.constexpr = False):
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DOT: tl.constexpr):
     """``x @ W.T`` over one K split (few rows, decode): fp32 partial at ``out[split]``, or with ``DIRECT``
     (one split) the finished ``[M, N]`` output with bias, in out's dtype.
 
@@ -90,7 +86,6 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
     ``DOT`` the dequantized tile goes to the tensor cores; otherwise each row is a multiply-reduce
     in registers, with the zero point folded out: ``s * (sum q x - z sum x)``.
     """
-    pdl_start(PDL)
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_blocks = KW // WPG
@@ -168,10 +163,8 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
 
 
 @triton.jit
-def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-              PDL: tl.constexpr = False):
+def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``)."""
-    pdl_start(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -183,13 +176,12 @@ def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.c
 
 
 @triton.jit
-def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """``out = silu(gate) * up`` from fp32 partials ``p [SPLITS, M, 2N]`` (gate at columns < N, up after).
 
     SiLU and the product run in fp32 and are rounded once (transformers rounds the SiLU output and
     the product to the model dtype separately: the difference is one bf16 rounding).
     """
-    pdl_start(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < MN
     at = (r // N) * (2 * N) + r % N
@@ -248,7 +240,7 @@ def activations_by_nibble(x_row, cw, c_ok, K_in):
 def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
               stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -278,7 +270,6 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     With ``PREFETCH`` (kind "quadp") each step issues the next step's weight loads before its own
     arithmetic (registers for two word tiles), so a program keeps loads in flight while it computes.
     """
-    pdl_start(PDL)
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     out_cols = N

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import note_fallback, pdl_options, triton_ready
+from mmsdk.kernels import note_fallback, triton_ready
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention",
            "reference_decode_attention"]
@@ -51,7 +51,7 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, v
     _kv_triton.append[(b * h, n)](
         key, value, key_codes, value_codes, key_scale, value_scale, length, h, key_codes.shape[2], d, half,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        FMT=FORMATS[fmt], BLOCK_HD=_pow2(half), num_warps=1, **pdl_options(key_codes),
+        FMT=FORMATS[fmt], BLOCK_HD=_pow2(half), num_warps=1,
     )
 
 
@@ -166,11 +166,11 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
         split_t, float(scaling) * _kv_triton.LOG2E,
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
-        BLOCK_HD=block_hd, num_warps=warps, num_stages=stages, **pdl_options(query),
+        BLOCK_HD=block_hd, num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2),
-        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, num_warps=4 if block_hd >= 64 else 1, **pdl_options(query),
+        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, num_warps=4 if block_hd >= 64 else 1,
     )
     return out
 
@@ -186,7 +186,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     block_t, warps, target, *stages = config or _word_config(group, variant)
-    launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {}), **pdl_options(query)}
+    launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
@@ -207,7 +207,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
-        BLOCK_S=_pow2(n_splits), D=d, num_warps=4 if d >= 64 else 1, **pdl_options(query),
+        BLOCK_S=_pow2(n_splits), D=d, num_warps=4 if d >= 64 else 1,
     )
     return out
 

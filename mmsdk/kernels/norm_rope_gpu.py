@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import norm_rope as ref
-from mmsdk.kernels import note_fallback, pdl_options, triton_ready
+from mmsdk.kernels import note_fallback, triton_ready
 
 __all__ = ["add_rms_norm", "mrope_cos_sin", "rms_norm", "rms_norm_rope_qk", "rope_qk"]
 
@@ -62,7 +62,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     warps = 4 if hidden <= 2048 else 8
     _kernels().add_rms_norm[(x2.shape[0],)](
         x2, r2, weight, out, total, hidden, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0), float(eps),
-        HAS_RES=residual is not None, BLOCK_H=_pow2(hidden), num_warps=warps, **pdl_options(x),
+        HAS_RES=residual is not None, BLOCK_H=_pow2(hidden), num_warps=warps,
     )
     return out.view(x.shape), total.view(x.shape)
 
@@ -114,7 +114,7 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         sqb, sqh, sql, skb, skh, skl, oqb, oqh, oql, okb, okh, okl, cos.stride(0), cos.stride(1),
         float(eps[0]), float(eps[1]),
         NORM=weights is not None, BLOCK_HEADS=max(1, min(_pow2(max(hq, hk)), 2048 // block_d2)), BLOCK_D2=block_d2,
-        num_warps=4, **pdl_options(q),
+        num_warps=4,
     )
     return q_out, k_out
 
@@ -175,6 +175,6 @@ def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: l
     sin = torch.empty_like(cos)
     _kernels().mrope_cos_sin[(batch * length,)](
         pos, inv_freq.float().contiguous(), stream, cos, sin, batch * length, half, pos.stride(0), float(scaling),
-        BLOCK_D2=_pow2(half), num_warps=1, **pdl_options(pos),
+        BLOCK_D2=_pow2(half), num_warps=1,
     )
     return cos, sin

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, pdl_options, triton_ready
+from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, triton_ready
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "gated_silu_reason", "int4_linear", "unsupported_reason",
            "w4a16_gated_silu", "w4a16_gemv", "w4a16_matmul"]
@@ -291,10 +291,10 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         w2, s2, z2 = second if paired else (qweight, scales, zero_points)
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, BLOCK_C=block_g,
-            PAIRED=paired, PREFETCH=kind == "quadp", **flags, **pdl_options(x))
+            PAIRED=paired, PREFETCH=kind == "quadp", **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
-                                                                    DOT=dot, **flags, **pdl_options(x))
+                                                                    DOT=dot, **flags)
     if not direct:
         _finish_splits(target, out, bias, n_splits, paired)
 
@@ -308,12 +308,10 @@ def _finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor
     block = 1024
     grid = (triton.cdiv(m * n, block),)
     if paired:
-        _kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4,
-                                     **pdl_options(out))
+        _kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4)
     else:
         _kernels().split_sum[grid](partials, bias if bias is not None else partials, out, m * n, n,
-                                   SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                   **pdl_options(out))
+                                   SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -330,7 +328,7 @@ def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         out, m, n, k_in, k_blocks * group, x.stride(0), out.stride(0),
         zero_points.stride(0) if zero_points is not None else 0,
         GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_options(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
 
 
