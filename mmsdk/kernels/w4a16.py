@@ -51,15 +51,15 @@ _TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # the shape runs. The K split count is derived from the shape: about the config's target number of programs
 # (default _TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
 # interpreter); the order follows H200 sweeps (benchmarks/gpu_kernel_sweeps.py tiles: few rows and long K
-# steps, 128 weight bytes per thread and step, read fastest).
+# steps, 128-256 weight bytes per thread and step, read fastest).
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
 _GEMV_KINDS = ("quad", "quadp", "fma", "dot")
 _QUAD_KINDS = ("quad", "quadp")
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
-    1: ((16, 64, 4, 1, "quad", 528), (16, 32, 2, 1, "quad", 528), (32, 32, 4, 1, "quad", 528),
-        (32, 16, 4, 1, "quad", 264), (32, 16, 4, 1, "quad", 1056), (16, 32, 4, 1, "quadp", 528),
-        (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
+    1: ((8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
+        (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
+        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
     4: ((64, 256, 4, 3), (32, 256, 4, 4), (16, 512, 4, 3), (16, 2, 4, 4, "fma"), (32, 1, 4, 16, "dot")),
     16: ((64, 256, 4, 3), (32, 256, 4, 4), (32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")),
 }
