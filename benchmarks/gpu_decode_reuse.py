@@ -1,0 +1,118 @@
+"""What a generate() call costs once fast generate keeps its cache and CUDA graph, and what one decode step costs.
+
+LLaVA-1.5-7B shapes (random bf16 weights built on the GPU), batch 1, 1k-token text prompt, mmsdk's full
+decode stack (qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv), for each stack and for programmatic
+dependent launch on and off (``MMSDK_PDL=0``, read when the step is captured):
+
+* ``cold_128_ms``: a 128-token call after ``release(model)`` (new cache, warm-up step, graph capture);
+* ``warm_1_ms`` / ``warm_128_ms``: the same calls reusing the kept state (medians of ``--reps``);
+* ``step_ms``: the kept decode-step graph replayed 64 more times right after a warm call, timed with CUDA
+  events (no Python, no prefill): the steady decode step itself, against its bandwidth floor.
+
+    python benchmarks/gpu_decode_reuse.py --out reuse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import benchmarks.gpu_suite as suite
+
+REPLAYS = 64
+
+
+def call_ms(model: Any, inputs: dict[str, Any], new: int, reps: int, cold: bool = False) -> float:
+    """Median wall milliseconds of ``reps`` generate() calls (each after ``release`` when ``cold``)."""
+    from mmsdk.kernels.fast_generate import release
+
+    times = []
+    for _ in range(reps):
+        if cold:
+            release(model)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def replay_step_ms(model: Any) -> float:
+    """Milliseconds per replay of the kept decode-step graph (the cache has room: see ``measure``)."""
+    from mmsdk.kernels.decode_state import kept
+
+    state = kept(model)
+    if state is None or state.step is None:
+        raise RuntimeError("no kept decode step: fast generate did not run (see the mmsdk.kernels log)")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        state.step.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / REPLAYS
+
+
+def measure(model: Any, inputs: dict[str, Any], reps: int, pdl: bool) -> dict[str, Any]:
+    """One stack's row with PDL on or off (the step is captured again under the setting)."""
+    from mmsdk.kernels import PDL_ENV
+    from mmsdk.kernels.fast_generate import release
+
+    os.environ[PDL_ENV] = "1" if pdl else "0"
+    try:
+        release(model)
+        call_ms(model, inputs, 128, 1)  # tune, compile and capture under this setting
+        row = {"pdl": pdl, "cold_128_ms": call_ms(model, inputs, 128, reps, cold=True)}
+        row["warm_1_ms"] = call_ms(model, inputs, 1, reps)
+        row["warm_128_ms"] = call_ms(model, inputs, 128, reps)
+        row["warm_step_ms_per_call"] = (row["warm_128_ms"] - row["warm_1_ms"]) / 127
+        # the 128-token call left 1024 + 128 + 1 = 1153 of the kept 1280 slots used: 64 more steps fit
+        call_ms(model, inputs, 128, 1)
+        row["step_ms"] = statistics.median(replay_step_ms(model) if i == 0 else _again(model, inputs)
+                                           for i in range(3))
+    finally:
+        os.environ.pop(PDL_ENV, None)
+    return row
+
+
+def _again(model: Any, inputs: dict[str, Any]) -> float:
+    call_ms(model, inputs, 128, 1)  # refills the kept state (positions back to the prompt's end)
+    return replay_step_ms(model)
+
+
+def main() -> None:
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="reuse.json")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    results: dict[str, Any] = {"command": f"python benchmarks/gpu_decode_reuse.py --reps {args.reps}",
+                               "env": suite.section_env(), "rows": []}
+    inputs = suite.llava_inputs(1, 1024, images=False)
+    stacks = (("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv",
+               ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+              ("same with int4-weight g128", ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")))
+    for name, passes in stacks:
+        model = suite.optimized(suite.build_llava(), passes, kv=True)
+        floor_ms = suite.lm_bytes(model, suite.KV_INT4, 1024 + 128) / suite.COPY_BW * 1e3
+        for pdl in (True, False):
+            row = {"stack": name, "floor_ms": floor_ms, **measure(model, inputs, args.reps, pdl)}
+            row["step_over_floor"] = row["step_ms"] / floor_ms
+            results["rows"].append(row)
+            print(row, flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+        del model
+        suite.release_memory()
+
+
+if __name__ == "__main__":
+    main()
