@@ -1,8 +1,9 @@
 """What a generate() call costs once fast generate keeps its cache and CUDA graph, and what one decode step costs.
 
 LLaVA-1.5-7B shapes (random bf16 weights built on the GPU), batch 1, 1k-token text prompt, mmsdk's full
-decode stack (qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv), for each stack and for programmatic
-dependent launch on and off (``MMSDK_PDL=0``, read when the step is captured):
+decode stack (qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv), group sizes 32 and 128. (A first run,
+benchmarks/results/h200_decode_reuse_pdl.json, also compared programmatic dependent launch on and off, with a
+build that had it: no difference beyond 1.5%, so it was removed.)
 
 * ``cold_128_ms``: a 128-token call after ``release(model)`` (new cache, warm-up step, graph capture);
 * ``warm_1_ms`` / ``warm_128_ms``: the same calls reusing the kept state (medians of ``--reps``);
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from typing import Any
@@ -60,25 +60,16 @@ def replay_step_ms(model: Any) -> float:
     return start.elapsed_time(end) / REPLAYS
 
 
-def measure(model: Any, inputs: dict[str, Any], reps: int, pdl: bool) -> dict[str, Any]:
-    """One stack's row with PDL on or off (the step is captured again under the setting)."""
-    from mmsdk.kernels import PDL_ENV
-    from mmsdk.kernels.fast_generate import release
-
-    os.environ[PDL_ENV] = "1" if pdl else "0"
-    try:
-        release(model)
-        call_ms(model, inputs, 128, 1)  # tune, compile and capture under this setting
-        row = {"pdl": pdl, "cold_128_ms": call_ms(model, inputs, 128, reps, cold=True)}
-        row["warm_1_ms"] = call_ms(model, inputs, 1, reps)
-        row["warm_128_ms"] = call_ms(model, inputs, 128, reps)
-        row["warm_step_ms_per_call"] = (row["warm_128_ms"] - row["warm_1_ms"]) / 127
-        # the 128-token call left 1024 + 128 + 1 = 1153 of the kept 1280 slots used: 64 more steps fit
-        call_ms(model, inputs, 128, 1)
-        row["step_ms"] = statistics.median(replay_step_ms(model) if i == 0 else _again(model, inputs)
-                                           for i in range(3))
-    finally:
-        os.environ.pop(PDL_ENV, None)
+def measure(model: Any, inputs: dict[str, Any], reps: int) -> dict[str, Any]:
+    """One stack's row: cold and warm calls, and the kept step's replay time."""
+    call_ms(model, inputs, 128, 1)  # tune, compile and capture
+    row = {"cold_128_ms": call_ms(model, inputs, 128, reps, cold=True)}
+    row["warm_1_ms"] = call_ms(model, inputs, 1, reps)
+    row["warm_128_ms"] = call_ms(model, inputs, 128, reps)
+    row["warm_step_ms_per_call"] = (row["warm_128_ms"] - row["warm_1_ms"]) / 127
+    # the 128-token call left 1024 + 128 + 1 = 1153 of the kept 1280 slots used: 64 more steps fit
+    call_ms(model, inputs, 128, 1)
+    row["step_ms"] = statistics.median(replay_step_ms(model) if i == 0 else _again(model, inputs) for i in range(3))
     return row
 
 
@@ -103,13 +94,12 @@ def main() -> None:
     for name, passes in stacks:
         model = suite.optimized(suite.build_llava(), passes, kv=True)
         floor_ms = suite.lm_bytes(model, suite.KV_INT4, 1024 + 128) / suite.COPY_BW * 1e3
-        for pdl in (True, False):
-            row = {"stack": name, "floor_ms": floor_ms, **measure(model, inputs, args.reps, pdl)}
-            row["step_over_floor"] = row["step_ms"] / floor_ms
-            results["rows"].append(row)
-            print(row, flush=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+        row = {"stack": name, "floor_ms": floor_ms, **measure(model, inputs, args.reps)}
+        row["step_over_floor"] = row["step_ms"] / floor_ms
+        results["rows"].append(row)
+        print(row, flush=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
         del model
         suite.release_memory()
 
