@@ -17,14 +17,11 @@ to the fp32 product of the dequantized weights (or the fp64 attention reference)
 from __future__ import annotations
 
 import argparse
-import json
-import time
-import traceback
 from typing import Any
 
 import torch
 
-from benchmarks.gpu_tune import gtime, rel
+from benchmarks.gpu_tune import gtime, rel, run_sections
 
 SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008), "o_proj": (4096, 4096),
           "qwen gate+up": (37888, 3584)}
@@ -143,17 +140,7 @@ def main() -> None:
     parser.add_argument("--sections", default="tiles,gqa")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    for name in args.sections.split(","):
-        t0 = time.perf_counter()
-        try:
-            results[name] = {"tiles": tiles, "gqa": gqa}[name]()
-        except Exception as error:
-            traceback.print_exc()
-            results[name] = {"error": repr(error)[:1000]}
-        results.setdefault("seconds", {})[name] = time.perf_counter() - t0
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"== {name} {time.perf_counter() - t0:.1f}s", flush=True)
+    run_sections(results, args.sections.split(","), lambda name, _: {"tiles": tiles, "gqa": gqa}[name](), args.out)
 
 
 if __name__ == "__main__":

@@ -341,6 +341,21 @@ def decode_profile() -> dict[str, Any]:
     return out
 
 
+def run_sections(results: dict[str, Any], names: list[str], run: Callable[[str, float], Any], out: str) -> None:
+    """``results[name] = run(name, start time)`` per section; an error is recorded, JSON written after each."""
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            results[name] = run(name, t0)
+        except Exception as error:
+            traceback.print_exc()
+            results[name] = {"error": repr(error)[:1000]}
+        results.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"== {name} {time.perf_counter() - t0:.1f}s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="tune.json")
@@ -349,21 +364,14 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)  # the kernels log when a fallback runs instead
     start = time.perf_counter()
-    for name in args.sections.split(","):
-        t0 = time.perf_counter()
-        try:
-            if name.startswith("sweep"):
-                share = args.budget * (0.65 if name == "sweep_w4a16" else 1.0)
-                RESULTS[name] = globals()[name](min(start + args.budget, t0 + share))
-            else:
-                RESULTS[name] = globals()[name]()
-        except Exception as error:
-            traceback.print_exc()
-            RESULTS[name] = {"error": repr(error)[:1000]}
-        RESULTS.setdefault("seconds", {})[name] = time.perf_counter() - t0
-        with open(args.out, "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-        print(f"== {name} {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def run(name: str, t0: float) -> Any:
+        if name.startswith("sweep"):
+            share = args.budget * (0.65 if name == "sweep_w4a16" else 1.0)
+            return globals()[name](min(start + args.budget, t0 + share))
+        return globals()[name]()
+
+    run_sections(RESULTS, args.sections.split(","), run, args.out)
     for row in RESULTS.get("sweep_w4a16", []) if isinstance(RESULTS.get("sweep_w4a16"), list) else []:
         print(f"W4 M={row['M']:2d} {row['shape']:8s} bf16 {row['bf16_us']:6.1f} us  best {row['best_us']:6.1f} us "
               f"{row['speedup']:.2f}x  {row['cfg']} splits={row['splits']}")
