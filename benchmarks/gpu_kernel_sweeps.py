@@ -27,13 +27,16 @@ SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008),
           "qwen gate+up": (37888, 3584)}
 # (BLOCK_N, BLOCK_C quads, warps, 1, kind, target programs): wider steps (more weight bytes in flight per thread)
 # and the prefetching kind
-# (the first run's list, benchmarks/results/h200_kernel_sweeps_tiles.json, also had (32, 32|64, 4), (64, 32, 4),
-# (32, 32, 2) and more "quadp" tiles: all slower than the best below)
-TILES = [(32, 16, 4, 1, "quad", 264), (16, 64, 4, 1, "quad", 528), (16, 64, 4, 1, "quad", 264),
-         (16, 64, 4, 1, "quad", 1056), (16, 32, 2, 1, "quad", 528), (16, 32, 2, 1, "quad", 1056),
-         (16, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
-         (8, 128, 4, 1, "quad", 528), (8, 64, 4, 1, "quad", 528), (8, 32, 2, 1, "quad", 1056),
-         (16, 32, 4, 1, "quadp", 528), (16, 64, 4, 1, "quadp", 528), (8, 64, 2, 1, "quadp", 528)]
+# The second run's list (benchmarks/results/h200_kernel_sweeps_tiles_pdl.json) led with 8 x 128 x 4 warps, 16 x 64 x 2
+# and 8 x 64 x 2; the first run's (h200_kernel_sweeps_tiles.json) with 16 x 64 x 4 and 16 x 32 x 2. Offline sm_90
+# builds (Triton 3.6) show why narrow tiles win: 32 x 16 x 4 converts the activations through shared memory with 23
+# barriers per program, 8 x 128 x 4 with 5, and one-warp tiles with at most 1 (4 x 64, 8 x 32: 80-118 registers),
+# so this list adds one-warp tiles next to the best so far.
+TILES = [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
+         (4, 64, 1, 1, "quad", 528), (4, 64, 1, 1, "quad", 1056), (4, 128, 1, 1, "quad", 528),
+         (8, 32, 1, 1, "quad", 528), (8, 32, 1, 1, "quad", 1056), (8, 64, 1, 1, "quad", 528),
+         (2, 128, 1, 1, "quad", 528), (4, 32, 1, 1, "quad", 1056), (4, 128, 2, 1, "quad", 528),
+         (8, 128, 2, 1, "quad", 528), (4, 64, 1, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)]
 
 
 def tiles() -> list[dict[str, Any]]:
