@@ -138,8 +138,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs; the generic kernel also takes num_stages as a fourth entry) pick a kernel and override
-    its defaults (tuning).
+    target programs[, num_stages]) pick a kernel and override its defaults (tuning).
     """
     from mmsdk.kernels import _kv_triton
 

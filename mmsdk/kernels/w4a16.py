@@ -247,7 +247,7 @@ def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
 
 @cache
 def _quad_candidates(group: int) -> tuple[tuple[Any, ...], ...]:
-    """The one-row candidates of the "quad" kind (the only kind the paired GEMV runs)."""
+    """The one-row candidates of the "quad" kinds (the only kinds the paired GEMV runs)."""
     return tuple(c for c in _gemv_candidates(1, group) if len(c) > 4 and c[4] in _QUAD_KINDS)
 
 
