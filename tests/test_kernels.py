@@ -16,6 +16,7 @@ import torch
 from mmsdk.kernels import norm_rope as ref
 from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 from mmsdk.plugins.quantizers.quantized_cache import Packed, StaticCodec
+from mmsdk.plugins.quantizers.static_kv import CODE_DTYPES
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available()
@@ -123,17 +124,18 @@ def test_w4a16_gated_silu_matches_two_matmuls(target, symmetric):
     assert w4a16_gated_silu(x, parts["gate"], parts["other"], 64, 32) is None
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_packed_kv_append_and_decode_attention(target, fmt):
     from mmsdk.kernels.kv_decode import append_kv, decode_attention, reference_decode_attention
 
     device, dtype, tol = target
+    if fmt == "fp8" and device == "cpu":
+        pytest.skip("Triton's interpreter has no float8 loads")
     for batch, hq, hkv, dim, t_max, length in ((2, 4, 1, 16, 100, 37), (1, 6, 2, 32, 160, 130), (2, 2, 2, 32, 90, 77)):
         scales = [(torch.rand(hkv, dim, device=device) * 0.3 + 0.05) for _ in range(2)]
         codecs = [StaticCodec(fmt, s) for s in scales]
         width = (dim + 1) // 2 if fmt == "int4" else dim
-        codes = [torch.zeros(batch, hkv, t_max, width, device=device,
-                             dtype=torch.uint8 if fmt == "int4" else torch.int8) for _ in range(2)]
+        codes = [torch.zeros(batch, hkv, t_max, width, device=device, dtype=CODE_DTYPES[fmt]) for _ in range(2)]
         keys, values = (torch.randn(batch, hkv, length, dim, device=device).to(dtype) for _ in range(2))
         count = torch.zeros(1, dtype=torch.int64, device=device)
         for lo, hi in ((0, length - 1), (length - 1, length)):  # a prefill, then one decode token
@@ -148,6 +150,24 @@ def test_packed_kv_append_and_decode_attention(target, fmt):
         for m in (None, mask):
             out = decode_attention(query, *codes, *scales, count, fmt, dim**-0.5, m)
             assert _rel(out, reference_decode_attention(query, k_deq, v_deq, dim**-0.5, m)) < tol
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_code_dequantization_is_bitwise_the_torch_decode(target, fmt):
+    """The one-launch dequantization of a packed code buffer equals StaticCodec.decode bit for bit."""
+    from mmsdk.kernels.kv_decode import dequantize_codes
+
+    device, dtype, _ = target
+    if fmt == "fp8" and device == "cpu":
+        pytest.skip("Triton's interpreter has no float8 loads")
+    # (batch, heads, head_dim, t_max, length): an odd head_dim (the last byte's high nibble is padding), a length
+    # that is no multiple of the 16-token tile, an empty prefix
+    for batch, heads, dim, t_max, length in ((2, 3, 15, 40, 37), (1, 2, 32, 64, 64), (1, 1, 16, 8, 0)):
+        scale = torch.rand(heads, dim, device=device) * 0.3 + 0.05
+        codec = StaticCodec(fmt, scale)
+        codes = codec.encode(torch.randn(batch, heads, t_max, dim, device=device) * 0.5).data.contiguous()
+        got = dequantize_codes(codes, scale, fmt, length, dim, dtype)
+        assert torch.equal(got, codec.decode(Packed(codes[:, :, :length]), dtype, dim))
 
 
 def test_fused_norm_and_rope_kernels(target):
@@ -198,4 +218,4 @@ def test_kernels_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "9 passed" in result.stdout, result.stdout[-2000:]
+    assert " passed" in result.stdout and "11 passed" in result.stdout, result.stdout[-2000:]

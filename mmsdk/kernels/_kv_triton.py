@@ -100,9 +100,33 @@ def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
         return (byte & 15).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0
     else:
         base = c_ptr + rows[:, None] * D
-        ce = tl.load(base + 2 * rd[None, :], mask=t_ok[:, None] & (2 * rd < D)[None, :], other=0)
-        co = tl.load(base + 2 * rd[None, :] + 1, mask=t_ok[:, None] & (2 * rd + 1 < D)[None, :], other=0)
+        # a float fill: Triton cannot cast an integer constant to float8 (it can cast 0.0 to int8)
+        ce = tl.load(base + 2 * rd[None, :], mask=t_ok[:, None] & (2 * rd < D)[None, :], other=0.0)
+        co = tl.load(base + 2 * rd[None, :] + 1, mask=t_ok[:, None] & (2 * rd + 1 < D)[None, :], other=0.0)
         return ce.to(tl.float32), co.to(tl.float32)
+
+
+@triton.jit
+def dequantize(c_ptr, s_ptr, out_ptr, H, TMAX, T, D, HDP, so_b, so_h, so_t,
+               FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """``BLOCK_T`` tokens of one (batch, head) row: ``code * scale`` in fp32, rounded once to out's dtype.
+
+    The same arithmetic as the torch decode (``(q - 8) * s`` or ``q * s`` in fp32, then one rounding), so
+    the result is bitwise equal, without its fp32 temporaries the size of the whole prefix.
+    """
+    bh = tl.program_id(0)
+    h = bh % H
+    rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = rt < T
+    rd = tl.arange(0, BLOCK_HD)
+    qe, qo = load_codes(c_ptr, bh.to(tl.int64) * TMAX + rt, t_ok, rd, D, HDP, FMT)
+    de, do = (2 * rd) < D, (2 * rd + 1) < D
+    se = tl.load(s_ptr + h * D + 2 * rd, mask=de, other=0.0)
+    so = tl.load(s_ptr + h * D + 2 * rd + 1, mask=do, other=0.0)
+    dst = out_ptr + (bh // H).to(tl.int64) * so_b + h.to(tl.int64) * so_h + rt[:, None].to(tl.int64) * so_t
+    kind = out_ptr.dtype.element_ty
+    tl.store(dst + 2 * rd[None, :], (qe * se[None, :]).to(kind), mask=t_ok[:, None] & de[None, :])
+    tl.store(dst + 2 * rd[None, :] + 1, (qo * so[None, :]).to(kind), mask=t_ok[:, None] & do[None, :])
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import torch
 
 from mmsdk.kernels import note_fallback, triton_ready
 
-__all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention",
+__all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
            "reference_decode_attention"]
 
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
@@ -53,6 +53,31 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, v
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         FMT=FORMATS[fmt], BLOCK_HD=_pow2(half), num_warps=1,
     )
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt: str, length: int, dim: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The first ``length`` tokens of a packed code buffer, dequantized: ``[B, H, length, dim]`` in ``dtype``.
+
+    What :meth:`StaticCodec.decode <mmsdk.plugins.quantizers.quantized_cache.StaticCodec.decode>` computes,
+    bitwise, in one launch: the torch decode makes fp32 temporaries (unpacked codes, the code minus 8, the
+    product) each four times the size of its bf16 result, and a chunked prefill decodes the whole prefix of
+    every layer on every chunk, so they set the prefill's memory peak. ``codes`` is the contiguous
+    ``[B, H, T_max, width]`` buffer, ``scale`` fp32 ``[H, dim]``.
+    """
+    from mmsdk.kernels import _kv_triton
+
+    b, h, t_max, width = codes.shape
+    out = torch.empty(b, h, length, dim, device=codes.device, dtype=dtype)
+    if length == 0:
+        return out
+    block_t = 16
+    half = width if fmt == "int4" else (dim + 1) // 2
+    _kv_triton.dequantize[(b * h, _ceil_div(length, block_t))](
+        codes, scale, out, h, t_max, length, dim, width if fmt == "int4" else dim, out.stride(0), out.stride(1),
+        out.stride(2), FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=_pow2(half), num_warps=4,
+    )
+    return out
 
 
 def _splits(rows: int, t_max: int, block_t: int, target: int = _TARGET_PROGRAMS) -> tuple[int, int]:

@@ -64,7 +64,7 @@ class PackedStaticLayer(QuantizedKVLayer):
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._dequantized(self.key_codes, self.key_codec)
+        return self._dequantized(self.key_codes, self.key_codec, getattr(self, "key_scale", None))
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -73,16 +73,23 @@ class PackedStaticLayer(QuantizedKVLayer):
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._dequantized(self.value_codes, self.value_codec)
+        return self._dequantized(self.value_codes, self.value_codec, getattr(self, "value_scale", None))
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
         if value is not None:
             raise AttributeError("PackedStaticLayer.values is read-only; use update().")
 
-    def _dequantized(self, codes: torch.Tensor | None, codec: StaticCodec) -> torch.Tensor | None:
+    def _dequantized(self, codes: torch.Tensor | None, codec: StaticCodec,
+                     scale: torch.Tensor | None) -> torch.Tensor | None:
         if not self.is_initialized or codes is None:
             return None
+        from mmsdk.kernels import triton_ready
+
+        if scale is not None and triton_ready(codes, scale):  # same numbers, without the decode's fp32 temporaries
+            from mmsdk.kernels.kv_decode import dequantize_codes
+
+            return dequantize_codes(codes, scale, self.fmt, self.cumulative_length, self.head_dim, self.dtype)
         return codec.decode(Packed(codes[:, :, : self.cumulative_length]), self.dtype, self.head_dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
