@@ -67,14 +67,16 @@ def measure(model: Any, inputs: dict[str, Any], reps: int) -> dict[str, Any]:
     row["warm_1_ms"] = call_ms(model, inputs, 1, reps)
     row["warm_128_ms"] = call_ms(model, inputs, 128, reps)
     row["warm_step_ms_per_call"] = (row["warm_128_ms"] - row["warm_1_ms"]) / 127
-    # the 128-token call left 1024 + 128 + 1 = 1153 of the kept 1280 slots used: 64 more steps fit
-    call_ms(model, inputs, 128, 1)
-    row["step_ms"] = statistics.median(replay_step_ms(model) if i == 0 else _again(model, inputs) for i in range(3))
+    row["step_ms"] = statistics.median(_replay_after_call(model, inputs) for _ in range(3))
     return row
 
 
-def _again(model: Any, inputs: dict[str, Any]) -> float:
-    call_ms(model, inputs, 128, 1)  # refills the kept state (positions back to the prompt's end)
+def _replay_after_call(model: Any, inputs: dict[str, Any]) -> float:
+    """A 128-token call (it refills the kept state), then the kept step replayed: ms per step.
+
+    The call leaves 1024 + 128 + 1 = 1153 of the kept 1280 slots used, so 64 more steps fit.
+    """
+    call_ms(model, inputs, 128, 1)
     return replay_step_ms(model)
 
 

@@ -93,6 +93,8 @@ def test_gqa_kernels_take_block_configs(device):
     query, codes, scales, count, _, _ = _problem(device, 8, 2, 32, 20, 10)
     with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):
         decode_attention(query, *codes, *scales, count, "int4", 0.1, config=(32, 4), variant="generic")
+    with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):
+        decode_attention(query, *codes, *scales, count, "int4", 0.1, config=(32, 4, 8, 2, 1), variant="magic")
 
 
 def test_lazy_rescaling_follows_growing_scores(device):

@@ -148,11 +148,16 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
         default = (128, 4, _TARGET_PROGRAMS // 2, 2)
     else:
         default = (64 if small_tile else 32, 4, _TARGET_PROGRAMS, 2)
+    return _completed(config, default)  # type: ignore[return-value]
+
+
+def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``config`` (BLOCK_T, num_warps, target programs[, num_stages]) checked, missing entries from ``default``."""
     if config is None:
         return default
     if not 3 <= len(config) <= 4:
         raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages])")
-    return (*config, *default[len(config):])  # type: ignore[return-value]
+    return (*config, *default[len(config):])
 
 
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
@@ -209,7 +214,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
-    block_t, warps, target, *stages = config or _word_config(group, variant)
+    block_t, warps, target, *stages = _completed(config, _word_config(group, variant))
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)

@@ -45,6 +45,8 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.key_codes: torch.Tensor | None = None
         self.value_codes: torch.Tensor | None = None
         self.length: torch.Tensor | None = None  # device int64 [1]: tokens stored
+        self.key_scale: torch.Tensor | None = None  # fp32 [heads, head_dim] on the cache's device
+        self.value_scale: torch.Tensor | None = None
         self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -64,7 +66,7 @@ class PackedStaticLayer(QuantizedKVLayer):
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._dequantized(self.key_codes, self.key_codec, getattr(self, "key_scale", None))
+        return self._dequantized(self.key_codes, self.key_codec, self.key_scale)
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -73,7 +75,7 @@ class PackedStaticLayer(QuantizedKVLayer):
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        return self._dequantized(self.value_codes, self.value_codec, getattr(self, "value_scale", None))
+        return self._dequantized(self.value_codes, self.value_codec, self.value_scale)
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
