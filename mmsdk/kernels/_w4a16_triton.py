@@ -265,9 +265,10 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     * Quads. The last tile axis is one 16-byte weight load of 4 words of one group, so a thread
       loads one scale per row and quad and sums its 4 words before scaling; the weights are loaded
       as one contiguous run per row (lanes along K) and viewed as quads; rows run over warps, so an
-      activation a thread loads serves ``BLOCK_N / num_warps`` rows. Narrow tiles (8-16 rows, 1-4 warps)
-      read fastest: the activations' split by nibble position then needs few or no shared-memory
-      round trips (80-170 registers, sm_90 builds).
+      activation a thread loads serves ``BLOCK_N / num_warps`` rows. The fastest tiles measured carry
+      128-256 weight bytes per thread and step, and at 8 rows or fewer the activations' split by
+      nibble position needs at most 5 shared-memory barriers per program (23-24 for wider tiles;
+      benchmarks/sm90_gemv_builds.py).
 
     With ``PREFETCH`` (kind "quadp") each step issues the next step's weight loads before its own
     arithmetic (registers for two word tiles), so a program keeps loads in flight while it computes.
