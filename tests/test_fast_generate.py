@@ -6,6 +6,8 @@ end-of-sequence logic; the CUDA test runs the graphs themselves.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -92,7 +94,7 @@ def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, m
                 refused.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    def watched_capture(self, step, device):
+    def watched_capture(self, step, stream):
         def run():
             with Watch():
                 step()
@@ -313,3 +315,37 @@ def test_a_failure_while_reusing_drops_the_state_and_answers_like_transformers(s
     monkeypatch.setattr(_Generator, "_refill", broken)
     assert torch.equal(model.generate(**inputs, max_new_tokens=6), expected)  # transformers' generate answered
     assert kept(model) is None
+
+
+def test_the_cache_is_sized_for_the_prompt_left_after_token_pruning(session, tiny, monkeypatch):
+    """The cache holds the pruned prompt + new tokens, not what input_ids asked for; a kept cache too small for a
+    call's pruned prompt is replaced before the prefill writes into it."""
+    monkeypatch.setattr(decode_state, "CAPACITY_STEP", 8)  # small steps: the pruned and unpruned sizes differ
+    opt, inputs = _optimized(tiny, session, "tiny:llava", (TokenPruneConfig(keep_ratio=0.25), "int4-kv"))
+    model, prompt, heard = opt.model, inputs["input_ids"].shape[1], []
+    size_cache = _Generator._size_cache
+    monkeypatch.setattr(_Generator, "_size_cache", lambda self, cache, n: heard.append(n) or size_cache(self, cache, n))
+    counts = _count_builds(monkeypatch)
+    _fast(opt, inputs, 3)
+    state, pruned = kept(model), heard[-1]
+    held = state.cache.layers[0].max_cache_len
+    assert pruned < prompt and held == capacity_for(pruned + 4) < state.capacity == capacity_for(prompt + 4)
+    new_tokens = held - pruned  # one token more than the kept cache holds for this pruned prompt
+    assert decode_state.fits(state.capacity, prompt + new_tokens + 1)  # though the unpruned bound says it fits
+    _fast(opt, inputs, new_tokens)
+    assert kept(model) is not state and counts["build"] == 2
+    assert kept(model).cache.layers[0].max_cache_len == capacity_for(pruned + new_tokens + 1)
+
+
+def test_a_released_packed_cache_frees_its_buffers_without_the_garbage_collector():
+    from mmsdk.plugins.quantizers.quantized_cache import StaticCodec
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer, packed_layer
+
+    codec = StaticCodec("int4", torch.ones(1, 1))
+    layer = PackedStaticLayer(codec, codec, 8, fused=True)
+    layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))
+    marker, _ = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    assert packed_layer(marker) is layer
+    codes = weakref.ref(layer.key_codes)
+    del layer
+    assert codes() is None and packed_layer(marker) is None  # freed by reference counting alone

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -103,6 +104,10 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
     model.generate = generate  # type: ignore[method-assign]
 
 
+class _Regrow(Exception):
+    """The kept cache is too small for the prompt the language model got (raised before the prefill writes)."""
+
+
 class _Unsupported(Exception):
     """The fast path cannot take this call; transformers' generate runs instead."""
 
@@ -141,17 +146,20 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return None
 
 
-def _chunked(forward: Any, chunk: int) -> Any:
+def _chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None) -> Any:
     """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens.
 
     Each chunk writes its K/V into the static cache and attends to everything before it; only the
     last chunk's hidden states are returned (the caller keeps the last position's logits only).
     Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
+    ``on_prompt`` hears the prompt length the language model gets, before anything runs.
     """
 
     def run(*args: Any, **kwargs: Any) -> Any:
         embeds = kwargs.get("inputs_embeds")
         mask = kwargs.get("attention_mask")
+        if on_prompt is not None and isinstance(embeds, torch.Tensor):
+            on_prompt(embeds.shape[1])
         unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _CHUNKED_TENSORS]
         if (args or unknown or not isinstance(embeds, torch.Tensor) or embeds.shape[1] <= chunk
                 or (isinstance(mask, torch.Tensor) and mask.dim() != 2)):
@@ -265,19 +273,46 @@ class _Generator:
         keep(self.model, state)
         return state
 
-    def _prefill_in_chunks(self) -> AbstractContextManager[None]:
+    def _prefill_in_chunks(self, cache: Any) -> AbstractContextManager[None]:
         """Chunk the language model's prefill inside the passes' wrappers (token pruning sees the whole prompt)."""
         from mmsdk.plugins._forward import innermost_override
 
         language = self.adapter.language_model(self.model)
-        return innermost_override(language, lambda forward: _chunked(forward, self.prefill_chunk))
+        return innermost_override(
+            language, lambda forward: _chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n)))
+
+    def _size_cache(self, cache: Any, prompt: int) -> None:
+        """Fit the static cache to the prompt the language model gets, which token pruning may have cut.
+
+        The kept state is sized from ``input_ids`` before the model runs; a new cache's layers allocate
+        at their first write, so they take the capacity this prompt needs instead (LLaVA-1.5 at batch 4
+        x 4096 tokens with token-prune 0.25: 3840 tokens instead of 4352, 0.3 GB of packed int4 KV).
+        A kept cache smaller than this prompt raises :class:`_Regrow` before anything is written.
+        """
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+        from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+        needed = prompt + self.new_tokens + 1
+        for layer in cache.layers:
+            if not isinstance(layer, (StaticLayer, PackedStaticLayer)) or isinstance(layer, StaticSlidingWindowLayer):
+                continue  # a window's capacity is the window's business
+            if not layer.is_initialized:
+                layer.max_cache_len = min(layer.max_cache_len, capacity_for(needed))
+            elif layer.max_cache_len < needed:
+                raise _Regrow(f"the kept cache holds {layer.max_cache_len} tokens, this call needs {needed}")
 
     @torch.inference_mode()
     def run(self) -> torch.Tensor:
         if self.new_tokens <= 0:
             return self.ids
+        needed = self.ids.shape[1] + self.new_tokens + 1  # at most: the passes may prune prompt tokens
         try:
-            return self._generate(self._state(self.ids.shape[1] + self.new_tokens + 1))
+            try:
+                return self._generate(self._state(needed))
+            except _Regrow:  # a kept cache sized for a more pruned prompt: a new one, sized in the prefill
+                release(self.model)
+                return self._generate(self._state(needed))
         except BaseException:
             release(self.model)  # never reuse what a failed call may have left half-written
             raise
@@ -287,7 +322,7 @@ class _Generator:
         tokens = state.tokens[:, : self.new_tokens]
         state.tokens.fill_(state.pad)  # columns after an early stop stay pad
         state.finished.zero_()
-        with self._prefill_in_chunks():
+        with self._prefill_in_chunks(state.cache):
             out = self.model(**self.kwargs, **{self.cache_name: state.cache}, use_cache=True, logits_to_keep=1)
         token = pick(out.logits[:, -1], state.finished, state.eos, state.pad)
         tokens[:, 0] = token
@@ -329,11 +364,11 @@ class _Generator:
         else:
             state.step = None  # a stale graph goes before another is captured
             step = self._build_step(state, seen, wanted)
-            self._warm_up(step.replay)
+            side = self._warm_up(step.replay)
             replays = self.new_tokens - 3  # the warm-up step wrote token 2
             if replays <= 0:
                 return
-            step.replay = self._capture(step.replay, self.ids.device)
+            step.replay = self._capture(step.replay, side)
             step.watch = Watch(_step_objects(self.model, self.adapter))  # what the graph just captured reads
             state.step = step
         for i in range(replays):
@@ -379,25 +414,30 @@ class _Generator:
             if isinstance(value, torch.Tensor) and seen[name] is not value:
                 value.copy_(seen[name])
 
-    def _warm_up(self, step: Any) -> None:
-        """Run ``step`` once eagerly; on a side stream where a capture follows, as graph capture wants."""
+    def _warm_up(self, step: Any) -> torch.cuda.Stream | None:
+        """Run ``step`` once eagerly; on a side stream where a capture follows, as graph capture wants.
+
+        Returns that stream, for the capture: cuBLAS keeps a workspace (32 MiB on an H200) for every stream
+        it ran on, so warming up and capturing on two streams would keep two.
+        """
         if not self.graphs:
             step()
-            return
+            return None
         device = self.ids.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             step()
         torch.cuda.current_stream(device).wait_stream(side)
+        return side
 
-    def _capture(self, step: Any, device: torch.device) -> Any:
-        """``step`` as a CUDA graph replay, or ``step`` itself when graphs are off."""
+    def _capture(self, step: Any, stream: torch.cuda.Stream | None) -> Any:
+        """``step`` as a CUDA graph replay (captured on ``stream``), or ``step`` itself when graphs are off."""
         if not self.graphs:
             return step
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=stream):
                 step()
         except Exception as error:  # a host sync or an uncapturable op in the model
             raise _Unsupported(f"the decode step could not be captured ({type(error).__name__}: {error})") from error

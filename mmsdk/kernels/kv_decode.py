@@ -268,7 +268,9 @@ def _make_attention(base: str) -> Any:
                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        layer = getattr(key, "_mmsdk_packed", None)
+        from mmsdk.plugins.quantizers.static_kv import packed_layer
+
+        layer = packed_layer(key)
         unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
         if layer is not None and (unsupported or query.shape[2] != 1 or not triton_ready(query)):
             note_fallback("packed KV decode attention", f"{unsupported or 'query length > 1 or no CUDA'}")

@@ -12,13 +12,14 @@ dequantized (what the dynamic layer does), so both layers compute the same numbe
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from mmsdk.plugins.quantizers.quantized_cache import FP8, Packed, QuantizedKVLayer, StaticCodec
 
-__all__ = ["PackedStaticLayer", "fused_supported"]
+__all__ = ["PackedStaticLayer", "fused_supported", "packed_layer"]
 
 CODE_DTYPES = {"int4": torch.uint8, "int8": torch.int8, "fp8": FP8}
 
@@ -32,6 +33,12 @@ def fused_supported(key_codec: Any, value_codec: Any, exact_new: bool) -> bool:
         and key_codec.fmt in CODE_DTYPES
         and not exact_new
     )
+
+
+def packed_layer(tensor: Any) -> PackedStaticLayer | None:
+    """The layer whose decode-step marker ``tensor`` is (what ``update`` returned for K or V), else None."""
+    ref = getattr(tensor, "_mmsdk_packed", None)
+    return ref() if ref is not None else None
 
 
 class PackedStaticLayer(QuantizedKVLayer):
@@ -62,7 +69,9 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.value_scale = self.value_codec.scale.to(device).expand(heads, dim).contiguous()
         self._markers = (torch.empty(0), torch.empty(0))
         for marker in self._markers:
-            marker._mmsdk_packed = self  # type: ignore[attr-defined]
+            # weakly: a strong reference would make layer and markers a cycle that only the garbage
+            # collector frees, so a released cache would keep its buffers until the next collection
+            marker._mmsdk_packed = weakref.ref(self)  # type: ignore[attr-defined]
 
     @property
     def keys(self) -> torch.Tensor | None:  # type: ignore[override]

@@ -1,0 +1,122 @@
+"""What is alive at the peak of the memory waterfall's all-passes row, and how the prefill chunk moves it (CUDA only).
+
+The waterfall (gpu_suite.py --sections memory) puts LLaVA-1.5-7B with int4-weight + int4-kv + token-prune 0.25 at batch
+4 x 4096-token prompts, 128 new tokens, above its floor (packed weights + packed KV). This script runs that row with the
+CUDA caching allocator's history recorded, replays the trace to the moment of the peak and lists the live
+allocations there by the Python line that made them (the innermost mmsdk / transformers / torch frame). Then it runs the
+row again for each prefill chunk in ``--chunks`` (tokens per batch row; fast generate's PREFILL_CHUNK) and reports
+each peak against the floor.
+
+    python benchmarks/gpu_memory_peak.py --out peak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+BATCH, LENGTH, NEW, KEEP = 4, 4096, 128, 0.25
+OWN_CODE = ("/mmsdk/", "/transformers/", "/benchmarks/")
+
+
+def where(frames: list[dict[str, Any]]) -> str:
+    """The innermost frame in mmsdk, transformers or the benchmarks (else the innermost): 'file:line function'."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(part in name for part in OWN_CODE):
+            tail = name.split("/site-packages/")[-1].split("/work/")[-1]
+            return f"{tail}:{frame.get('line')} {frame.get('name')}"
+    return f"{frames[0].get('filename')}:{frames[0].get('line')}" if frames else "?"
+
+
+def live_at_peak(trace: list[dict[str, Any]], start_bytes: int) -> dict[str, Any]:
+    """Replay allocator events: the peak of live bytes and what was live then, by allocation site."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = start_bytes
+    peak_live: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        action, addr, size = event.get("action"), event.get("addr"), int(event.get("size", 0))
+        if action == "alloc":
+            live[addr] = (size, where(event.get("frames", [])))
+            total += size
+            if total > peak:
+                peak, peak_live = total, dict(live)
+        elif action in ("free_requested", "free_completed") and addr in live:  # whichever comes first
+            total -= live.pop(addr)[0]
+    sites: dict[str, int] = defaultdict(int)
+    for size, site in peak_live.values():
+        sites[site] += size
+    top = sorted(sites.items(), key=lambda item: -item[1])[:25]
+    return {"peak_GB": peak / 1e9, "allocated_before_GB": start_bytes / 1e9,
+            "live_at_peak": [{"site": site, "GB": size / 1e9} for site, size in top]}
+
+
+def build() -> tuple[Any, dict[str, torch.Tensor], float]:
+    """The all-passes model, its inputs and its floor in bytes (packed weights + packed KV)."""
+    from benchmarks.gpu_models import build_llava, llava_inputs, optimized
+    from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
+
+    model = optimized(build_llava(), ("int4-weight", TokenPruneConfig(keep_ratio=KEEP)), kv=True)
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    tokens = LENGTH - int(576 * (1 - KEEP)) + NEW
+    kv_bytes = 32 * 2 * BATCH * 32 * 128 * tokens * 0.5
+    return model, llava_inputs(BATCH, LENGTH, images=True), weights + kv_bytes
+
+
+def generate_peak(model: Any, inputs: dict[str, torch.Tensor], chunk: int) -> float:
+    """Peak allocated bytes of one generate() call with prefill chunks of ``chunk`` tokens (fresh decode state)."""
+    from mmsdk.kernels import fast_generate
+
+    fast_generate.release(model)
+    saved = fast_generate.PREFILL_CHUNK
+    fast_generate.PREFILL_CHUNK = chunk
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    finally:
+        fast_generate.PREFILL_CHUNK = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="peak.json")
+    parser.add_argument("--chunks", default="1024,512,256")
+    args = parser.parse_args()
+    model, inputs, floor = build()
+    results: dict[str, Any] = {"command": "python benchmarks/gpu_memory_peak.py --chunks " + args.chunks,
+                               "floor_GB": floor / 1e9, "torch": torch.__version__}
+    from mmsdk.kernels import fast_generate
+
+    fast_generate.release(model)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        peak = generate_peak(model, inputs, fast_generate.PREFILL_CHUNK)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    results["trace"] = live_at_peak(trace, start)
+    results["trace"]["max_memory_allocated_GB"] = peak / 1e9
+    results["trace"]["events"] = len(trace)
+    print(json.dumps(results["trace"], indent=1), flush=True)
+    results["chunks"] = []
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        peak = generate_peak(model, inputs, chunk)
+        results["chunks"].append({"chunk": chunk, "peak_GB": peak / 1e9, "peak_over_floor": peak / floor})
+        print(results["chunks"][-1], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
