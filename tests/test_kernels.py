@@ -167,7 +167,12 @@ def test_code_dequantization_is_bitwise_the_torch_decode(target, fmt):
         codec = StaticCodec(fmt, scale)
         codes = codec.encode(torch.randn(batch, heads, t_max, dim, device=device) * 0.5).data.contiguous()
         got = dequantize_codes(codes, scale, fmt, length, dim, dtype)
-        assert torch.equal(got, codec.decode(Packed(codes[:, :, :length]), dtype, dim))
+        expected = codec.decode(Packed(codes[:, :, :length]), dtype, dim)
+        assert torch.equal(got, expected)
+        last = dequantize_codes(codes[:, heads - 1:], scale[heads - 1:], fmt, length, dim, dtype)  # a run of heads
+        assert torch.equal(last, expected[:, heads - 1:])
+    with pytest.raises(ValueError, match="run of its heads"):
+        dequantize_codes(codes.transpose(1, 2), scale, fmt, 4, dim, dtype)
 
 
 def test_fused_norm_and_rope_kernels(target):

@@ -158,3 +158,35 @@ def test_kv_decode_under_the_interpreter():
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "6 passed" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])
+def test_packed_prefill_attends_a_group_of_heads_at_a_time(hq, hkv, monkeypatch):
+    """A packed layer's prompt attention, dequantized a few heads at a time, equals SDPA over the whole prefix."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from mmsdk.kernels import kv_decode
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+    dim, batch, prefix, chunk = 16, 2, 9, 5
+    codecs = [StaticCodec("int4", torch.rand(hkv, dim) * 0.3 + 0.05) for _ in range(2)]
+    layer = PackedStaticLayer(*codecs, 32, fused=True)
+    layer.update(*(torch.randn(batch, hkv, prefix, dim) for _ in range(2)))  # an earlier chunk
+    key, value = layer.update(*(torch.randn(batch, hkv, chunk, dim) for _ in range(2)))  # markers
+    query = torch.randn(batch, hq, chunk, dim)
+    causal = torch.ones(chunk, prefix + chunk, dtype=torch.bool).tril(prefix)[None, None].expand(batch, 1, -1, -1)
+    module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+    expected, _ = sdpa_attention_forward(module, query, layer.keys, layer.values, causal, scaling=dim**-0.5)
+    attention = kv_decode._make_attention("sdpa")
+    groups, dequantized_heads = [], layer.dequantized_heads
+    monkeypatch.setattr(layer, "dequantized_heads", lambda a, b: groups.append(b - a) or dequantized_heads(a, b))
+    monkeypatch.setattr(kv_decode, "PREFILL_GROUP_BYTES", 2 * batch * (prefix + chunk) * dim * 4)  # one head each
+    got, _ = attention(module, query, key, value, causal, scaling=dim**-0.5)
+    assert groups == [1] * hkv and got.shape == (batch, chunk, hq, dim)
+    assert torch.allclose(got, expected, atol=1e-6)  # the same SDPA per head: equal up to fp32 rounding (~1e-7)
+    monkeypatch.setattr(kv_decode, "PREFILL_GROUP_BYTES", 1 << 30)
+    groups.clear()
+    assert torch.equal(attention(module, query, key, value, causal, scaling=dim**-0.5)[0], expected)
+    assert groups == [hkv]  # a small prefix: all heads at once

@@ -107,19 +107,20 @@ def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
 
 
 @triton.jit
-def dequantize(c_ptr, s_ptr, out_ptr, H, TMAX, T, D, HDP, so_b, so_h, so_t,
+def dequantize(c_ptr, s_ptr, out_ptr, H, TMAX, ROWS_B, T, D, HDP, so_b, so_h, so_t,
                FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
     """``BLOCK_T`` tokens of one (batch, head) row: ``code * scale`` in fp32, rounded once to out's dtype.
 
     The same arithmetic as the torch decode (``(q - 8) * s`` or ``q * s`` in fp32, then one rounding), so
-    the result is bitwise equal, without its fp32 temporaries the size of the whole prefix.
+    the result is bitwise equal, without its fp32 temporaries the size of the whole prefix. The codes
+    may be a run of heads of a larger buffer: a batch row starts ``ROWS_B`` token rows after the last.
     """
     bh = tl.program_id(0)
     h = bh % H
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = rt < T
     rd = tl.arange(0, BLOCK_HD)
-    qe, qo = load_codes(c_ptr, bh.to(tl.int64) * TMAX + rt, t_ok, rd, D, HDP, FMT)
+    qe, qo = load_codes(c_ptr, (bh // H).to(tl.int64) * ROWS_B + h * TMAX + rt, t_ok, rd, D, HDP, FMT)
     de, do = (2 * rd) < D, (2 * rd + 1) < D
     se = tl.load(s_ptr + h * D + 2 * rd, mask=de, other=0.0)
     so = tl.load(s_ptr + h * D + 2 * rd + 1, mask=do, other=0.0)

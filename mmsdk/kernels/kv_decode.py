@@ -29,6 +29,8 @@ __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "deco
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
 _TARGET_PROGRAMS = 528  # about four per multiprocessor on an H100/H200
 _PREFIX = "mmsdk_packed_kv_"
+# dequantized K + V bytes of one group of heads in a packed prefill (see _prefill_by_heads)
+PREFILL_GROUP_BYTES = 64 << 20
 
 
 def _pow2(n: int) -> int:
@@ -62,20 +64,24 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt: str, length:
     What :meth:`StaticCodec.decode <mmsdk.plugins.quantizers.quantized_cache.StaticCodec.decode>` computes,
     bitwise, in one launch: the torch decode makes fp32 temporaries (unpacked codes, the code minus 8, the
     product) each four times the size of its bf16 result, and a chunked prefill decodes the whole prefix of
-    every layer on every chunk, so they set the prefill's memory peak. ``codes`` is the contiguous
-    ``[B, H, T_max, width]`` buffer, ``scale`` fp32 ``[H, dim]``.
+    every layer on every chunk, so they set the prefill's memory peak. ``codes`` is the ``[B, H, T_max, width]``
+    buffer or a run of its heads (``buffer[:, h0:h1]``), ``scale`` fp32 ``[H, dim]`` (the same heads).
     """
     from mmsdk.kernels import _kv_triton
 
     b, h, t_max, width = codes.shape
+    if codes.stride(3) != 1 or codes.stride(2) != width or codes.stride(1) != t_max * width:
+        raise ValueError("dequantize_codes reads a [B, H, T_max, width] code buffer or a run of its heads; "
+                         f"got strides {codes.stride()}: pass the cache's buffer (or buffer[:, h0:h1]).")
     out = torch.empty(b, h, length, dim, device=codes.device, dtype=dtype)
     if length == 0:
         return out
     block_t = 16
     half = width if fmt == "int4" else (dim + 1) // 2
     _kv_triton.dequantize[(b * h, _ceil_div(length, block_t))](
-        codes, scale, out, h, t_max, length, dim, width if fmt == "int4" else dim, out.stride(0), out.stride(1),
-        out.stride(2), FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=_pow2(half), num_warps=4,
+        codes, scale.contiguous(), out, h, t_max, codes.stride(0) // width, length, dim,
+        width if fmt == "int4" else dim, out.stride(0), out.stride(1), out.stride(2),
+        FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=_pow2(half), num_warps=4,
     )
     return out
 
@@ -263,6 +269,28 @@ def _mask_row(mask: Any, batch: int) -> torch.Tensor | None:
     return row.expand(batch, -1)
 
 
+def _prefill_by_heads(layer: Any, attend: Any, module: Any, query: torch.Tensor, mask: Any, *args: Any,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``attend`` over the packed prefix a group of KV heads at a time: ``[B, L, Hq, D]``.
+
+    Each group's K/V are dequantized for it alone, at most :data:`PREFILL_GROUP_BYTES` together
+    (LLaVA-1.5-7B at batch 4 x 3.7k tokens: 8 of 32 heads, 60 MB where all heads took 240 MB).
+    """
+    batch, q_heads = query.shape[:2]
+    kv_heads = layer.key_codes.shape[1]
+    per_head = 2 * batch * layer.cumulative_length * layer.head_dim * query.element_size()
+    group = max(1, min(kv_heads, PREFILL_GROUP_BYTES // max(1, per_head)))
+    ratio = q_heads // kv_heads
+    outputs = []
+    for first in range(0, kv_heads, group):
+        end = min(kv_heads, first + group)
+        key, value = layer.dequantized_heads(first, end)
+        heads = slice(first * ratio, end * ratio)
+        part_mask = mask[:, heads] if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1 else mask
+        outputs.append(attend(module, query[:, heads], key, value, part_mask, *args, **kwargs)[0])
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), None
+
+
 def _make_attention(base: str) -> Any:
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -270,15 +298,17 @@ def _make_attention(base: str) -> Any:
 
         from mmsdk.plugins.quantizers.static_kv import packed_layer
 
+        fallback = ALL_ATTENTION_FUNCTIONS.get(base) if base != "eager" else None
+        if fallback is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fallback
         layer = packed_layer(key)
         unsupported = [k for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
-        if layer is not None and (unsupported or query.shape[2] != 1 or not triton_ready(query)):
-            note_fallback("packed KV decode attention", f"{unsupported or 'query length > 1 or no CUDA'}")
+        if layer is not None and not unsupported and query.shape[2] != 1:
+            return _prefill_by_heads(layer, fallback, module, query, attention_mask, *args, **kwargs)
+        if layer is not None and (unsupported or not triton_ready(query)):
+            note_fallback("packed KV decode attention", f"{unsupported or 'no CUDA'}")
             key, value, layer = layer.keys, layer.values, None
         if layer is None:
-            fallback = ALL_ATTENTION_FUNCTIONS.get(base) if base != "eager" else None
-            if fallback is None:
-                from transformers.models.llama.modeling_llama import eager_attention_forward as fallback
             return fallback(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         # an unpadded batch needs no mask on a decode step; a graph-captured mask would also freeze its length

@@ -3,11 +3,12 @@
 :class:`PackedStaticLayer` holds the same codes as :class:`QuantizedKVLayer` with static scales
 (int4 two per byte, int8, fp8), but in buffers sized for the whole generation, with the token
 count in a device tensor. New tokens are quantized and written by one Triton launch per layer;
-on decode steps ``update`` hands the attention call a marker instead of K/V tensors, and the
-registered attention function (:func:`mmsdk.kernels.kv_decode.attention_implementation`) runs
-:func:`~mmsdk.kernels.kv_decode.decode_attention` over the codes. Nothing is reallocated between
-steps, so a CUDA graph can replay the decode step. Prefill reads the stored codes back
-dequantized (what the dynamic layer does), so both layers compute the same numbers.
+``update`` hands the attention call a marker instead of K/V tensors, and the registered attention
+function (:func:`mmsdk.kernels.kv_decode.attention_implementation`) runs
+:func:`~mmsdk.kernels.kv_decode.decode_attention` over the codes on decode steps. Nothing is
+reallocated between steps, so a CUDA graph can replay the decode step. Prefill reads the stored codes
+back dequantized (what the dynamic layer does, so both layers compute the same numbers), a group of
+heads at a time, so the dequantized prefix never exists for all heads at once.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class PackedStaticLayer(QuantizedKVLayer):
         if value is not None:
             raise AttributeError("PackedStaticLayer.values is read-only; use update().")
 
-    def _dequantized(self, codes: torch.Tensor | None, codec: StaticCodec,
-                     scale: torch.Tensor | None) -> torch.Tensor | None:
+    def _dequantized(self, codes: torch.Tensor | None, codec: StaticCodec, scale: torch.Tensor | None,
+                     heads: slice = slice(None)) -> torch.Tensor | None:
         if not self.is_initialized or codes is None:
             return None
         from mmsdk.kernels import triton_ready
@@ -100,8 +101,18 @@ class PackedStaticLayer(QuantizedKVLayer):
         if scale is not None and triton_ready(codes, scale):  # same numbers, without the decode's fp32 temporaries
             from mmsdk.kernels.kv_decode import dequantize_codes
 
-            return dequantize_codes(codes, scale, self.fmt, self.cumulative_length, self.head_dim, self.dtype)
-        return codec.decode(Packed(codes[:, :, : self.cumulative_length]), self.dtype, self.head_dim)
+            return dequantize_codes(codes[:, heads], scale[heads], self.fmt, self.cumulative_length, self.head_dim,
+                                    self.dtype)
+        return codec.decode(Packed(codes[:, :, : self.cumulative_length]), self.dtype, self.head_dim)[:, heads]
+
+    def dequantized_heads(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of KV heads ``first .. end`` over the stored tokens, dequantized: ``[B, end - first, T, D]``."""
+        heads = slice(first, end)
+        keys = self._dequantized(self.key_codes, self.key_codec, self.key_scale, heads)
+        values = self._dequantized(self.value_codes, self.value_codec, self.value_scale, heads)
+        if keys is None or values is None:
+            raise RuntimeError("PackedStaticLayer.dequantized_heads: the layer holds no tokens yet (call update first)")
+        return keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +126,7 @@ class PackedStaticLayer(QuantizedKVLayer):
             )
         self._append(key_states, value_states)
         self.cumulative_length += count
-        if count == 1 and self.fused:
+        if self.fused:  # the registered attention reads the codes: one token by the kernel, a prompt by heads
             return self._markers  # type: ignore[return-value]
         return self.keys, self.values  # type: ignore[return-value]
 
