@@ -416,8 +416,10 @@ def section_memory(quick: bool) -> list[dict[str, Any]]:
             with torch.inference_mode():
                 model.generate(**inputs, max_new_tokens=new, do_sample=False)
             torch.cuda.synchronize()
-            rows.append({"row": name, "allocated_before_build_GB": leftover / 1e9,
-                         "peak_GB": torch.cuda.max_memory_allocated() / 1e9,
+            # what earlier rows left allocated (cuBLAS keeps a 32 MiB workspace per stream it ran on) is not this
+            # row's: the peak counts from it, as in a process that runs only this row
+            peak = torch.cuda.max_memory_allocated() - leftover
+            rows.append({"row": name, "allocated_before_build_GB": leftover / 1e9, "peak_GB": peak / 1e9,
                          "reserved_GB": torch.cuda.max_memory_reserved() / 1e9, "weights_GB": weights / 1e9,
                          "kv_GB": kv_bytes / 1e9, "floor_GB": (weights + kv_bytes) / 1e9,
                          "seconds": time.perf_counter() - start})
