@@ -7,6 +7,8 @@
   its results are benchmarks/results/h200_kernel_sweeps_fixup.json, made at commit 575927b.)
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
   (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache.
+* ``mha``: the same for LLaVA-1.5-7B's 32 MHA heads, each configuration also with its splits merged by
+  the partial kernel's last program instead of a second (combine) kernel.
 
 Times are medians of CUDA-graph replays (20 calls per graph), as in gpu_tune.py; errors are relative
 to the fp32 product of the dequantized weights (or the fp64 attention reference).
@@ -137,13 +139,58 @@ def gqa() -> list[dict[str, Any]]:
     return rows
 
 
+MHA_SPACE = {  # (BLOCK_T, warps, target programs) of the MHA word kernels, around the tuned default (32, 1, 1056)
+    "subnormal": [None] + [(bt, w, t) for bt, w in ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4))
+                           for t in (264, 528, 1056, 2112)],
+    "magic": [(32, 2, 1056), (64, 4, 528), (64, 4, 1056), (128, 4, 528)],
+}
+
+
+def mha() -> list[dict[str, Any]]:
+    """The MHA int4 KV decode kernels (LLaVA-1.5-7B heads: 32/32, head_dim 128) at 4k and 16k tokens, each
+    configuration with the separate combine kernel and with the splits merged by the partial kernel's last program."""
+    from benchmarks.gpu_suite import kv_problem
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+    from mmsdk.plugins.quantizers.quantized_cache import Packed
+
+    rows = []
+    for ctx in (4096, 16384):
+        d = 128
+        scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(32, 32, ctx, d)
+        reference = reference_decode_attention(q, codec.decode(Packed(kc), torch.float32, d),
+                                               codec.decode(Packed(vc), torch.float32, d), d**-0.5)
+        sdpa = gtime(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf))
+        tickets = torch.zeros(32, dtype=torch.int32, device="cuda")
+        results = []
+        for variant, space in MHA_SPACE.items():
+            for cfg in space:
+                for merged in (False, True):
+                    extra = {"combine_tickets": tickets} if merged else {}
+                    try:
+                        out = decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5, config=cfg,
+                                               variant=variant, **extra)
+                        t = gtime(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5,
+                                                           config=cfg, variant=variant, **extra))
+                    except Exception as error:
+                        print("skip", variant, cfg, merged, type(error).__name__, str(error)[:100], flush=True)
+                        continue
+                    results.append({"variant": variant, "cfg": cfg, "merged": merged, "us": t, "ratio": t / sdpa,
+                                    "rel_err": rel(out, reference)})
+        results.sort(key=lambda r: r["us"])
+        rows.append({"ctx": ctx, "sdpa_us": sdpa, "best": results[:6], "all": results,
+                     "default": [r for r in results if r["cfg"] is None and r["variant"] == "subnormal"]})
+        print({k: v for k, v in rows[-1].items() if k != "all"}, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
     parser.add_argument("--sections", default="tiles,gqa")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    run_sections(results, args.sections.split(","), lambda name, _: {"tiles": tiles, "gqa": gqa}[name](), args.out)
+    sections = {"tiles": tiles, "gqa": gqa, "mha": mha}
+    run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 
 if __name__ == "__main__":
