@@ -77,8 +77,9 @@ def tiles() -> list[dict[str, Any]]:
 
 
 def _gated_rows() -> dict[str, Any]:
-    """The paired gate/up GEMV + SiLU*mul with the tuner's pick and with a few wide and prefetching tiles."""
-    from mmsdk.kernels.w4a16 import w4a16_gated_silu
+    """The paired gate/up GEMV + SiLU*mul with the tuner's pick, every "gated" tile (both weights' rows per program,
+    silu(gate) * up stored directly at one K slice) and a few per-weight tiles (partials + epilogue)."""
+    from mmsdk.kernels.w4a16_gated import _GATED_TILES, w4a16_gated_silu
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     out: dict[str, Any] = {}
@@ -89,8 +90,9 @@ def _gated_rows() -> dict[str, Any]:
         parts = [(w.qweight, w.scales, w.zero_points) for w in (gate, up)]
         expected = torch.nn.functional.silu(x.float() @ dequantize_int4(gate, torch.float32).T) * (
             x.float() @ dequantize_int4(up, torch.float32).T)
-        for cfg in (None, (32, 16, 4, 1, "quad", 1056), (16, 64, 4, 1, "quad", 528), (16, 32, 2, 1, "quad", 528),
-                    (32, 16, 4, 1, "quadp", 1056), (16, 64, 4, 1, "quadp", 528)):
+        for cfg in (None, *[(*tile, 1, "gated", 528) for tile in _GATED_TILES], (8, 128, 4, 1, "quad", 528),
+                    (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528), (32, 16, 4, 1, "quad", 1056),
+                    (16, 64, 4, 1, "quadp", 528)):
             got = w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)
             out[f"{label} {cfg or 'tuned'}"] = {
                 "us": gtime(lambda: w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)),

@@ -83,7 +83,8 @@ def check_kv() -> list[dict[str, Any]]:
 
 def check_gated() -> list[dict[str, Any]]:
     """The paired gate/up GEMV with the SiLU*mul epilogue against two GEMVs + SiLU + mul (errors and times)."""
-    from mmsdk.kernels.w4a16 import _tuning, w4a16_gated_silu, w4a16_gemv
+    from mmsdk.kernels.w4a16 import _tuning, w4a16_gemv
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []

@@ -1,8 +1,10 @@
-"""Offline sm_90 builds of the batch-1 "quad" GEMV per tile: registers, barriers, weight bytes per thread (no GPU).
+"""Offline sm_90 builds of the batch-1 "quad" GEMVs per tile: registers, spills, barriers, weight bytes per thread.
 
-Triton compiles for an H100/H200 target on any machine; the build shows what a tile costs before device time is
-spent on it. Barriers (``bar.sync`` in the PTX) count the shared-memory round trips the compiler inserts to split the
-activations by nibble position; registers come from ``cuobjdump -res-usage``.
+Triton compiles for an H100/H200 target on any machine (no GPU); the build shows what a tile costs before device time
+is spent on it. Barriers (``bar.sync`` in the PTX) count the shared-memory round trips the compiler inserts to split the
+activations by nibble position; registers and the stack (spills) come from ``cuobjdump -res-usage``, spill stores are
+the ``STL`` instructions of the SASS. ``gemv_quad`` is built as the tuner launches it with split K (fp32 partials);
+``gemv_quad_gated`` (a gated MLP's gate and up rows in one program) with one K slice, storing ``silu(gate) * up``.
 
     python benchmarks/sm90_gemv_builds.py
 """
@@ -15,39 +17,48 @@ from pathlib import Path
 
 TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (16, 64, 2), (8, 64, 2), (4, 64, 1), (8, 32, 1),
          (4, 128, 1), (8, 64, 1), (2, 128, 1)]  # (rows, quads of 4 words, warps)
+GATED_TILES = [(8, 64, 2), (8, 128, 4), (16, 64, 2), (4, 64, 1), (4, 128, 1), (8, 32, 1)]
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32",
             "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8"}
 
 
-def build(rows: int, quads: int, warps: int) -> dict[str, object]:
-    """One g128 tile without zero points, split K (fp32 partials), as the tuner launches it."""
+def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, object]:
+    """One g128 tile without zero points, bf16 activations and scales."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from mmsdk.kernels import _w4a16_triton as kernels
 
-    names = kernels.gemv_quad.arg_names
-    constants = dict(GROUP=128, HAS_ZP=False, HAS_BIAS=False, DIRECT=False, PAIRED=False, BLOCK_N=rows,
-                     BLOCK_C=quads, PREFETCH=False)
-    signature = {n: "constexpr" if n in constants else POINTERS.get(n, "i32") for n in names}
+    kernel = kernels.gemv_quad_gated if gated else kernels.gemv_quad
+    constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads)
+    if not gated:
+        constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
+    pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in constants and (n.endswith("_ptr") or n in ("KW", "K_in", "N", "stride_xm"))}
-    compiled = triton.compile(ASTSource(kernels.gemv_quad, signature, constants, aligned),
+    compiled = triton.compile(ASTSource(kernel, signature, constants, aligned),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "gemv.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    registers = next(int(part.split(":")[1]) for part in usage.split() if part.startswith("REG:"))
-    return {"tile": (rows, quads, warps), "registers": registers, "barriers": compiled.asm["ptx"].count("bar.sync"),
-            "weight_bytes_per_thread_and_step": rows * quads * 16 // (32 * warps)}
+        sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    fields = dict(part.split(":", 1) for part in usage.split() if part.count(":") == 1 and part[0].isupper())
+    return {"kernel": kernel.__name__, "tile": (rows, quads, warps), "registers": int(fields["REG"]),
+            "stack_bytes": int(fields["STACK"]), "spill_stores": sass.count(" STL"),
+            "barriers": compiled.asm["ptx"].count("bar.sync"),
+            "weight_bytes_per_thread_and_step": rows * quads * 16 * (2 if gated else 1) // (32 * warps)}
 
 
 def main() -> None:
     for tile in TILES:
         print(build(*tile), flush=True)
+    for tile in GATED_TILES:
+        print(build(*tile, gated=True), flush=True)
 
 
 if __name__ == "__main__":

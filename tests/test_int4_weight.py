@@ -264,13 +264,19 @@ def test_mlps_that_are_not_silu_gated_keep_their_forward(session, tiny):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_cuda_gated_mlp_body_matches_the_original_mlp():
+# the tuner's pick, and the kind "gated" forced: one K slice (silu(gate) * up stored by the GEMV itself; 88 row
+# blocks, one 64-quad step) and four (partials + epilogue)
+@pytest.mark.parametrize("config", [None, (8, 64, 2, 1, "gated", 528), (8, 1, 2, 1, "gated", 528)])
+def test_cuda_gated_mlp_body_matches_the_original_mlp(config, monkeypatch):
     from transformers.models.llama.configuration_llama import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
+    from mmsdk.kernels import w4a16_gated
     from mmsdk.plugins.adapters.llava import LlavaAdapter
     from mmsdk.plugins.quantizers.int4_mlp import install_gated_mlp
 
+    if config is not None:
+        monkeypatch.setattr(w4a16_gated, "_tuned", lambda *_: config)
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=704)).cuda().to(torch.bfloat16)
     for name in ("gate_proj", "up_proj", "down_proj"):

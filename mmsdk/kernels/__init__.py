@@ -8,6 +8,7 @@ cannot (no CUDA tensor, no Triton, an unsupported dtype), callers use the torch 
 Modules:
 
 * ``w4a16``: INT4 weight x bf16/fp16 activation matmul reading the MatMulNBits packed layout.
+* ``w4a16_gated``: a gated MLP's INT4 gate and up projections for one token, ``silu(gate) * up`` in one launch.
 * ``kv_decode``: decode attention over a packed INT4 / INT8 / FP8 KV cache (GQA), and the fused
   quantize-and-append of new K/V tokens.
 * ``norm_rope_triton``: residual-add + RMSNorm, RoPE on q and k, M-RoPE tables, q/k RMSNorm + RoPE.

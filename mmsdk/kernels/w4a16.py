@@ -18,10 +18,10 @@ in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N
   by a Triton kernel and multiplied by cuBLAS (compute-bound there, so the tensor cores' best
   kernel wins; the copy lives only for that call).
 
-For one row the GEMV candidates are mostly the quad kernel (``gemv_quad`` in _w4a16_triton.py:
+For one row the GEMV candidates are mostly the quad kernel (``gemv_quad`` in _gemv_quad_triton.py:
 16-byte weight and activation loads, and a nibble masked in place and read as an fp32 bit pattern is
-an exact subnormal, so each nibble costs one AND and one FMA). :func:`w4a16_gated_silu` runs it over
-two weights at once (a gated MLP's gate and up projections) with ``silu(gate) * up`` in the epilogue.
+an exact subnormal, so each nibble costs one AND and one FMA). A gated MLP's gate and up projections
+run together with ``silu(gate) * up`` applied in the same launch (mmsdk.kernels.w4a16_gated).
 
 Block configurations are chosen per shape by timing the candidates on first use, each replayed from a
 CUDA graph (a decode-sized kernel is shorter than its Python launch); CUDA only, and during CUDA-graph
@@ -37,8 +37,8 @@ import torch
 
 from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, triton_ready
 
-__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "gated_silu_reason", "int4_linear", "unsupported_reason",
-           "w4a16_gated_silu", "w4a16_gemv", "w4a16_matmul"]
+__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "gemv_ready", "gemv_splits", "int4_linear", "k_slices",
+           "unsupported_reason", "w4a16_gemv", "w4a16_matmul"]
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
@@ -51,7 +51,8 @@ _TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # the shape runs. The K split count is derived from the shape: about the config's target number of programs
 # (default _TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
 # interpreter); the order follows H200 sweeps (benchmarks/gpu_kernel_sweeps.py tiles: few rows and long K
-# steps, 128-256 weight bytes per thread and step, read fastest).
+# steps, 128-256 weight bytes per thread and step, read fastest). The paired gate/up GEMV of a gated MLP
+# (mmsdk.kernels.w4a16_gated) also takes kind "gated": both weights' rows in one program.
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
 _GEMV_KINDS = ("quad", "quadp", "fma", "dot")
@@ -161,6 +162,17 @@ def gemv_splits(n: int, k_blocks: int, block_n: int, block_g: int, target: int =
     return max(1, min(steps, -(-target // n_blocks)))
 
 
+def k_slices(rows: int, k_blocks: int, block_n: int, block_g: int, target: int, splits: int | None) -> tuple[int, int]:
+    """(groups per K slice, number of slices) for ``rows`` output rows in ``block_n`` blocks (``splits`` wins if given).
+
+    Slices are whole multiples of ``block_g`` groups (for the quad kinds, whose ``block_g`` counts quads, this is
+    coarser than a step; kept so, as measured on the H200).
+    """
+    wanted = splits or gemv_splits(rows, k_blocks, block_n, block_g, target)
+    per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
+    return per_split, _ceil(k_blocks, per_split)
+
+
 def w4a16_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -194,88 +206,30 @@ def w4a16_gemv(
     return out
 
 
-def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
-    """Why :func:`w4a16_gated_silu` cannot take these inputs (None when it can)."""
-    reason = unsupported_reason(x, gate[0], gate[1], block_size) or unsupported_reason(x, up[0], up[1], block_size)
-    if reason is not None:
-        return reason
-    if x.reshape(-1, x.shape[-1]).shape[0] != 1:
-        return "more than one activation row (the paired GEMV is the batch-1 decode kernel)"
-    if block_size < 32:
-        return f"group size {block_size} (the paired GEMV reads 4-word quads: groups >= 32)"
-    if gate[0].shape != up[0].shape or gate[1].shape != up[1].shape or gate[1].dtype != up[1].dtype:
-        return "gate and up weights differ in shape or scale dtype"
-    if (gate[2] is None) != (up[2] is None) or not (gemv_ready(gate[0]) and gemv_ready(up[0])):
-        return "one weight has zero points and the other not, or a weight is not contiguous and 4-byte aligned"
-    return None
-
-
-def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
-                     config: GemvConfig | None = None, splits: int | None = None) -> torch.Tensor | None:
-    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, in two launches, or None (the caller falls back).
-
-    ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
-    MLP): one GEMV launch computes both products (programs split between the two weights) and a small
-    epilogue sums the K slices and applies SiLU and the product, where transformers runs two GEMVs, two
-    split sums, a SiLU and a multiply.
-    """
-    reason = gated_silu_reason(x, gate, up, block_size)
-    if reason is not None:
-        note_fallback("w4a16 gated silu", reason)
-        return None
-    flat = x.reshape(1, in_features)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    qweight, scales, zero_points = gate
-    n, k_blocks, _ = qweight.shape
-    _check_columns(in_features, k_blocks * block_size)
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    key = ("gated", n, k_blocks, block_size, x.dtype, zero_points is not None)
-
-    def launch(cfg: tuple[Any, ...]) -> None:
-        _launch_gemv(flat, qweight, scales, zero_points, None, out, block_size, cfg, splits, second=up)
-
-    launch(config or _tuned(key, launch, _quad_candidates(block_size), block_size))
-    return out.reshape(*x.shape[:-1], n)
-
-
 @cache
 def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
     return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in _QUAD_KINDS or group >= 32)
 
 
-@cache
-def _quad_candidates(group: int) -> tuple[tuple[Any, ...], ...]:
-    """The one-row candidates of the "quad" kinds (the only kinds the paired GEMV runs)."""
-    return tuple(c for c in _gemv_candidates(1, group) if len(c) > 4 and c[4] in _QUAD_KINDS)
-
-
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                  bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
                  splits: int | None, second: PackedWeight | None = None) -> None:
-    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``."""
-    import triton
-
+    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
+    from programs split between the two weights (the paired GEMV's "quad" kinds)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else _TARGET_PROGRAMS
-    if kind not in _GEMV_KINDS:
-        raise ValueError(f"GEMV kind {kind!r}: use one of {_GEMV_KINDS}.")
     paired = second is not None
-    if paired and kind not in _QUAD_KINDS:
-        raise ValueError(f"a paired (gated) GEMV runs the {_QUAD_KINDS} kinds only, not {kind!r}: "
-                         "pass a 'quad' config or none.")
+    _check_kind(kind, paired)
+    import triton
+
     dot = kind == "dot"
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     rows = 2 * n if paired else n
     block_m = max(16, block_m) if dot else min(block_m, triton.next_power_of_2(m))
-    # K slices are whole multiples of block_g groups (for "quad", whose block_g counts quads, this is coarser than
-    # a step; kept so, as measured on the H200)
-    wanted = splits or gemv_splits(rows, k_blocks, block_n, block_g, target_programs)
-    per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
-    n_splits = -(-k_blocks // per_split)
-    direct = n_splits == 1 and not paired  # the gated epilogue needs both products: always via fp32 partials
+    per_split, n_splits = k_slices(rows, k_blocks, block_n, block_g, target_programs, splits)
+    direct = n_splits == 1 and not paired  # a program here holds one of the two products: always via fp32 partials
     target = out if direct else torch.empty(n_splits, m, rows, device=x.device, dtype=torch.float32)
     n_blocks = triton.cdiv(n, block_n)
     kernels = _kernels()
@@ -297,6 +251,16 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                                                                     DOT=dot, **flags)
     if not direct:
         _finish_splits(target, out, bias, n_splits, paired)
+
+
+def _check_kind(kind: str, paired: bool) -> None:
+    """Refuse a GEMV kind this launch cannot run, naming the ones it can."""
+    if kind not in _GEMV_KINDS:
+        raise ValueError(f"GEMV kind {kind!r}: use one of {_GEMV_KINDS} (kind 'gated' is for the paired gate/up "
+                         "GEMV, mmsdk.kernels.w4a16_gated.w4a16_gated_silu, only).")
+    if paired and kind not in _QUAD_KINDS:
+        raise ValueError(f"the per-weight programs of a paired (gated) GEMV run the {_QUAD_KINDS} kinds only, not "
+                         f"{kind!r}: pass a 'quad' or 'gated' config or none.")
 
 
 def _finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,

@@ -1,12 +1,13 @@
-"""Gated MLPs whose gate and up projections are both INT4: one kernel pair for both at batch-1 decode.
+"""Gated MLPs whose gate and up projections are both INT4: one kernel for both at batch-1 decode.
 
 transformers' gated MLP (LLaMA, Qwen2) computes ``down(act(gate(x)) * up(x))``; for one token on
 CUDA that is two W4A16 GEMVs with their K-split sums, a SiLU and a multiply: six short kernels,
 each costing about as much in launch gap as in work. When ``int4-weight`` has packed both
-projections alike, the MLP's body runs :func:`mmsdk.kernels.w4a16.w4a16_gated_silu` instead (one
-GEMV launch over both weights and one epilogue that applies SiLU and the product) and the original
-forward for everything else (CPU, prompts, AWQ pre-scales, biases). The two linears stay separate
-modules with their own buffers, so exports see exactly what they saw before.
+projections alike, the MLP's body runs :func:`mmsdk.kernels.w4a16_gated.w4a16_gated_silu` instead
+(one GEMV launch over both weights that stores ``silu(gate) * up`` itself when K needs no split,
+else that launch and one epilogue) and the original forward for everything else (CPU, prompts,
+AWQ pre-scales, biases). The two linears stay separate modules with their own buffers, so exports
+see exactly what they saw before.
 
 Only MLPs that compute ``down(silu(gate(x)) * up(x))`` get the body: checked on a probe, bitwise.
 """
@@ -43,7 +44,7 @@ def _gated_silu(x: torch.Tensor, gate: Int4Linear, up: Int4Linear) -> torch.Tens
     """``silu(gate(x)) * up(x)`` from the paired kernel, or None where it cannot run."""
     if not x.is_cuda:
         return None
-    from mmsdk.kernels.w4a16 import w4a16_gated_silu
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
 
     return w4a16_gated_silu(x, (gate.qweight, gate.scales, gate.zero_points), (up.qweight, up.scales, up.zero_points),
                             gate.in_features, gate.block_size)

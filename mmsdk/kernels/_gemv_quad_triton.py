@@ -1,0 +1,236 @@
+"""Batch-1 "quad" GEMV kernels behind mmsdk.kernels.w4a16: one weight, or a gated MLP's gate and up at once.
+
+Imported only when a kernel is launched (through mmsdk.kernels._w4a16_triton).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def silu_times(gate, up):
+    """``silu(gate) * up`` in fp32 (rounded once by the caller's store)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def nibble_factor(P: tl.constexpr):
+    """2**(85 - P): turns a nibble left at bit position ``P`` of a subnormal float into ``code * 2**-64``."""
+    if P == 0:
+        return 3.8685626227668134e+25  # 2**85
+    elif P == 4:
+        return 2.4178516392292583e+24  # 2**81
+    elif P == 8:
+        return 1.5111572745182865e+23  # 2**77
+    elif P == 12:
+        return 9.44473296573929e+21  # 2**73
+    else:
+        return 5.902958103587057e+20  # 2**69
+
+
+@triton.jit
+def activations_by_nibble(x_row, cw, c_ok, K_in):
+    """The 8 activations of every word of a step, ``[C, 4]`` each, from one 16-byte vector per word.
+
+    ``x[8w .. 8w+7]`` is loaded as ``[C, 4, 8]`` (contiguous per word) and split by nibble position
+    with three in-register splits (``j = 4 i0 + 2 i1 + i2``).
+    """
+    rq, rj = tl.arange(0, 4), tl.arange(0, 8)
+    k = (cw[:, None, None] + rq[None, :, None]) * 8 + rj[None, None, :]
+    x = tl.load(x_row + k, mask=c_ok[:, None, None] & (k < K_in), other=0.0)
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2, 2, 2)))
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def step_activations(x_row, cw, c_ok, K_in):
+    """A step's activations for :func:`quad_step`, loaded and split by nibble once (shared by every weight).
+
+    Returns ``2**-64 * sum x`` per quad (``[C]``) and the activations of nibble positions 0..7 (``[C, 4]``
+    each), fp32, each times the factor that turns its masked nibble's subnormal into ``code * 2**-64``.
+    """
+    a0, a1, a2, a3, a4, a5, a6, a7 = activations_by_nibble(x_row, cw, c_ok, K_in)
+    x0, x1, x2, x3 = a0.to(tl.float32), a1.to(tl.float32), a2.to(tl.float32), a3.to(tl.float32)
+    x4, x5, x6, x7 = a4.to(tl.float32), a5.to(tl.float32), a6.to(tl.float32), a7.to(tl.float32)
+    xs = tl.sum((x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * 5.421010862427522e-20, 1)  # 2**-64 * sum x
+    # nibbles 5..7 are read from the word shifted right by 20, so they sit at bits 0, 4 and 8
+    return (xs, x0 * nibble_factor(0), x1 * nibble_factor(4), x2 * nibble_factor(8), x3 * nibble_factor(12),
+            x4 * nibble_factor(16), x5 * nibble_factor(0), x6 * nibble_factor(4), x7 * nibble_factor(8))
+
+
+@triton.jit
+def quad_scales(s_ptr, rn, g, ok, k_blocks):
+    """The fp32 scale of every row and quad of a step, ``[BLOCK_N, BLOCK_C]`` (loaded before the activations)."""
+    return tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
+              HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One weight's ``2**-64 * s * (sum code x - z sum x)`` for a step, ``[BLOCK_N, BLOCK_C]`` (rows x quads).
+
+    ``words`` is the step's ``[BLOCK_N, BLOCK_C, 4]`` word tile, ``s`` its scales (:func:`quad_scales`), ``g``
+    each quad's group, ``xs`` and ``y*`` come from :func:`step_activations`. A nibble masked in place is a
+    subnormal: one AND and one FMA per nibble.
+    """
+    high = words >> 20  # nibbles 5..7 at bits 0..11 (the sign extension is masked off below)
+    t = (words & 15).to(tl.float32, bitcast=True) * y0[None, :, :]
+    t += (words & 0xF0).to(tl.float32, bitcast=True) * y1[None, :, :]
+    t += (words & 0xF00).to(tl.float32, bitcast=True) * y2[None, :, :]
+    t += (words & 0xF000).to(tl.float32, bitcast=True) * y3[None, :, :]
+    t += (words & 0xF0000).to(tl.float32, bitcast=True) * y4[None, :, :]
+    t += (high & 15).to(tl.float32, bitcast=True) * y5[None, :, :]
+    t += (high & 0xF0).to(tl.float32, bitcast=True) * y6[None, :, :]
+    t += (high & 0xF00).to(tl.float32, bitcast=True) * y7[None, :, :]
+    if HAS_ZP:
+        zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok, other=0)
+        z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+    else:
+        z = tl.full((BLOCK_N, BLOCK_C), 8.0, tl.float32)
+    return s * (tl.sum(t, 2) - z * xs[None, :])
+
+
+@triton.jit
+def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
+              stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False):
+    """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
+
+    With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
+    projections): programs past ``n_blocks`` along axis 0 read the second weight (``w2/s2/z2``) and
+    write its fp32 partials at columns ``N .. 2N`` of ``out`` (rows ``2N`` wide), for
+    ``split_gated`` to finish as ``silu(gate) * up`` (the paired GEMV's "quad" kinds; its "gated"
+    kind is :func:`gemv_quad_gated`, which needs no epilogue at one K slice).
+
+    Three things make it fast where :func:`gemv` is not (H200 measurements in docs/benchmarks.md):
+
+    * Activations as 16-byte vectors. :func:`gemv` gathers each nibble position's activation
+      (``x[8w + j]``) with a 2-byte load whose 32 lanes hit addresses 64 bytes apart, about 16 L1
+      wavefronts per load and 8 loads per weight word: the activations, not the weights, saturated
+      the load path (1.0-1.2 TB/s whatever else changed). Here a word's 8 activations are one
+      16-byte load, split by nibble position in registers.
+    * Subnormal nibbles. A nibble masked in place, ``w & (15 << 4j)``, read as an fp32 bit pattern
+      is the exact subnormal ``code * 2**(4j - 149)`` (nibble in mantissa bits 0..19); times
+      ``x * 2**(85 - 4j)`` it gives ``code * x * 2**-64`` in one FMA, so a nibble costs one AND
+      instead of a shift, an AND, an OR and a subtraction (nibbles 5..7 come from one shift by 20).
+      The zero point folds out (``s * (sum c x - z sum x)``), the 2**-64 is undone at the end (exact;
+      activations up to 2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without
+      ``.ftz``, Triton's default); the GPU tests compare against the reference and catch a flush.
+    * Quads. The last tile axis is one 16-byte weight load of 4 words of one group, so a thread
+      loads one scale per row and quad and sums its 4 words before scaling; the weights are loaded
+      as one contiguous run per row (lanes along K) and viewed as quads; rows run over warps, so an
+      activation a thread loads serves ``BLOCK_N / num_warps`` rows. The fastest tiles measured carry
+      128-256 weight bytes per thread and step, and at 8 rows or fewer the activations' split by
+      nibble position needs at most 5 shared-memory barriers per program (23-24 for wider tiles;
+      benchmarks/sm90_gemv_builds.py).
+
+    With ``PREFETCH`` (kind "quadp") each step issues the next step's weight loads before its own
+    arithmetic (registers for two word tiles), so a program keeps loads in flight while it computes.
+    """
+    WPG: tl.constexpr = GROUP // 8
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    out_cols = N
+    column0 = 0
+    if PAIRED:
+        out_cols = 2 * N
+        if pid_n >= n_blocks:  # the second weight: same shape, its own buffers
+            pid_n -= n_blocks
+            column0 = N
+            w_ptr, s_ptr, z_ptr = w2_ptr, s2_ptr, z2_ptr
+    k_blocks = KW // WPG
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.arange(0, BLOCK_C)
+    n_ok = rn < N
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    w_begin = split * groups_per_split * WPG
+    w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * KW
+    rw = tl.arange(0, 4 * BLOCK_C)
+    if PREFETCH:  # the first step's words; each step then loads the next step's before its arithmetic
+        flat = tl.load(w_rows + w_begin + rw[None, :], mask=n_ok[:, None] & (w_begin + rw < w_end)[None, :], other=0)
+    for w0 in range(w_begin, w_end, 4 * BLOCK_C):
+        cw = w0 + 4 * rc  # first word of each quad
+        c_ok = cw < w_end
+        ok = n_ok[:, None] & c_ok[None, :]
+        if PREFETCH:
+            words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
+            at = w0 + 4 * BLOCK_C + rw
+            flat = tl.load(w_rows + at[None, :], mask=n_ok[:, None] & (at < w_end)[None, :], other=0)
+        else:
+            flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
+            words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
+        g = cw // WPG
+        s = quad_scales(s_ptr, rn, g, ok, k_blocks)
+        xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+        acc += quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BLOCK_N,
+                         BLOCK_C)
+    out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
+    dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
+    if DIRECT:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(dst, out, mask=n_ok)
+
+
+@triton.jit
+def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, M, N, K_in, KW, groups_per_split,
+                    stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row per program: each program the same rows of both.
+
+    Gate (``w/s/z``) and up (``w2/s2/z2``, same shape) rows ``rn`` are two accumulators over the same
+    steps: a step loads both word tiles, then the activations once (one 16-byte load per word, split by
+    nibble position, shared by both weights), then runs :func:`quad_step` per weight. With ``DIRECT``
+    (one K slice) the program holds both finished products and stores ``silu(gate) * up`` in out's
+    dtype: no partials and no second kernel. Otherwise it stores fp32 partials at ``out[split]``
+    (rows ``2N`` wide, up at columns ``N ..``) for ``split_gated``. The arithmetic is
+    :func:`gemv_quad`'s; a tile carries twice its weight bytes per thread and step.
+    """
+    WPG: tl.constexpr = GROUP // 8
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_blocks = KW // WPG
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc, rw = tl.arange(0, BLOCK_C), tl.arange(0, 4 * BLOCK_C)
+    n_ok = rn < N
+    x_row = x_ptr + row * stride_xm
+    gate = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    w_begin = split * groups_per_split * WPG
+    w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
+    at = rn[:, None].to(tl.int64) * KW + rw[None, :]
+    for w0 in range(w_begin, w_end, 4 * BLOCK_C):
+        cw = w0 + 4 * rc  # first word of each quad
+        c_ok = cw < w_end
+        ok = n_ok[:, None] & c_ok[None, :]
+        w_ok = n_ok[:, None] & (w0 + rw < w_end)[None, :]
+        gate_words = tl.reshape(tl.load(w_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
+        up_words = tl.reshape(tl.load(w2_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
+        g = cw // WPG
+        gate_s = quad_scales(s_ptr, rn, g, ok, k_blocks)
+        up_s = quad_scales(s2_ptr, rn, g, ok, k_blocks)
+        xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+        gate += quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
+                          HAS_ZP, BLOCK_N, BLOCK_C)
+        up += quad_step(up_words, up_s, z2_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
+                        HAS_ZP, BLOCK_N, BLOCK_C)
+    gate_out = tl.sum(gate, 1) * 1.8446744073709552e+19  # undo 2**-64
+    up_out = tl.sum(up, 1) * 1.8446744073709552e+19
+    if DIRECT:
+        tl.store(out_ptr + row.to(tl.int64) * N + rn, silu_times(gate_out, up_out).to(out_ptr.dtype.element_ty),
+                 mask=n_ok)
+    else:
+        dst = out_ptr + (split * M + row).to(tl.int64) * (2 * N) + rn
+        tl.store(dst, gate_out, mask=n_ok)
+        tl.store(dst + N, up_out, mask=n_ok)

@@ -1,0 +1,139 @@
+"""A gated MLP's INT4 gate and up projections for one token: ``silu(x @ Wg.T) * (x @ Wu.T)`` in one launch.
+
+Two kinds of configuration (GEMV configs as in mmsdk.kernels.w4a16, ``(BLOCK_N, BLOCK_C quads, warps, 1,
+KIND[, target programs])``); the tuner times both kinds per shape (key ``("gated", ...)``) and runs the faster:
+
+* ``"gated"`` (``gemv_quad_gated``): each program computes the same output rows of both weights (two
+  accumulators; a step's activations are loaded and split by nibble once for both weights' words). The
+  K slices are counted from N rows, and with one slice (LLaVA-7B and Qwen2-VL-7B MLPs at every gated tile:
+  688-2368 row blocks against a 528-program target) the program stores ``silu(gate) * up`` itself: one
+  launch, no fp32 partials. Several slices store both partials and :func:`split_gated` finishes.
+* ``"quad"`` / ``"quadp"`` (``gemv_quad`` with ``PAIRED``): programs split between the two weights, so each
+  holds one product and the launch always ends with the ``split_gated`` epilogue (two launches). Kept as a
+  candidate because on paper it may still win where the gated kind is weak: a gated tile holds two word
+  tiles per step (more registers than the same per-weight tile: benchmarks/sm90_gemv_builds.py), and at one
+  slice it launches half as many programs, each twice as long, so its last wave of programs is coarser;
+  where K must be split anyway (small N) it needs twice the slices for the same program count, with twice
+  the partials to write and sum. Which wins per shape is for the H200 timings to say.
+
+SiLU and the product run in fp32 and are rounded once (transformers rounds the SiLU output and the product to
+the model dtype separately: the difference is one bf16 rounding).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from mmsdk.kernels import note_fallback
+from mmsdk.kernels.w4a16 import (
+    _QUAD_KINDS,
+    _TARGET_PROGRAMS,
+    GemvConfig,
+    PackedWeight,
+    _check_columns,
+    _finish_splits,
+    _gemv_candidates,
+    _kernels,
+    _launch_gemv,
+    _tuned,
+    gemv_ready,
+    k_slices,
+    unsupported_reason,
+)
+
+__all__ = ["PAIRED_KINDS", "gated_silu_reason", "w4a16_gated_silu"]
+
+PAIRED_KINDS = ("gated", *_QUAD_KINDS)
+# "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 (8x128x4, 8x64x2, 16x64x2)
+# and a one-warp tile, here with twice their weight bytes per thread and step. Offline sm_90 builds (g128, Triton 3.6,
+# benchmarks/sm90_gemv_builds.py): 8x128x4, 8x64x2 and 8x32x1 167 registers, 16x64x2 254, none spill (4x128x1 spills,
+# 4x64x1 needs 189 registers for 8x32x1's bytes: left out); 4 barriers per step against the per-weight kernel's 2
+# (one accumulator layout conversion per weight: the same per weight byte). The 528-program target leaves the 7B MLPs
+# one K slice (direct store). The per-weight "quad" candidates follow (see the module docstring).
+_GATED_TILES = ((8, 128, 4), (8, 64, 2), (8, 32, 1), (16, 64, 2))
+
+
+def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
+    """Why :func:`w4a16_gated_silu` cannot take these inputs (None when it can)."""
+    reason = unsupported_reason(x, gate[0], gate[1], block_size) or unsupported_reason(x, up[0], up[1], block_size)
+    if reason is not None:
+        return reason
+    if x.reshape(-1, x.shape[-1]).shape[0] != 1:
+        return "more than one activation row (the paired GEMV is the batch-1 decode kernel)"
+    if block_size < 32:
+        return f"group size {block_size} (the paired GEMV reads 4-word quads: groups >= 32)"
+    if gate[0].shape != up[0].shape or gate[1].shape != up[1].shape or gate[1].dtype != up[1].dtype:
+        return "gate and up weights differ in shape or scale dtype"
+    if (gate[2] is None) != (up[2] is None) or not (gemv_ready(gate[0]) and gemv_ready(up[0])):
+        return "one weight has zero points and the other not, or a weight is not contiguous and 4-byte aligned"
+    if gate[2] is not None and up[2] is not None and gate[2].stride() != up[2].stride():
+        return "gate and up zero points are laid out differently (the kernel reads both with one row stride)"
+    return None
+
+
+def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
+                     config: GemvConfig | None = None, splits: int | None = None) -> torch.Tensor | None:
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, or None (the caller falls back).
+
+    ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
+    MLP). One launch when the chosen configuration needs no K split (kind "gated"), else a GEMV launch and
+    a small epilogue, where transformers runs two GEMVs, two split sums, a SiLU and a multiply. ``config``
+    picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner; ``splits`` the K slices.
+    """
+    reason = gated_silu_reason(x, gate, up, block_size)
+    if reason is not None:
+        note_fallback("w4a16 gated silu", reason)
+        return None
+    flat = x.reshape(1, in_features)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n, k_blocks, _ = gate[0].shape
+    _check_columns(in_features, k_blocks * block_size)
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None)
+
+    def launch(cfg: GemvConfig) -> None:
+        _launch_paired(flat, gate, up, out, block_size, cfg, splits)
+
+    launch(config or _tuned(key, launch, _paired_candidates(block_size), block_size))
+    return out.reshape(*x.shape[:-1], n)
+
+
+@cache
+def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
+    """What the tuner times for a paired GEMV: the "gated" tiles first (taken untimed under capture or the
+    interpreter), then the one-row "quad" kinds of the plain GEMV (groups >= 32 throughout)."""
+    per_weight = tuple(c for c in _gemv_candidates(1, group) if len(c) > 4 and c[4] in _QUAD_KINDS)
+    return tuple((*tile, 1, "gated", 528) for tile in _GATED_TILES) + per_weight
+
+
+def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
+                   cfg: GemvConfig, splits: int | None) -> None:
+    """Launch one paired configuration: ``out = silu(x @ Wg.T) * (x @ Wu.T)``."""
+    if len(cfg) < 5 or cfg[4] not in PAIRED_KINDS:
+        raise ValueError(f"paired GEMV config {cfg!r}: use (BLOCK_N, BLOCK_C, warps, 1, KIND[, target programs]) "
+                         f"with KIND one of {PAIRED_KINDS}.")
+    if cfg[4] != "gated":
+        _launch_gemv(x, *gate, None, out, group, cfg, splits, second=up)
+        return
+    import triton
+
+    block_n, block_c, warps = cfg[:3]
+    (qweight, scales, zero_points), (qweight2, scales2, zero_points2) = gate, up
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    # one program covers rows rn of both weights: slices are counted from N rows, not the 2N of the quad kinds
+    per_split, n_splits = k_slices(n, k_blocks, block_n, block_c, cfg[5] if len(cfg) > 5 else _TARGET_PROGRAMS,
+                                   splits)
+    direct = n_splits == 1
+    target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
+    has_zp = zero_points is not None
+    _kernels().gemv_quad_gated[(triton.cdiv(n, block_n), n_splits, m)](
+        x, qweight.view(torch.int32), scales, zero_points if has_zp else scales, qweight2.view(torch.int32), scales2,
+        zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
+        zero_points.stride(0) if has_zp else 0, GROUP=group, HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n,
+        BLOCK_C=block_c, num_warps=warps)
+    if not direct:
+        _finish_splits(target, out, None, n_splits, True)
