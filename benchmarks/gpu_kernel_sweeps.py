@@ -1,4 +1,4 @@
-"""Two decode-kernel questions on the GPU, one section each (CUDA only).
+"""Decode-kernel questions on the GPU, one section each (CUDA only).
 
 * ``tiles``: which "quad" GEMV tiles (rows x quads x warps, K-slice target) and whether prefetching the
   next step's weights ("quadp") reach more bandwidth at batch 1 on the LLaVA-1.5-7B / Qwen2-VL-7B shapes,
@@ -9,16 +9,19 @@
   (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache.
 * ``mha``: the same for LLaVA-1.5-7B's 32 MHA heads, each configuration also with its splits merged by
   the partial kernel's last program instead of a second (combine) kernel.
+* ``merge``: the int4 KV decode with the splits merged by the partial kernel's last program per row
+  (``combine_tickets``, one launch) against the partial + combine launches, at 1k-16k tokens.
 
 Times are medians of CUDA-graph replays (20 calls per graph), as in gpu_tune.py; errors are relative
 to the fp32 product of the dequantized weights (or the fp64 attention reference).
 
-    python benchmarks/gpu_kernel_sweeps.py --sections tiles,gqa --out sweeps.json
+    python benchmarks/gpu_kernel_sweeps.py --sections tiles,gqa,merge --out sweeps.json
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any
 
 import torch
@@ -185,13 +188,32 @@ def mha() -> list[dict[str, Any]]:
     return rows
 
 
+def merge() -> list[dict[str, Any]]:
+    """Default int4 KV decode, two launches against one (in-launch merge), LLaVA-7B and Qwen2-VL-7B heads."""
+    from benchmarks.gpu_suite import kv_problem
+    from mmsdk.kernels.kv_decode import decode_attention
+
+    rows = []
+    for heads, (hq, hkv) in (("llava-7b", (32, 32)), ("qwen2-vl-7b", (28, 4))):
+        for ctx in (1024, 4096, 16384):
+            scale, _, q, _, _, kc, vc, length = kv_problem(hq, hkv, ctx, 128)
+            tickets = torch.zeros(hkv, dtype=torch.int32, device="cuda")
+            two_launches = partial(decode_attention, q, kc, vc, scale, scale, length, "int4", 128**-0.5)
+            one_launch = partial(two_launches, combine_tickets=tickets)
+            rows.append({"heads": heads, "ctx": ctx, "rel_diff": rel(one_launch(), two_launches()),
+                         "two_launches_us": gtime(two_launches), "one_launch_us": gtime(one_launch),
+                         "tickets_zero": not bool(tickets.any())})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="tiles,gqa")
+    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, gqa, mha, merge")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    sections = {"tiles": tiles, "gqa": gqa, "mha": mha}
+    sections = {"tiles": tiles, "gqa": gqa, "mha": mha, "merge": merge}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 
