@@ -1,4 +1,4 @@
-"""Decode-kernel questions on the GPU, one section each (CUDA only).
+"""Two decode-kernel questions on the GPU, one section each (CUDA only).
 
 * ``tiles``: which "quad" GEMV tiles (rows x quads x warps, K-slice target) and whether prefetching the
   next step's weights ("quadp") reach more bandwidth at batch 1 on the LLaVA-1.5-7B / Qwen2-VL-7B shapes,
@@ -7,21 +7,20 @@
   its results are benchmarks/results/h200_kernel_sweeps_fixup.json, made at commit 575927b.)
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
   (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache.
-* ``mha``: the same for LLaVA-1.5-7B's 32 MHA heads, each configuration also with its splits merged by
-  the partial kernel's last program instead of a second (combine) kernel.
-* ``merge``: the int4 KV decode with the splits merged by the partial kernel's last program per row
-  (``combine_tickets``, one launch) against the partial + combine launches, at 1k-16k tokens.
+* ``mha``: the same for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
+  program instead of a second, combine kernel measured slower for every configuration, MHA and GQA, at
+  1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
+  made at commit e1d71cb.)
 
 Times are medians of CUDA-graph replays (20 calls per graph), as in gpu_tune.py; errors are relative
 to the fp32 product of the dequantized weights (or the fp64 attention reference).
 
-    python benchmarks/gpu_kernel_sweeps.py --sections tiles,gqa,merge --out sweeps.json
+    python benchmarks/gpu_kernel_sweeps.py --sections tiles,gqa --out sweeps.json
 """
 
 from __future__ import annotations
 
 import argparse
-from functools import partial
 from typing import Any
 
 import torch
@@ -152,8 +151,7 @@ MHA_SPACE = {  # (BLOCK_T, warps, target programs) of the MHA word kernels, arou
 
 
 def mha() -> list[dict[str, Any]]:
-    """The MHA int4 KV decode kernels (LLaVA-1.5-7B heads: 32/32, head_dim 128) at 4k and 16k tokens, each
-    configuration with the separate combine kernel and with the splits merged by the partial kernel's last program."""
+    """The MHA int4 KV decode kernels' configurations on LLaVA-1.5-7B heads (32/32, head_dim 128), 4k and 16k."""
     from benchmarks.gpu_suite import kv_problem
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
     from mmsdk.plugins.quantizers.quantized_cache import Packed
@@ -165,22 +163,20 @@ def mha() -> list[dict[str, Any]]:
         reference = reference_decode_attention(q, codec.decode(Packed(kc), torch.float32, d),
                                                codec.decode(Packed(vc), torch.float32, d), d**-0.5)
         sdpa = gtime(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf))
-        tickets = torch.zeros(32, dtype=torch.int32, device="cuda")
         results = []
         for variant, space in MHA_SPACE.items():
             for cfg in space:
-                for merged in (False, True):
-                    extra = {"combine_tickets": tickets} if merged else {}
-                    try:
-                        out = decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5, config=cfg,
-                                               variant=variant, **extra)
-                        t = gtime(lambda: decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5,
-                                                           config=cfg, variant=variant, **extra))
-                    except Exception as error:
-                        print("skip", variant, cfg, merged, type(error).__name__, str(error)[:100], flush=True)
-                        continue
-                    results.append({"variant": variant, "cfg": cfg, "merged": merged, "us": t, "ratio": t / sdpa,
-                                    "rel_err": rel(out, reference)})
+                def run(cfg: Any = cfg, variant: str = variant) -> torch.Tensor:
+                    return decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5, config=cfg,
+                                            variant=variant)
+
+                try:
+                    out, t = run(), gtime(run)
+                except Exception as error:
+                    print("skip", variant, cfg, type(error).__name__, str(error)[:100], flush=True)
+                    continue
+                results.append({"variant": variant, "cfg": cfg, "us": t, "ratio": t / sdpa,
+                                "rel_err": rel(out, reference)})
         results.sort(key=lambda r: r["us"])
         rows.append({"ctx": ctx, "sdpa_us": sdpa, "best": results[:6], "all": results,
                      "default": [r for r in results if r["cfg"] is None and r["variant"] == "subnormal"]})
@@ -188,32 +184,13 @@ def mha() -> list[dict[str, Any]]:
     return rows
 
 
-def merge() -> list[dict[str, Any]]:
-    """Default int4 KV decode, two launches against one (in-launch merge), LLaVA-7B and Qwen2-VL-7B heads."""
-    from benchmarks.gpu_suite import kv_problem
-    from mmsdk.kernels.kv_decode import decode_attention
-
-    rows = []
-    for heads, (hq, hkv) in (("llava-7b", (32, 32)), ("qwen2-vl-7b", (28, 4))):
-        for ctx in (1024, 4096, 16384):
-            scale, _, q, _, _, kc, vc, length = kv_problem(hq, hkv, ctx, 128)
-            tickets = torch.zeros(hkv, dtype=torch.int32, device="cuda")
-            two_launches = partial(decode_attention, q, kc, vc, scale, scale, length, "int4", 128**-0.5)
-            one_launch = partial(two_launches, combine_tickets=tickets)
-            rows.append({"heads": heads, "ctx": ctx, "rel_diff": rel(one_launch(), two_launches()),
-                         "two_launches_us": gtime(two_launches), "one_launch_us": gtime(one_launch),
-                         "tickets_zero": not bool(tickets.any())})
-            print(rows[-1], flush=True)
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, gqa, mha, merge")
+    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, gqa, mha")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    sections = {"tiles": tiles, "gqa": gqa, "mha": mha, "merge": merge}
+    sections = {"tiles": tiles, "gqa": gqa, "mha": mha}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

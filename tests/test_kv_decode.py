@@ -151,32 +151,6 @@ def test_variant_choice_is_validated(device):
         decode_attention(gqa_query, *codes, *scales, count, "int4", 0.1, variant="subnormal")
 
 
-def test_in_launch_merge_matches_the_combine_kernel(device):
-    """combine_tickets: the partial kernel's last program per row merges the splits; same result, tickets left 0."""
-    from mmsdk.kernels.kv_decode import decode_attention
-
-    torch.manual_seed(6)
-    # (variant, query heads, KV heads, head_dim): 13 splits, two merge steps of 8 at head_dim 128; grouped heads
-    # (one program merges 4); an even/odd partial layout with padded channels (head_dim 24 in 16-wide halves)
-    for variant, hq, hkv, dim in (("subnormal", 2, 2, 128), ("magic", 8, 2, 32), ("generic", 6, 2, 24),
-                                  ("generic", 2, 2, 128)):
-        query, codes, scales, count, _, _ = _problem(device, hq, hkv, dim, 200, 170)
-        query = torch.cat([query, query * 0.5])  # batch 2: the mask keeps no token of the second row
-        codes = [torch.cat([c, c]) for c in codes]
-        mask = torch.rand(2, 200, device=device) > 0.3
-        mask[1] = False
-        tickets = torch.zeros(2 * hkv, dtype=torch.int32, device=device)
-        config = (16, 2, 64)
-        for m in (mask, None) if variant == "subnormal" else (mask,):  # the same tickets again: a graph replay
-            two = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, m, config, variant)
-            one = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, m, config, variant,
-                                   combine_tickets=tickets)
-            assert not tickets.any()
-            assert _rel(one, two) < 1e-6  # fp32 summation order only: interpreter <= 6.6e-8 measured
-    with pytest.raises(ValueError, match="int32 buffer of at least 4"):
-        decode_attention(query, *codes, *scales, count, "int4", 0.1, combine_tickets=tickets[:3])
-
-
 def test_packed_layer_appends_advance_its_length():
     """Prefill, decode tokens, a chunk, a beam reorder, crop and reset keep the length, ticket and codes consistent.
 
@@ -204,11 +178,6 @@ def test_packed_layer_appends_advance_its_length():
     assert int(layer.length) == 33 and int(layer.ticket) == 0
     for codes, codec, x in ((layer.key_codes, codecs[0], keys), (layer.value_codes, codecs[1], values)):
         assert torch.equal(codes[:, :, :33], codec.encode(x).data)
-    if device != "cpu" or INTERPRETING:  # the decode kernel, with the splits merged in its own launch or not
-        query = torch.randn(2, heads, 1, dim, device=device)
-        two = layer.attend(query, dim**-0.5, None)
-        layer.merge_tickets = torch.zeros(2 * heads, dtype=torch.int32, device=device)
-        assert _rel(layer.attend(query, dim**-0.5, None), two) < 1e-6  # interpreter: 0.0 (one split)
     layer.crop(-3)
     layer.update(keys[:, :, 30:31], values[:, :, 30:31])
     assert int(layer.length) == 31 and int(layer.ticket) == 0
@@ -225,7 +194,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "8 passed" in result.stdout, result.stdout[-2000:]
+    assert "7 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._kv_merge_triton import merge_rows
 from mmsdk.kernels._kv_triton import decode_program, softmax_total, token_tile
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
@@ -78,9 +77,7 @@ def store_nibble_out(po_ptr, slot, rw, acc, l_i, l_safe, J: tl.constexpr, W: tl.
 @triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
-                                      tk_ptr, vs_ptr, out_ptr, so_b, so_h,
-                                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
-                                      FUSED: tl.constexpr, CHUNK: tl.constexpr):
+                                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
@@ -158,6 +155,3 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     store_nibble_out(po_ptr, slot, rw, v6, l_i, l_safe, 6, W)
     store_nibble_out(po_ptr, slot, rw, v7, l_i, l_safe, 7, W)
     tl.store(pl_ptr + slot, lse)
-    if FUSED:
-        merge_rows(tk_ptr, po_ptr, pl_ptr, vs_ptr, out_ptr, bh, b, hk, 1, H_KV, n_splits, so_b, so_h, 8 * W, False,
-                   8 * W, CHUNK)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._kv_merge_triton import merge_rows
-
 LOG2E = 1.4426950408889634
 
 
@@ -182,14 +180,9 @@ def softmax_total(m_i, l_i):
 @triton.jit
 def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                    sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
-                   tk_ptr, vs_ptr, out_ptr, so_b, so_h,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
-                   FUSED: tl.constexpr, CHUNK: tl.constexpr):
-    """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
-
-    With ``FUSED`` the row's last program also merges the splits into ``out`` (``merge_rows``; tickets at ``tk_ptr``).
-    """
+                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp."""
     bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
@@ -229,9 +222,6 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     tl.store(out, acc_e / l_safe[:, None], mask=g_ok[:, None])
     tl.store(out + BLOCK_HD, acc_o / l_safe[:, None], mask=g_ok[:, None])
     tl.store(pl_ptr + slot, lse, mask=g_ok)
-    if FUSED:
-        merge_rows(tk_ptr, po_ptr, pl_ptr, vs_ptr, out_ptr, bh, b, hk, G, H_KV, n_splits, so_b, so_h, D, True,
-                   2 * BLOCK_HD, CHUNK)
 
 
 @triton.jit
@@ -284,9 +274,8 @@ def int4_words(c_ptr, rows, t_ok, rw, rs, W):
 @triton.jit
 def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                         sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
-                        tk_ptr, vs_ptr, out_ptr, so_b, so_h,
                         HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_T: tl.constexpr, W: tl.constexpr, FUSED: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCK_T: tl.constexpr, W: tl.constexpr):
     """Like :func:`decode_partial` for int4 codes read as int32 words (head_dim = 8 * W, a power of two).
 
     Partials are stored in natural channel order (``[slot, 8 * W]``) for :func:`decode_combine_natural`.
@@ -332,9 +321,6 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
         tl.store(po_ptr + slot[:, None, None] * D + ch[None, :, :], acc / l_safe[:, None, None],
                  mask=g_ok[:, None, None])
     tl.store(pl_ptr + slot, lse, mask=g_ok)
-    if FUSED:
-        merge_rows(tk_ptr, po_ptr, pl_ptr, vs_ptr, out_ptr, bh, b, hk, G, H_KV, n_splits, so_b, so_h, D, False, D,
-                   CHUNK)
 
 
 @triton.jit

@@ -174,43 +174,23 @@ def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tupl
     return (*config, *default[len(config):])
 
 
-def _check_tickets(tickets: torch.Tensor | None, rows: int, device: torch.device) -> None:
-    """Raise unless ``tickets`` is None or an int32 buffer of at least ``rows`` entries on ``device``."""
-    if tickets is None:
-        return
-    if tickets.dtype != torch.int32 or tickets.numel() < rows or tickets.device != device:
-        raise ValueError(f"combine_tickets must be a zeroed int32 buffer of at least {rows} entries (batch * KV "
-                         f"heads) on {device}; got {tickets.dtype} x {tickets.numel()} on {tickets.device}. Pass "
-                         f"torch.zeros({rows}, dtype=torch.int32, device=...) once and reuse it, or None")
-
-
-def _merge_chunk(width: int, n_splits: int) -> int:
-    """Splits merged per step by the in-launch merge: tiles of about 1024 values (32 per lane of one warp)."""
-    return max(1, min(_pow2(n_splits), 1024 // width))
-
-
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
                      scaling: float, mask: torch.Tensor | None = None,
-                     config: tuple[int, ...] | None = None, variant: str | None = None,
-                     combine_tickets: torch.Tensor | None = None) -> torch.Tensor:
+                     config: tuple[int, ...] | None = None, variant: str | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages]) pick a kernel and override its defaults (tuning). ``combine_tickets``
-    (opt-in, not yet timed on a GPU): a zeroed int32 buffer of at least B * H_kv entries on the query's
-    device; the partial kernel's last program per (batch, KV head) then merges the splits, so the combine
-    kernel does not run (one launch instead of two). The call leaves the buffer zeroed.
+    target programs[, num_stages]) pick a kernel and override its defaults (tuning).
     """
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
-    _check_tickets(combine_tickets, b * key_codes.shape[1], query.device)
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
     if variant != "generic":
         return _decode_int4_words(query, key_codes, value_codes, key_scale, value_scale, length, scaling, mask,
-                                  config, variant, combine_tickets)
+                                  config, variant)
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
@@ -227,14 +207,10 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         query, key_codes, value_codes, key_scale, length, mask_arg, partial, lse,
         query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
         mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
-        split_t, float(scaling) * _kv_triton.LOG2E, lse if combine_tickets is None else combine_tickets, value_scale,
-        out, out.stride(0), out.stride(2),
+        split_t, float(scaling) * _kv_triton.LOG2E,
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
-        BLOCK_HD=block_hd, FUSED=combine_tickets is not None, CHUNK=_merge_chunk(2 * block_hd, n_splits),
-        num_warps=warps, num_stages=stages,
+        BLOCK_HD=block_hd, num_warps=warps, num_stages=stages,
     )
-    if combine_tickets is not None:
-        return out
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2),
         BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, num_warps=4 if block_hd >= 64 else 1,
@@ -245,7 +221,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
                        mask: torch.Tensor | None, config: tuple[int, ...] | None,
-                       variant: str, tickets: torch.Tensor | None) -> torch.Tensor:
+                       variant: str) -> torch.Tensor:
     """Flash-decoding over int4 codes read as int32 words (8 channels per load element)."""
     from mmsdk.kernels import _kv_triton
 
@@ -261,9 +237,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     args = (query, key_codes.view(torch.int32), value_codes.view(torch.int32), key_scale,
             length, mask if mask is not None else lse, partial, lse,
             query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
-            mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, split_t, float(scaling) * _kv_triton.LOG2E,
-            lse if tickets is None else tickets, value_scale, out, out.stride(0), out.stride(2))
-    launch_options.update(FUSED=tickets is not None, CHUNK=_merge_chunk(d, n_splits))
+            mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, split_t, float(scaling) * _kv_triton.LOG2E)
     if variant == "subnormal":
         from mmsdk.kernels import _kv_subnormal_triton
 
@@ -274,8 +248,6 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
             *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, _pow2(group)) if use_dot else
             _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
-    if tickets is not None:
-        return out
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
         BLOCK_S=_pow2(n_splits), D=d, num_warps=4 if d >= 64 else 1,

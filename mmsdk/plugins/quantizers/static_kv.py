@@ -57,9 +57,6 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.key_scale: torch.Tensor | None = None  # fp32 [heads, head_dim] on the cache's device
         self.value_scale: torch.Tensor | None = None
         self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
-        # opt-in, not yet timed on a GPU: a zeroed int32 [batch * heads] buffer makes decode steps merge the
-        # attention splits inside the partial kernel (decode_attention's combine_tickets)
-        self.merge_tickets: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -158,7 +155,7 @@ class PackedStaticLayer(QuantizedKVLayer):
         from mmsdk.kernels.kv_decode import decode_attention
 
         return decode_attention(query, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
-                                self.length, self.fmt, scaling, mask, combine_tickets=self.merge_tickets)
+                                self.length, self.fmt, scaling, mask)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
