@@ -4,8 +4,8 @@ The waterfall (gpu_suite.py --sections memory) puts LLaVA-1.5-7B with int4-weigh
 4 x 4096-token prompts, 128 new tokens, above its floor (packed weights + packed KV). This script runs that row with the
 CUDA caching allocator's history recorded, replays the trace to the moment of the peak and lists the live
 allocations there by the Python line that made them (the innermost mmsdk / transformers / torch frame). Then it runs the
-row again for each prefill chunk in ``--chunks`` (tokens per batch row; fast generate's PREFILL_CHUNK) and reports
-each peak against the floor.
+row again for each prefill chunk in ``--chunks`` (tokens over all batch rows; fast generate's PREFILL_TOKENS) and
+reports each peak against the floor.
 
     python benchmarks/gpu_memory_peak.py --out peak.json
 """
@@ -68,12 +68,13 @@ def build() -> tuple[Any, dict[str, torch.Tensor], float]:
 
 
 def generate_peak(model: Any, inputs: dict[str, torch.Tensor], chunk: int) -> float:
-    """Peak allocated bytes of one generate() call with prefill chunks of ``chunk`` tokens (fresh decode state)."""
+    """Peak allocated bytes of one generate() call with prefill chunks of ``chunk`` tokens over all rows (fresh
+    decode state)."""
     from mmsdk.kernels import fast_generate
 
     fast_generate.release(model)
-    saved = fast_generate.PREFILL_CHUNK
-    fast_generate.PREFILL_CHUNK = chunk
+    saved = fast_generate.PREFILL_TOKENS
+    fast_generate.PREFILL_TOKENS = chunk
     try:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -82,7 +83,7 @@ def generate_peak(model: Any, inputs: dict[str, torch.Tensor], chunk: int) -> fl
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
     finally:
-        fast_generate.PREFILL_CHUNK = saved
+        fast_generate.PREFILL_TOKENS = saved
 
 
 def workspace_per_stream() -> float:
@@ -100,9 +101,10 @@ def workspace_per_stream() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="peak.json")
-    parser.add_argument("--chunks", default="1024,512,256")
+    parser.add_argument("--chunks", default="4096,2048,1024")
     args = parser.parse_args()
     workspace = workspace_per_stream()
+    leftover = torch.cuda.memory_allocated()  # not the model's: the peaks below count from it
     model, inputs, floor = build()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_memory_peak.py --chunks " + args.chunks,
                                "floor_GB": floor / 1e9, "torch": torch.__version__,
@@ -114,7 +116,7 @@ def main() -> None:
     start = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     try:
-        peak = generate_peak(model, inputs, fast_generate.PREFILL_CHUNK)
+        peak = generate_peak(model, inputs, fast_generate.PREFILL_TOKENS)
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -125,8 +127,8 @@ def main() -> None:
     print(json.dumps(results["trace"], indent=1), flush=True)
     results["chunks"] = []
     for chunk in (int(c) for c in args.chunks.split(",")):
-        peak = generate_peak(model, inputs, chunk)
-        results["chunks"].append({"chunk": chunk, "peak_GB": peak / 1e9, "peak_over_floor": peak / floor})
+        peak = generate_peak(model, inputs, chunk) - leftover
+        results["chunks"].append({"chunk_tokens": chunk, "peak_GB": peak / 1e9, "peak_over_floor": peak / floor})
         print(results["chunks"][-1], flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -220,8 +220,8 @@ def memory_probe() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         inputs = suite.llava_inputs(4, 4096, images=True)
-        for chunk in (1 << 20, fast_generate.PREFILL_CHUNK):
-            fast_generate.PREFILL_CHUNK = chunk
+        for chunk in (1 << 20, fast_generate.PREFILL_TOKENS):
+            fast_generate.PREFILL_TOKENS = chunk
             for label, passes, kv in (("int4-weight", ("int4-weight",), False), ("int4-weight+int4-kv", ("int4-weight",), True)):
                 model = suite.optimized(suite.build_llava(), passes, kv)
                 peaks: dict[str, float] = {}
@@ -257,7 +257,7 @@ def memory_probe() -> dict[str, Any]:
                 torch.cuda.empty_cache()
     finally:
         suite.llava_config = original
-        fast_generate.PREFILL_CHUNK = 1024
+        fast_generate.PREFILL_TOKENS = 1024
     return out
 
 

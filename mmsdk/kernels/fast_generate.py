@@ -6,9 +6,10 @@ decoding without padding, it runs:
 1. prefill and the first decode step through the model's own forward (images, token pruning,
    M-RoPE offsets: everything the model and mmsdk's runtimes do stays in charge), into a static
    cache (mmsdk's packed KV layers when a KV-cache pass is installed, else transformers'
-   ``StaticCache``). The language model's prefill runs in chunks of ``PREFILL_CHUNK`` tokens
-   (only the last position's logits are kept), so the prefill's transient activations (attention
-   scores, MLP intermediates) scale with the chunk, not with the whole prompt;
+   ``StaticCache``). The language model's prefill runs in chunks of ``PREFILL_TOKENS`` tokens over
+   all rows of the batch (only the last position's logits are kept), so the prefill's transient
+   activations (attention scores, MLP intermediates) scale with the chunk, not with the prompt or
+   the batch;
 2. every later step by replaying one CUDA graph that embeds the last token, runs the language model
    and the LM head, takes the argmax and advances the positions, all on the device; the host checks
    for end-of-sequence every ``CHECK_EVERY`` steps.
@@ -48,10 +49,13 @@ from mmsdk.kernels.decode_state import (
     watched_objects,
 )
 
-__all__ = ["CHECK_EVERY", "PREFILL_CHUNK", "install", "release", "unsupported_reason"]
+__all__ = ["CHECK_EVERY", "PREFILL_TOKENS", "install", "release", "unsupported_reason"]
 
 CHECK_EVERY = 16
-PREFILL_CHUNK = 1024
+# tokens of all batch rows per prefill chunk: LLaVA-1.5-7B with int4-weight + int4-kv + token-prune 0.25 at batch 4
+# x 4096 tokens peaked at 1.117 / 1.098 / 1.091x its packed floor with 4096 / 2048 / 1024 (H200,
+# benchmarks/gpu_memory_peak.py); a batch-1 prompt keeps the 1024-token chunks it had
+PREFILL_TOKENS = 1024
 # language-model tensor arguments whose token axis chunked prefill knows how to cut
 _CHUNKED_TENSORS = {"inputs_embeds", "attention_mask", "position_ids", "cache_position"}
 ATTRIBUTE = "_mmsdk_fast_generate"
@@ -216,11 +220,11 @@ class _Generator:
         self.model, self.adapter, self.graphs = model, adapter, graphs
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.first_position = 0
-        self.prefill_chunk = PREFILL_CHUNK
         self.kwargs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
                                                                      "use_cache", "pad_token_id", "eos_token_id",
                                                                      "min_new_tokens")}
         self.ids: torch.Tensor = kwargs["input_ids"]
+        self.prefill_chunk = max(1, PREFILL_TOKENS // self.ids.shape[0])  # tokens per row
         self.new_tokens = int(kwargs["max_new_tokens"])
         config = model.generation_config
         eos = kwargs.get("eos_token_id", config.eos_token_id)
