@@ -87,8 +87,7 @@ def test_gqa_kernels_take_block_configs(device):
     for variant, config in (("generic", None), ("generic", (32, 4, 4, 3)), ("generic", (64, 8, 1)),
                             ("magic", (32, 4, 4, 2)), ("magic", (64, 4, 1))):
         # interpreter fp32 ~1e-6; CUDA runs the fp32 dots on TF32 tensor cores (~1e-3)
-        tol = 1e-4 if device == "cpu" else 5e-3
-        _check(device, variant, config, 8, 2, 32, 100, 77, torch.float32, (None, mask), tol)
+        _check(device, variant, config, 8, 2, 32, 100, 77, torch.float32, (None, mask), 1e-4 if device == "cpu" else 5e-3)
     from mmsdk.kernels.kv_decode import decode_attention
 
     query, codes, scales, count, _, _ = _problem(device, 8, 2, 32, 20, 10)
@@ -151,42 +150,6 @@ def test_variant_choice_is_validated(device):
         decode_attention(gqa_query, *codes, *scales, count, "int4", 0.1, variant="subnormal")
 
 
-def test_packed_layer_appends_advance_its_length():
-    """Prefill, decode tokens, a chunk, a beam reorder, crop and reset keep the length, ticket and codes consistent.
-
-    Under the interpreter (and on CUDA) the append kernel advances the length itself; on a plain CPU run the
-    torch fallback does: both must give the torch codec's codes.
-    """
-    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
-
-    device = "cuda" if CUDA else "cpu"
-    if INTERPRETING:
-        from tests import _interpreter
-
-        _interpreter.patch()
-    torch.manual_seed(5)
-    heads, dim = 3, 15  # an odd head_dim: the last byte's high nibble is padding
-    codecs = [StaticCodec("int4", torch.rand(heads, dim, device=device) * 0.3 + 0.05) for _ in range(2)]
-    layer = PackedStaticLayer(*codecs, max_cache_len=40, fused=False)
-    keys, values = (torch.randn(2, heads, 33, dim, device=device) for _ in range(2))
-    for lo, hi in ((0, 19), (19, 20), (20, 21), (21, 22), (22, 27)):  # 2 token tiles, 3 single tokens, 5 tokens
-        layer.update(keys[:, :, lo:hi], values[:, :, lo:hi])
-        assert int(layer.length) == hi == layer.cumulative_length and int(layer.ticket) == 0
-    layer.reorder_cache(torch.tensor([1, 0], device=device))  # beam search swaps the rows; the length stays
-    keys, values = keys.flip(0), values.flip(0)
-    layer.update(keys[:, :, 27:33], values[:, :, 27:33])
-    assert int(layer.length) == 33 and int(layer.ticket) == 0
-    for codes, codec, x in ((layer.key_codes, codecs[0], keys), (layer.value_codes, codecs[1], values)):
-        assert torch.equal(codes[:, :, :33], codec.encode(x).data)
-    layer.crop(-3)
-    layer.update(keys[:, :, 30:31], values[:, :, 30:31])
-    assert int(layer.length) == 31 and int(layer.ticket) == 0
-    layer.reset()
-    layer.update(keys[:, :, :2], values[:, :, :2])
-    assert int(layer.length) == 2 and int(layer.ticket) == 0
-    assert torch.equal(layer.key_codes[:, :, :2], codecs[0].encode(keys[:, :, :2]).data)
-
-
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 def test_kv_decode_under_the_interpreter():
     """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~25 s)."""
@@ -194,7 +157,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "7 passed" in result.stdout, result.stdout[-2000:]
+    assert "6 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

@@ -34,62 +34,37 @@ def encode(x, s, FMT: tl.constexpr):
 
 
 @triton.jit
-def advance_length(len_ptr, ticket_ptr, length, N):
-    """Once every program of the launch has read ``length``: the last one stores ``length + N`` and resets the ticket.
-
-    Why this is race-free: each program reads ``length`` first, then a CTA barrier orders the reads of all its
-    threads before the one ticket atomic (release). The program that draws the last ticket has acquired, through
-    the ticket's chain of read-modify-writes, every other program's release, so every read of ``length`` in the
-    launch happens before its store and none can see the new value. No program waits on another, so this needs
-    no co-residency. The ticket goes back to 0 for the next launch (a CUDA graph replays the same buffer); no
-    atomic of this launch follows the last one, and the next launch is stream-ordered after this one.
-    """
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.store(len_ptr, length + N)
-        tl.store(ticket_ptr, 0)
-
-
-@triton.jit
-def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, ticket_ptr, H, TMAX, D, HDP, N,
-           sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """Quantize ``BLOCK_N`` new tokens of one (batch, head) row of K and V, store them at ``length + l``.
-
-    Grid: (batch * heads, ceil(N / BLOCK_N)). The launch also advances ``length`` by ``N``
-    (:func:`advance_length`), so no second kernel runs after it.
-    """
+def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, H, TMAX, D, HDP,
+           sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, FMT: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """Quantize token ``program_id(1)`` of one (batch, head) row of K and V and store it at ``length + l``."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    length = tl.load(len_ptr)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    rows = (bh.to(tl.int64) * TMAX + length + rn)[:, None]
+    pos = tl.load(len_ptr) + tl.program_id(1)
     rd = tl.arange(0, BLOCK_HD)
     even, odd = 2 * rd, 2 * rd + 1
-    me, mo = (even < D)[None, :], (odd < D)[None, :]
+    me, mo = even < D, odd < D
     for which in tl.static_range(2):
         if which == 0:
-            src = k_ptr + b * sk_b + h * sk_h + rn[:, None] * sk_t
+            src = k_ptr + b * sk_b + h * sk_h + tl.program_id(1) * sk_t
             scale_ptr, dst = ks_ptr, kc_ptr
         else:
-            src = v_ptr + b * sv_b + h * sv_h + rn[:, None] * sv_t
+            src = v_ptr + b * sv_b + h * sv_h + tl.program_id(1) * sv_t
             scale_ptr, dst = vs_ptr, vc_ptr
-        xe = tl.load(src + even[None, :], mask=n_ok[:, None] & me, other=0.0).to(tl.float32)
-        xo = tl.load(src + odd[None, :], mask=n_ok[:, None] & mo, other=0.0).to(tl.float32)
-        se = tl.load(scale_ptr + h * D + even, mask=even < D, other=1.0)[None, :]
-        so = tl.load(scale_ptr + h * D + odd, mask=odd < D, other=1.0)[None, :]
+        xe = tl.load(src + even, mask=me, other=0.0).to(tl.float32)
+        xo = tl.load(src + odd, mask=mo, other=0.0).to(tl.float32)
+        se = tl.load(scale_ptr + h * D + even, mask=me, other=1.0)
+        so = tl.load(scale_ptr + h * D + odd, mask=mo, other=1.0)
         ce = encode(xe, se, FMT)
         co = encode(xo, so, FMT)
+        row = (bh.to(tl.int64) * TMAX + pos)
         if FMT == 0:
             co = tl.where(mo, co, 0.0)  # an odd head_dim pads its last byte's high nibble with 0
             byte = ce.to(tl.uint8) | (co.to(tl.uint8) << 4)
-            tl.store(dst + rows * HDP + rd[None, :], byte, mask=n_ok[:, None] & (rd < HDP)[None, :])
+            tl.store(dst + row * HDP + rd, byte, mask=rd < HDP)
         else:
-            tl.store(dst + rows * D + even[None, :], ce, mask=n_ok[:, None] & me)
-            tl.store(dst + rows * D + odd[None, :], co, mask=n_ok[:, None] & mo)
-    advance_length(len_ptr, ticket_ptr, length, N)
+            tl.store(dst + row * D + even, ce, mask=me)
+            tl.store(dst + row * D + odd, co, mask=mo)
 
 
 @triton.jit

@@ -42,26 +42,18 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
-              key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, ticket: torch.Tensor,
-              fmt: str) -> None:
-    """Quantize ``key``/``value`` [B, H, L, D], write them at ``length .. length + L`` and add L to ``length``.
-
-    One launch: its last program advances ``length`` (a second kernel per layer and step cost about its
-    whole launch time). ``ticket`` is a zeroed int32 device scalar owned with ``length``; the launch leaves
-    it at 0.
-    """
+              key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str) -> None:
+    """Quantize ``key``/``value`` [B, H, L, D] and write them at positions ``length .. length + L`` (one launch)."""
     from mmsdk.kernels import _kv_triton
 
     b, h, n, d = key.shape
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
     half = key_codes.shape[-1] if fmt == "int4" else (d + 1) // 2
-    # prefill takes token tiles: one ticket atomic per program, all on one address
-    block_n = min(_pow2(n), 16)
-    _kv_triton.append[(b * h, _ceil_div(n, block_n))](
-        key, value, key_codes, value_codes, key_scale, value_scale, length, ticket, h, key_codes.shape[2], d, half,
-        n, key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        FMT=FORMATS[fmt], BLOCK_N=block_n, BLOCK_HD=_pow2(half), num_warps=1 if block_n <= 4 else 4,
+    _kv_triton.append[(b * h, n)](
+        key, value, key_codes, value_codes, key_scale, value_scale, length, h, key_codes.shape[2], d, half,
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+        FMT=FORMATS[fmt], BLOCK_HD=_pow2(half), num_warps=1,
     )
 
 

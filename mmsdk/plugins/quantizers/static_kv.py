@@ -53,7 +53,6 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.key_codes: torch.Tensor | None = None
         self.value_codes: torch.Tensor | None = None
         self.length: torch.Tensor | None = None  # device int64 [1]: tokens stored
-        self.ticket: torch.Tensor | None = None  # device int32 [1], 0 between appends: the append kernel's counter
         self.key_scale: torch.Tensor | None = None  # fp32 [heads, head_dim] on the cache's device
         self.value_scale: torch.Tensor | None = None
         self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
@@ -67,7 +66,6 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.key_codes = torch.zeros(shape, dtype=CODE_DTYPES[self.fmt], device=device)
         self.value_codes = torch.zeros(shape, dtype=CODE_DTYPES[self.fmt], device=device)
         self.length = torch.zeros(1, dtype=torch.int64, device=device)
-        self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self.key_scale = self.key_codec.scale.to(device).expand(heads, dim).contiguous()
         self.value_scale = self.value_codec.scale.to(device).expand(heads, dim).contiguous()
         self._markers = (torch.empty(0), torch.empty(0))
@@ -133,21 +131,19 @@ class PackedStaticLayer(QuantizedKVLayer):
         return self.keys, self.values  # type: ignore[return-value]
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        assert self.length is not None and self.ticket is not None
-        assert self.key_codes is not None and self.value_codes is not None
+        assert self.length is not None and self.key_codes is not None and self.value_codes is not None
         from mmsdk.kernels import note_fallback, triton_ready
 
         if triton_ready(key_states, self.key_codes):
             from mmsdk.kernels.kv_decode import append_kv
 
-            # the kernel advances self.length itself
             append_kv(key_states, value_states, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
-                      self.length, self.ticket, self.fmt)
-            return
-        note_fallback("packed KV append", "not a CUDA tensor or no Triton")
-        positions = torch.arange(key_states.shape[-2], device=self.length.device) + self.length
-        self.key_codes.index_copy_(2, positions, self.key_codec.encode(key_states).data)
-        self.value_codes.index_copy_(2, positions, self.value_codec.encode(value_states).data)
+                      self.length, self.fmt)
+        else:
+            note_fallback("packed KV append", "not a CUDA tensor or no Triton")
+            positions = torch.arange(key_states.shape[-2], device=self.length.device) + self.length
+            self.key_codes.index_copy_(2, positions, self.key_codec.encode(key_states).data)
+            self.value_codes.index_copy_(2, positions, self.value_codec.encode(value_states).data)
         self.length.add_(key_states.shape[-2])
 
     def attend(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor:
@@ -169,17 +165,15 @@ class PackedStaticLayer(QuantizedKVLayer):
 
     def reset(self) -> None:
         self.cumulative_length = 0
-        if self.length is not None and self.ticket is not None:
+        if self.length is not None:
             self.length.zero_()
-            self.ticket.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("PackedStaticLayer.crop takes the negative number of tokens to remove.")
         self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
-        if self.length is not None and self.ticket is not None:
+        if self.length is not None:
             self.length.fill_(self.cumulative_length)
-            self.ticket.zero_()
 
     def _map(self, fn: Any) -> None:
         if self.key_codes is not None and self.value_codes is not None:
