@@ -14,7 +14,9 @@ KIND[, target programs])``); the tuner times both kinds per shape (key ``("gated
   tiles per step (more registers than the same per-weight tile: benchmarks/sm90_gemv_builds.py), and at one
   slice it launches half as many programs, each twice as long, so its last wave of programs is coarser;
   where K must be split anyway (small N) it needs twice the slices for the same program count, with twice
-  the partials to write and sum. Which wins per shape is for the H200 timings to say.
+  the partials to write and sum. On the H200 the "gated" kind won on both 7B MLPs (LLaVA 11008x4096:
+  16.7 against 18.6 µs for the tuned per-weight kernel and its epilogue; Qwen2-VL 18944x3584: 25.7 against
+  28.4; benchmarks/results/h200_kernel_sweeps_merge.json, tiles section).
 
 SiLU and the product run in fp32 and are rounded once (transformers rounds the SiLU output and the product to
 the model dtype separately: the difference is one bf16 rounding).
@@ -46,13 +48,14 @@ from mmsdk.kernels.w4a16 import (
 __all__ = ["PAIRED_KINDS", "gated_silu_reason", "w4a16_gated_silu"]
 
 PAIRED_KINDS = ("gated", *_QUAD_KINDS)
-# "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 (8x128x4, 8x64x2, 16x64x2)
-# and a one-warp tile, here with twice their weight bytes per thread and step. Offline sm_90 builds (g128, Triton 3.6,
+# "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 and a one-warp tile, here
+# with twice their weight bytes per thread and step, in the order they measured on the 7B MLPs (H200: 8x64x2 within
+# 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
 # benchmarks/sm90_gemv_builds.py): 8x128x4, 8x64x2 and 8x32x1 167 registers, 16x64x2 254, none spill (4x128x1 spills,
 # 4x64x1 needs 189 registers for 8x32x1's bytes: left out); 4 barriers per step against the per-weight kernel's 2
 # (one accumulator layout conversion per weight: the same per weight byte). The 528-program target leaves the 7B MLPs
 # one K slice (direct store). The per-weight "quad" candidates follow (see the module docstring).
-_GATED_TILES = ((8, 128, 4), (8, 64, 2), (8, 32, 1), (16, 64, 2))
+_GATED_TILES = ((8, 64, 2), (8, 32, 1), (8, 128, 4), (16, 64, 2))
 
 
 def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
