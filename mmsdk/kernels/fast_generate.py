@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from mmsdk.kernels import note_fallback
+from mmsdk.kernels.chunked_prefill import Regrow, chunked, size_static_cache
 from mmsdk.kernels.decode_state import (
     DecodeState,
     Step,
@@ -56,8 +56,6 @@ CHECK_EVERY = 16
 # x 4096 tokens peaked at 1.117 / 1.098 / 1.091x its packed floor with 4096 / 2048 / 1024 (H200,
 # benchmarks/gpu_memory_peak.py); a batch-1 prompt keeps the 1024-token chunks it had
 PREFILL_TOKENS = 1024
-# language-model tensor arguments whose token axis chunked prefill knows how to cut
-_CHUNKED_TENSORS = {"inputs_embeds", "attention_mask", "position_ids", "cache_position"}
 ATTRIBUTE = "_mmsdk_fast_generate"
 _REFUSAL = "_mmsdk_fast_generate_refusal"
 _PASSTHROUGH = {
@@ -108,10 +106,6 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
     model.generate = generate  # type: ignore[method-assign]
 
 
-class _Regrow(Exception):
-    """The kept cache is too small for the prompt the language model got (raised before the prefill writes)."""
-
-
 class _Unsupported(Exception):
     """The fast path cannot take this call; transformers' generate runs instead."""
 
@@ -148,40 +142,6 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     if kwargs.get("max_new_tokens") is None:
         return "max_new_tokens not given"
     return None
-
-
-def _chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None) -> Any:
-    """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens.
-
-    Each chunk writes its K/V into the static cache and attends to everything before it; only the
-    last chunk's hidden states are returned (the caller keeps the last position's logits only).
-    Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
-    ``on_prompt`` hears the prompt length the language model gets, before anything runs.
-    """
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        embeds = kwargs.get("inputs_embeds")
-        mask = kwargs.get("attention_mask")
-        if on_prompt is not None and isinstance(embeds, torch.Tensor):
-            on_prompt(embeds.shape[1])
-        unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _CHUNKED_TENSORS]
-        if (args or unknown or not isinstance(embeds, torch.Tensor) or embeds.shape[1] <= chunk
-                or (isinstance(mask, torch.Tensor) and mask.dim() != 2)):
-            return forward(*args, **kwargs)
-        total, out = embeds.shape[1], None
-        for start in range(0, total, chunk):
-            end = min(start + chunk, total)
-            part = dict(kwargs, inputs_embeds=embeds[:, start:end])
-            if isinstance(kwargs.get("position_ids"), torch.Tensor):
-                part["position_ids"] = kwargs["position_ids"][..., start:end]
-            if isinstance(kwargs.get("cache_position"), torch.Tensor):
-                part["cache_position"] = kwargs["cache_position"][start:end]
-            if isinstance(mask, torch.Tensor):
-                part["attention_mask"] = mask[:, :end]
-            out = forward(**part)
-        return out
-
-    return run
 
 
 def _cache_objects(model: nn.Module) -> list[Any]:
@@ -283,28 +243,11 @@ class _Generator:
 
         language = self.adapter.language_model(self.model)
         return innermost_override(
-            language, lambda forward: _chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n)))
+            language, lambda forward: chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n)))
 
     def _size_cache(self, cache: Any, prompt: int) -> None:
-        """Fit the static cache to the prompt the language model gets, which token pruning may have cut.
-
-        The kept state is sized from ``input_ids`` before the model runs; a new cache's layers allocate
-        at their first write, so they take the capacity this prompt needs instead (LLaVA-1.5 at batch 4
-        x 4096 tokens with token-prune 0.25: 3840 tokens instead of 4352, 0.3 GB of packed int4 KV).
-        A kept cache smaller than this prompt raises :class:`_Regrow` before anything is written.
-        """
-        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
-
-        from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
-
-        needed = prompt + self.new_tokens + 1
-        for layer in cache.layers:
-            if not isinstance(layer, (StaticLayer, PackedStaticLayer)) or isinstance(layer, StaticSlidingWindowLayer):
-                continue  # a window's capacity is the window's business
-            if not layer.is_initialized:
-                layer.max_cache_len = min(layer.max_cache_len, capacity_for(needed))
-            elif layer.max_cache_len < needed:
-                raise _Regrow(f"the kept cache holds {layer.max_cache_len} tokens, this call needs {needed}")
+        """Fit the static cache to the prompt the language model gets (see :func:`size_static_cache`)."""
+        size_static_cache(cache, prompt + self.new_tokens + 1)
 
     @torch.inference_mode()
     def run(self) -> torch.Tensor:
@@ -314,7 +257,7 @@ class _Generator:
         try:
             try:
                 return self._generate(self._state(needed))
-            except _Regrow:  # a kept cache sized for a more pruned prompt: a new one, sized in the prefill
+            except Regrow:  # a kept cache sized for a more pruned prompt: a new one, sized in the prefill
                 release(self.model)
                 return self._generate(self._state(needed))
         except BaseException:
