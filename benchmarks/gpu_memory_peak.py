@@ -57,13 +57,11 @@ def live_at_peak(trace: list[dict[str, Any]], start_bytes: int) -> dict[str, Any
 
 def build() -> tuple[Any, dict[str, torch.Tensor], float]:
     """The all-passes model, its inputs and its floor in bytes (packed weights + packed KV)."""
-    from benchmarks.gpu_models import build_llava, llava_inputs, optimized
+    from benchmarks.gpu_models import build_llava, llava_inputs, memory_floor, optimized
     from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 
     model = optimized(build_llava(), ("int4-weight", TokenPruneConfig(keep_ratio=KEEP)), kv=True)
-    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    tokens = LENGTH - int(576 * (1 - KEEP)) + NEW
-    kv_bytes = 32 * 2 * BATCH * 32 * 128 * tokens * 0.5
+    weights, kv_bytes = memory_floor(model, BATCH, LENGTH - int(576 * (1 - KEEP)) + NEW, kv_int4=True)
     return model, llava_inputs(BATCH, LENGTH, images=True), weights + kv_bytes
 
 

@@ -92,6 +92,12 @@ KV_BF16 = 32 * 2 * 32 * 128 * 2  # bytes of K and V per token, 32 layers x 32 he
 KV_INT4 = 32 * 2 * 32 * 128 * 0.5
 
 
+def memory_floor(model: Any, batch: int, tokens: int, kv_int4: bool) -> tuple[float, float]:
+    """(bytes of every parameter and buffer, bytes of LLaVA-7B's K/V for ``batch`` rows of ``tokens``)."""
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    return weights, batch * tokens * (KV_INT4 if kv_int4 else KV_BF16)
+
+
 def qwen2_vl_config(layers: int = 28, vision_depth: int = 32) -> Any:
     """Qwen2-VL-7B's published configuration (28 layers, 28 query / 4 KV heads, M-RoPE [16, 24, 24])."""
     from transformers import Qwen2VLConfig

@@ -31,6 +31,7 @@ from benchmarks.gpu_models import (  # noqa: F401 (re-exported: the other GPU sc
     llava_config,
     llava_inputs,
     lm_bytes,
+    memory_floor,
     optimized,
     qwen2_vl_config,
 )
@@ -407,9 +408,7 @@ def section_memory(quick: bool) -> list[dict[str, Any]]:
             base = build_llava()
             passes = tuple(_pass(p) for p in passes)
             model = optimized(base, passes, kv) if (passes or kv) else base
-            weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-            tokens = length - int(576 * (1 - keep)) + new
-            kv_bytes = 32 * 2 * batch * 32 * 128 * tokens * (0.5 if kv else 2)
+            weights, kv_bytes = memory_floor(model, batch, length - int(576 * (1 - keep)) + new, kv)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
