@@ -1,9 +1,10 @@
 """What a generate() call costs once fast generate keeps its cache and CUDA graph, and what one decode step costs.
 
 LLaVA-1.5-7B shapes (random bf16 weights built on the GPU), batch 1, 1k-token text prompt, mmsdk's full
-decode stack (qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv), group sizes 32 and 128. (A first run,
-benchmarks/results/h200_decode_reuse_pdl.json, also compared programmatic dependent launch on and off, with a
-build that had it: no difference beyond 1.5%, so it was removed.)
+decode stack (qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv), group sizes 32 and 128. (An earlier
+build launched every decode kernel with programmatic dependent launch, each waiting first: no difference
+beyond 1.5%, benchmarks/results/h200_decode_reuse_pdl.json. The GEMVs now load their first weight tiles
+before they wait; ``step_ms_without_pdl`` is the same step captured with ``MMSDK_PDL=0``.)
 
 * ``cold_128_ms``: a 128-token call after ``release(model)`` (new cache, warm-up step, graph capture);
 * ``warm_1_ms`` / ``warm_128_ms``: the same calls reusing the kept state (medians of ``--reps``);
@@ -68,7 +69,24 @@ def measure(model: Any, inputs: dict[str, Any], reps: int) -> dict[str, Any]:
     row["warm_128_ms"] = call_ms(model, inputs, 128, reps)
     row["warm_step_ms_per_call"] = (row["warm_128_ms"] - row["warm_1_ms"]) / 127
     row["step_ms"] = statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+    row["step_ms_without_pdl"] = _without_pdl(model, inputs)
     return row
+
+
+def _without_pdl(model: Any, inputs: dict[str, Any]) -> float:
+    """The kept step's replay time when its graph is captured with programmatic dependent launch turned off."""
+    import os
+
+    from mmsdk.kernels import PDL_ENV
+    from mmsdk.kernels.fast_generate import release
+
+    os.environ[PDL_ENV] = "0"
+    try:
+        release(model)  # the next call captures a new graph, launching without PDL
+        return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+    finally:
+        os.environ.pop(PDL_ENV)
+        release(model)
 
 
 def _replay_after_call(model: Any, inputs: dict[str, Any]) -> float:

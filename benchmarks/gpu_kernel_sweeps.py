@@ -1,10 +1,12 @@
-"""Two decode-kernel questions on the GPU, one section each (CUDA only).
+"""Decode-kernel questions on the GPU, one section each (CUDA only).
 
 * ``tiles``: which "quad" GEMV tiles (rows x quads x warps, K-slice target) and whether prefetching the
   next step's weights ("quadp") reach more bandwidth at batch 1 on the LLaVA-1.5-7B / Qwen2-VL-7B shapes,
   against bf16 cuBLAS and the tuner's pick. (An earlier section, ``fixup``, summed the K slices inside the
   launch instead of in a second kernel: no faster, 0-5% slower on every shape, so that code was removed;
   its results are benchmarks/results/h200_kernel_sweeps_fixup.json, made at commit 575927b.)
+* ``pdl``: what programmatic dependent launch buys the tuned batch-1 GEMVs (their first weight tiles load
+  while the previous kernel still runs), alone and after an add + RMSNorm.
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
   (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache.
 * ``mha``: the same for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
@@ -103,6 +105,62 @@ def _gated_rows() -> dict[str, Any]:
     return {"gated": out}
 
 
+def pdl() -> list[dict[str, Any]]:
+    """The tuned batch-1 GEMVs with programmatic dependent launch on and off (``MMSDK_PDL``), same configuration.
+
+    Alone (a graph of 20 back-to-back calls: each call's first weight tiles load while the previous call ends)
+    and after an add + RMSNorm (the decode step's order: norm, then qkv or gate/up GEMV; ``pair_us`` is one norm
+    and one GEMV), bf16 cuBLAS as the reference.
+    """
+    cases = [(name, n, k, False) for name, (n, k) in SHAPES.items()]
+    cases += [("llava gated 11008x4096", 11008, 4096, True), ("qwen2-vl gated 18944x3584", 18944, 3584, True)]
+    rows = []
+    for case in cases:
+        rows.append(_pdl_row(*case))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _pdl_row(name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
+    """One shape of :func:`pdl` (a gated MLP's gate and up with ``gated``)."""
+    import os
+
+    from mmsdk.kernels import PDL_ENV
+    from mmsdk.kernels.norm_rope_gpu import add_rms_norm
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    weights = [quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
+               for _ in range(2 if gated else 1)]
+    parts = [(w.qweight, w.scales, w.zero_points) for w in weights]
+    dense = [dequantize_int4(w, torch.bfloat16) for w in weights]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    residual, norm_weight = torch.randn_like(x), torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    products = [x.float() @ w.float().T for w in dense]
+    expected = torch.nn.functional.silu(products[0]) * products[1] if gated else products[0]
+
+    def gemv(a: torch.Tensor) -> torch.Tensor:
+        if gated:
+            return w4a16_gated_silu(a, parts[0], parts[1], k, 128)
+        return w4a16_gemv(a, parts[0][0], parts[0][1], None, 128)
+
+    def pair() -> torch.Tensor:
+        return gemv(add_rms_norm(x, residual, norm_weight, 1e-6)[0])
+
+    row: dict[str, Any] = {"shape": name, "bf16_us": sum(gtime(lambda w=w: torch.nn.functional.linear(x, w))
+                                                          for w in dense),
+                           "norm_us": gtime(lambda: add_rms_norm(x, residual, norm_weight, 1e-6))}
+    gemv(x)  # tune once (PDL on), so both settings run the same configuration
+    for setting, key in (("1", "pdl"), ("0", "no_pdl")):
+        os.environ[PDL_ENV] = setting
+        row[key] = {"us": gtime(lambda: gemv(x)), "pair_us": gtime(pair), "rel_err": rel(gemv(x), expected)}
+    os.environ.pop(PDL_ENV)
+    row["gain_alone"] = row["no_pdl"]["us"] / row["pdl"]["us"]
+    row["vs_bf16"] = {key: row["bf16_us"] / row[key]["us"] for key in ("pdl", "no_pdl")}
+    return row
+
+
 GQA_SPACE = {  # (BLOCK_T, warps, target programs[, stages]) per variant, around the first sweep's best
     "generic": [None, (64, 4, 528, 2)] + [(bt, w, t, 2) for bt in (128, 256) for w in (4, 8) for t in (66, 132, 264)]
     + [(512, 8, t, 2) for t in (66, 132)],
@@ -115,10 +173,10 @@ def gqa() -> list[dict[str, Any]]:
     return _kv_sweep(28, 4, GQA_SPACE)
 
 
-MHA_SPACE = {  # (BLOCK_T, warps, target programs) of the MHA word kernels, around the tuned default (32, 1, 1056)
-    "subnormal": [None] + [(bt, w, t) for bt, w in ((32, 1), (64, 1), (64, 2), (128, 2), (128, 4))
-                           for t in (264, 528, 1056, 2112)],
-    "magic": [(32, 2, 1056), (64, 4, 528), (64, 4, 1056), (128, 4, 528)],
+MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, load order) of the subnormal kernel: the three load orders
+    # (0: V after the softmax, the old default; 1: K and V together; 2: the next tile's K and V loaded ahead)
+    "subnormal": [None] + [(bt, w, t, None, loads) for loads in (0, 1, 2)
+                           for bt, w in ((16, 1), (32, 1), (32, 2), (64, 2)) for t in (528, 1056, 2112)],
 }
 
 
@@ -164,10 +222,10 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]]) -> list[dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, gqa, mha")
+    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, pdl, gqa, mha")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    sections = {"tiles": tiles, "gqa": gqa, "mha": mha}
+    sections = {"tiles": tiles, "pdl": pdl, "gqa": gqa, "mha": mha}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "graph_time_ms", "note_fallback", "triton_available", "triton_ready"]
+__all__ = ["INTERPRET_ENV", "PDL_ENV", "graph_time_ms", "note_fallback", "pdl_ready", "triton_available",
+           "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
+PDL_ENV = "MMSDK_PDL"  # "0" turns programmatic dependent launch off (to measure what it buys)
 
 
 @cache
@@ -56,6 +58,28 @@ def triton_ready(*tensors: torch.Tensor) -> bool:
         return all(t.device.type == "cpu" for t in tensors)
     device = tensors[0].device
     return device.type == "cuda" and all(t.device == device for t in tensors)
+
+
+def pdl_ready(tensor: torch.Tensor) -> bool:
+    """True when kernels on ``tensor``'s device may use programmatic dependent launch (PDL).
+
+    PDL (compute capability 9.0 and newer) lets a kernel start while the one before it on the stream
+    is still running; it must wait (``griddepcontrol.wait``) before reading what that kernel wrote or
+    writing anything. The batch-1 GEMVs use the time in between to load their first weight tiles, which
+    no earlier kernel writes (mmsdk/kernels/_gemv_quad_triton.py). False on CPU, under the interpreter,
+    on older GPUs and with ``MMSDK_PDL=0``.
+    """
+    if tensor.device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    return _pdl_capable(index)
+
+
+@cache
+def _pdl_capable(index: int) -> bool:
+    from mmsdk.kernels import _pdl_triton
+
+    return _pdl_triton.AVAILABLE and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 @cache

@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmsdk.kernels._pdl_triton import wait_for_inputs
+
 
 @triton.jit
 def silu_times(gate, up):
@@ -102,7 +104,7 @@ def quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5,
 def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
               stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False):
+              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -135,6 +137,10 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
 
     With ``PREFETCH`` (kind "quadp") each step issues the next step's weight loads before its own
     arithmetic (registers for two word tiles), so a program keeps loads in flight while it computes.
+
+    With ``PDL`` (launched with programmatic dependent launch, mmsdk/kernels/_pdl_triton.py) a program
+    loads its first step's words and scales, which no earlier kernel writes, while the kernel before it
+    still runs, then waits for that kernel before it reads the activations.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -156,9 +162,24 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * KW
     rw = tl.arange(0, 4 * BLOCK_C)
-    if PREFETCH:  # the first step's words; each step then loads the next step's before its arithmetic
+    w_loop = w_begin
+    if PREFETCH or PDL:  # the first step's words; with PREFETCH each step then loads the next step's
         flat = tl.load(w_rows + w_begin + rw[None, :], mask=n_ok[:, None] & (w_begin + rw < w_end)[None, :], other=0)
-    for w0 in range(w_begin, w_end, 4 * BLOCK_C):
+    if PDL:
+        if PREFETCH:
+            wait_for_inputs(PDL)
+        else:  # the first step, its words and scales loaded before the wait
+            cw = w_begin + 4 * rc
+            c_ok = cw < w_end
+            ok = n_ok[:, None] & c_ok[None, :]
+            g = cw // WPG
+            s = quad_scales(s_ptr, rn, g, ok, k_blocks)
+            wait_for_inputs(PDL)
+            xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+            acc += quad_step(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2,
+                             y3, y4, y5, y6, y7, HAS_ZP, BLOCK_N, BLOCK_C)
+            w_loop = w_begin + 4 * BLOCK_C
+    for w0 in range(w_loop, w_end, 4 * BLOCK_C):
         cw = w0 + 4 * rc  # first word of each quad
         c_ok = cw < w_end
         ok = n_ok[:, None] & c_ok[None, :]
@@ -185,9 +206,24 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
 
 
 @triton.jit
+def gated_weights(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A step's word tiles and scales of both weights, with its quads' first words, masks and groups."""
+    cw = w0 + 4 * rc  # first word of each quad
+    c_ok = cw < w_end
+    ok = n_ok[:, None] & c_ok[None, :]
+    w_ok = n_ok[:, None] & (w0 + rw < w_end)[None, :]
+    gate_words = tl.reshape(tl.load(w_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
+    up_words = tl.reshape(tl.load(w2_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
+    g = cw // WPG
+    return (gate_words, up_words, quad_scales(s_ptr, rn, g, ok, k_blocks), quad_scales(s2_ptr, rn, g, ok, k_blocks),
+            cw, c_ok, ok, g)
+
+
+@triton.jit
 def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, M, N, K_in, KW, groups_per_split,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row per program: each program the same rows of both.
 
     Gate (``w/s/z``) and up (``w2/s2/z2``, same shape) rows ``rn`` are two accumulators over the same
@@ -196,7 +232,8 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     (one K slice) the program holds both finished products and stores ``silu(gate) * up`` in out's
     dtype: no partials and no second kernel. Otherwise it stores fp32 partials at ``out[split]``
     (rows ``2N`` wide, up at columns ``N ..``) for ``split_gated``. The arithmetic is
-    :func:`gemv_quad`'s; a tile carries twice its weight bytes per thread and step.
+    :func:`gemv_quad`'s; a tile carries twice its weight bytes per thread and step. ``PDL`` as in
+    :func:`gemv_quad`: the first step's words and scales of both weights load before the wait.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -210,16 +247,20 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     w_begin = split * groups_per_split * WPG
     w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
     at = rn[:, None].to(tl.int64) * KW + rw[None, :]
-    for w0 in range(w_begin, w_end, 4 * BLOCK_C):
-        cw = w0 + 4 * rc  # first word of each quad
-        c_ok = cw < w_end
-        ok = n_ok[:, None] & c_ok[None, :]
-        w_ok = n_ok[:, None] & (w0 + rw < w_end)[None, :]
-        gate_words = tl.reshape(tl.load(w_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
-        up_words = tl.reshape(tl.load(w2_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
-        g = cw // WPG
-        gate_s = quad_scales(s_ptr, rn, g, ok, k_blocks)
-        up_s = quad_scales(s2_ptr, rn, g, ok, k_blocks)
+    w_loop = w_begin
+    if PDL:  # the first step, both weights' words and scales loaded before the wait
+        gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
+            w_ptr, s_ptr, w2_ptr, s2_ptr, at, w_begin, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
+        wait_for_inputs(PDL)
+        xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+        gate += quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
+                          HAS_ZP, BLOCK_N, BLOCK_C)
+        up += quad_step(up_words, up_s, z2_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
+                        HAS_ZP, BLOCK_N, BLOCK_C)
+        w_loop = w_begin + 4 * BLOCK_C
+    for w0 in range(w_loop, w_end, 4 * BLOCK_C):
+        gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
+            w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
         xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
         gate += quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
                           HAS_ZP, BLOCK_N, BLOCK_C)

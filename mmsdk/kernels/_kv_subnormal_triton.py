@@ -77,12 +77,17 @@ def store_nibble_out(po_ptr, slot, rw, acc, l_i, l_safe, J: tl.constexpr, W: tl.
 @triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
-                                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr):
+                                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
+                                      LOADS: tl.constexpr = 0):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
     costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
+
+    ``LOADS`` orders a tile's loads: 0 loads V after the scores and the softmax (V's words live for the
+    shortest time), 1 loads K and V together at the top of the tile (one memory latency per tile instead
+    of two), 2 also loads the next tile's K and V before this tile's arithmetic (registers for two tiles).
     """
     bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rw = tl.arange(0, W)
@@ -108,10 +113,24 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     v6 = tl.zeros((BLOCK_T, W), tl.float32)
     v7 = tl.zeros((BLOCK_T, W), tl.float32)
     base = bh.to(tl.int64) * TMAX
-    for t0 in range(t_begin, t_end, BLOCK_T):
-        rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+    if LOADS == 2:  # the first tile's words; each tile then loads the next one's before its arithmetic
+        rt, next_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         rows = (base + rt)[:, None] * W + rw[None, :]
-        kw = tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0)
+        next_k = tl.load(kc_ptr + rows, mask=next_ok[:, None], other=0)
+        next_v = tl.load(vc_ptr + rows, mask=next_ok[:, None], other=0)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        if LOADS == 2:
+            kw, vw, t_ok = next_k, next_v, next_ok
+            rt, next_ok = token_tile(t0 + BLOCK_T, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+            rows = (base + rt)[:, None] * W + rw[None, :]
+            next_k = tl.load(kc_ptr + rows, mask=next_ok[:, None], other=0)
+            next_v = tl.load(vc_ptr + rows, mask=next_ok[:, None], other=0)
+        else:
+            rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+            rows = (base + rt)[:, None] * W + rw[None, :]
+            kw = tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0)
+            if LOADS == 1:
+                vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
         s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
         s = tl.where(t_ok, s, float("-inf"))
         m_tile = tl.max(s, 0)
@@ -129,7 +148,8 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
             m_ref = m_tile
         p = tl.math.exp2(s - tl.where(m_ref == float("-inf"), 0.0, m_ref))
         l_acc += p
-        vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
+        if LOADS == 0:
+            vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
         c0, c1, c2, c3, c4, c5, c6, c7 = subnormal_nibbles(vw)
         # one factor per nibble position, shared by all words of a token
         p0 = (p * SUB_F0)[:, None]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmsdk.kernels._pdl_triton import let_next_launch
+
 LOG2E = 1.4426950408889634
 
 
@@ -300,8 +302,12 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
 
 @triton.jit
 def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h,
-                           BLOCK_S: tl.constexpr, D: tl.constexpr):
-    """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine)."""
+                           BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+    """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine).
+
+    With ``PDL`` the next kernel (the output projection's GEMV) may launch at once.
+    """
+    let_next_launch(PDL)
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, D)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]

@@ -11,11 +11,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmsdk.kernels._pdl_triton import let_next_launch
+
 
 @triton.jit
 def add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, H, sx, sr, so, ss, eps,
-                 HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One row: ``total = x + residual`` (stored), ``out = weight * rms_norm(total)``."""
+                 HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """One row: ``total = x + residual`` (stored), ``out = weight * rms_norm(total)``.
+
+    With ``PDL`` the next kernel may launch at once (a GEMV loads its first weights meanwhile).
+    """
+    let_next_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H

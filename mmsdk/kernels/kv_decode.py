@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import note_fallback, triton_ready
+from mmsdk.kernels import note_fallback, pdl_ready, triton_ready
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
            "reference_decode_attention"]
@@ -110,6 +110,11 @@ VARIANTS = ("subnormal", "magic", "generic")
 # (Triton 3.6), every MHA candidate below fits in registers (128-228) without spills.
 _WORD_CANDIDATES = ((16, 1, 1056), (16, 1, 2112), (32, 1, 1056), (32, 2, 1056), (32, 2, 2112), (64, 2, 1056),
                     (64, 4, 528), (64, 4, 1056), (128, 4, 528), (128, 8, 528))
+
+
+# The subnormal kernel's load order (its LOADS): 0 = V after the softmax, 1 = K and V together, 2 = also the next
+# tile's K and V before this tile's arithmetic.
+_SUBNORMAL_LOADS = 0
 
 
 def _word_config(group: int, variant: str) -> tuple[int, int, int]:
@@ -220,7 +225,14 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
+    loads = _SUBNORMAL_LOADS
+    if config is not None and len(config) == 5:  # (..., num_stages, loads): the subnormal kernel's load order
+        if variant != "subnormal":
+            raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
+                             "fifth entry (the load order) is for variant 'subnormal' only")
+        config, loads = config[:4], config[4]
     block_t, warps, target, *stages = _completed(config, _word_config(group, variant))
+    stages = [s for s in stages if s is not None]
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)
@@ -234,7 +246,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         from mmsdk.kernels import _kv_subnormal_triton
 
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, **launch_options)
+            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, LOADS=loads, **launch_options)
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
@@ -242,7 +254,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
-        BLOCK_S=_pow2(n_splits), D=d, num_warps=4 if d >= 64 else 1,
+        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), num_warps=4 if d >= 64 else 1,
     )
     return out
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import norm_rope as ref
-from mmsdk.kernels import note_fallback, triton_ready
+from mmsdk.kernels import note_fallback, pdl_ready, triton_ready
 
 __all__ = ["add_rms_norm", "mrope_cos_sin", "rms_norm", "rms_norm_rope_qk", "rope_qk"]
 
@@ -62,7 +62,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     warps = 4 if hidden <= 2048 else 8
     _kernels().add_rms_norm[(x2.shape[0],)](
         x2, r2, weight, out, total, hidden, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0), float(eps),
-        HAS_RES=residual is not None, BLOCK_H=_pow2(hidden), num_warps=warps,
+        HAS_RES=residual is not None, BLOCK_H=_pow2(hidden), PDL=pdl_ready(x), num_warps=warps,
     )
     return out.view(x.shape), total.view(x.shape)
 

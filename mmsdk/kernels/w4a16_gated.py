@@ -28,7 +28,7 @@ from functools import cache
 
 import torch
 
-from mmsdk.kernels import note_fallback
+from mmsdk.kernels import note_fallback, pdl_ready
 from mmsdk.kernels.w4a16 import (
     _QUAD_KINDS,
     _TARGET_PROGRAMS,
@@ -133,10 +133,11 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     direct = n_splits == 1
     target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
     has_zp = zero_points is not None
+    pdl = pdl_ready(x)
     _kernels().gemv_quad_gated[(triton.cdiv(n, block_n), n_splits, m)](
         x, qweight.view(torch.int32), scales, zero_points if has_zp else scales, qweight2.view(torch.int32), scales2,
         zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
         zero_points.stride(0) if has_zp else 0, GROUP=group, HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n,
-        BLOCK_C=block_c, num_warps=warps)
+        BLOCK_C=block_c, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     if not direct:
         _finish_splits(target, out, None, n_splits, True)
