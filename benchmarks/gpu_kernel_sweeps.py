@@ -173,9 +173,9 @@ def gqa() -> list[dict[str, Any]]:
     return _kv_sweep(28, 4, GQA_SPACE)
 
 
-MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, load order) of the subnormal kernel: the three load orders
-    # (0: V after the softmax, the old default; 1: K and V together; 2: the next tile's K and V loaded ahead)
-    "subnormal": [None] + [(bt, w, t, None, loads) for loads in (0, 1, 2)
+MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch) of the subnormal kernel, without and with the
+    # next tile's K and V loaded ahead
+    "subnormal": [None] + [(bt, w, t, None, prefetch) for prefetch in (False, True)
                            for bt, w in ((16, 1), (32, 1), (32, 2), (64, 2)) for t in (528, 1056, 2112)],
 }
 

@@ -287,3 +287,22 @@ def test_kernels_under_the_interpreter():
     result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "13 passed" in result.stdout, result.stdout[-2000:]
+
+
+def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
+    """PDL only for CUDA tensors on sm_90+; kernels that load weights before waiting only inside a graph capture."""
+    from mmsdk.kernels import PDL_ENV, pdl_preload_ready, pdl_ready
+
+    assert not pdl_ready(torch.zeros(1)) and not pdl_preload_ready(torch.zeros(1))  # CPU and the interpreter
+    if CUDA:
+        on_gpu = torch.zeros(1, device="cuda")
+        hopper = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl_ready(on_gpu) == hopper
+        assert not pdl_preload_ready(on_gpu)  # an eager launch could follow the kernel that wrote the weights
+        graph = torch.cuda.CUDAGraph()
+        seen = []
+        with torch.cuda.graph(graph):
+            seen.append(pdl_preload_ready(on_gpu))
+        assert seen == [hopper]
+        monkeypatch.setenv(PDL_ENV, "0")
+        assert not pdl_ready(on_gpu)

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "PDL_ENV", "graph_time_ms", "note_fallback", "pdl_ready", "triton_available",
-           "triton_ready"]
+__all__ = ["INTERPRET_ENV", "PDL_ENV", "graph_time_ms", "note_fallback", "pdl_preload_ready", "pdl_ready",
+           "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -73,6 +73,17 @@ def pdl_ready(tensor: torch.Tensor) -> bool:
         return False
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     return _pdl_capable(index)
+
+
+def pdl_preload_ready(tensor: torch.Tensor) -> bool:
+    """:func:`pdl_ready` for a kernel that loads weights before it waits: only while a CUDA graph is captured.
+
+    Loads issued before ``griddepcontrol.wait`` may miss the previous kernel's writes, so they must read data
+    written earlier than that. Weights satisfy this inside a captured decode step (no kernel of the graph
+    writes them, and the graph replays after they were made); an eager call could directly follow the kernel
+    that packed them.
+    """
+    return pdl_ready(tensor) and torch.cuda.is_current_stream_capturing()
 
 
 @cache

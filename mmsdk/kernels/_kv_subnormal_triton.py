@@ -10,7 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._kv_triton import decode_program, softmax_total, token_tile
+from mmsdk.kernels._kv_triton import softmax_total, split_program, token_tile
+from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -75,21 +76,62 @@ def store_nibble_out(po_ptr, slot, rw, acc, l_i, l_safe, J: tl.constexpr, W: tl.
 
 
 @triton.jit
+def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7):
+    """One tile of K / V words ``[BLOCK_T, W]`` folded into the online softmax: the updated (m_ref, l_acc, v0..v7).
+
+    Tokens outside ``t_ok`` get probability 0 (their words may be anything: a nibble read as a subnormal is finite).
+    """
+    s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
+    s = tl.where(t_ok, s, float("-inf"))
+    m_tile = tl.max(s, 0)
+    if m_tile > m_ref + RESCALE_SLACK:  # also the first tile with a valid token (m_ref = -inf)
+        alpha = tl.math.exp2(m_ref - m_tile)
+        l_acc *= alpha
+        v0 *= alpha
+        v1 *= alpha
+        v2 *= alpha
+        v3 *= alpha
+        v4 *= alpha
+        v5 *= alpha
+        v6 *= alpha
+        v7 *= alpha
+        m_ref = m_tile
+    p = tl.math.exp2(s - tl.where(m_ref == float("-inf"), 0.0, m_ref))
+    l_acc += p
+    c0, c1, c2, c3, c4, c5, c6, c7 = subnormal_nibbles(vw)
+    # one factor per nibble position, shared by all words of a token
+    p0 = (p * SUB_F0)[:, None]
+    p1 = (p * SUB_F1)[:, None]
+    p2 = (p * SUB_F2)[:, None]
+    v0 += c0 * p0
+    v1 += c1 * p1
+    v2 += c2 * p2
+    v3 += c3 * (p * SUB_F3)[:, None]
+    v4 += c4 * (p * SUB_F4)[:, None]
+    v5 += c5 * (p * SUB_F5)[:, None]
+    v6 += c6 * p1
+    v7 += c7 * p0
+    return m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
                                       HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
-                                      LOADS: tl.constexpr = 0):
+                                      PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
     costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
 
-    ``LOADS`` orders a tile's loads: 0 loads V after the scores and the softmax (V's words live for the
-    shortest time), 1 loads K and V together at the top of the tile (one memory latency per tile instead
-    of two), 2 also loads the next tile's K and V before this tile's arithmetic (registers for two tiles).
+    ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles).
+    With ``PDL`` (launched with programmatic dependent launch, mmsdk/kernels/_pdl_triton.py) the query
+    and the first tile's words load while the kernel before runs (the one that advances the token
+    count: every cached word was written before it started); the count itself is read after the wait,
+    and the first tile's tokens past it are masked then.
     """
-    bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
+    bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     rw = tl.arange(0, W)
     q_row = q_ptr + b * sq_b + hk * sq_h
     ks_row = ks_ptr + hk * (8 * W)
@@ -113,56 +155,40 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     v6 = tl.zeros((BLOCK_T, W), tl.float32)
     v7 = tl.zeros((BLOCK_T, W), tl.float32)
     base = bh.to(tl.int64) * TMAX
-    if LOADS == 2:  # the first tile's words; each tile then loads the next one's before its arithmetic
-        rt, next_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-        rows = (base + rt)[:, None] * W + rw[None, :]
-        next_k = tl.load(kc_ptr + rows, mask=next_ok[:, None], other=0)
-        next_v = tl.load(vc_ptr + rows, mask=next_ok[:, None], other=0)
-    for t0 in range(t_begin, t_end, BLOCK_T):
-        if LOADS == 2:
+    t_loop = t_begin
+    if PDL:  # the first tile, its words loaded before the wait (inside the buffer; masked by the count after)
+        first = t_begin + tl.arange(0, BLOCK_T)
+        first_rows = (base + first)[:, None] * W + rw[None, :]
+        kw = tl.load(kc_ptr + first_rows, mask=(first < TMAX)[:, None], other=0)
+        vw = tl.load(vc_ptr + first_rows, mask=(first < TMAX)[:, None], other=0)
+        wait_for_inputs(PDL)
+        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
+        _, t_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+        m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(
+            kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7)
+        t_loop = t_begin + BLOCK_T
+    else:
+        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
+    if PREFETCH:  # the loop's first tile; each tile then loads the next one's before its arithmetic
+        ahead, next_ok = token_tile(t_loop, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+        ahead_rows = (base + ahead)[:, None] * W + rw[None, :]
+        next_k = tl.load(kc_ptr + ahead_rows, mask=next_ok[:, None], other=0)
+        next_v = tl.load(vc_ptr + ahead_rows, mask=next_ok[:, None], other=0)
+    for t0 in range(t_loop, t_end, BLOCK_T):
+        if PREFETCH:
             kw, vw, t_ok = next_k, next_v, next_ok
-            rt, next_ok = token_tile(t0 + BLOCK_T, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-            rows = (base + rt)[:, None] * W + rw[None, :]
-            next_k = tl.load(kc_ptr + rows, mask=next_ok[:, None], other=0)
-            next_v = tl.load(vc_ptr + rows, mask=next_ok[:, None], other=0)
+            # new names: a token index inside the loop may be int64 (the count is), so it cannot carry over
+            upcoming, next_ok = token_tile(t0 + BLOCK_T, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+            upcoming_rows = (base + upcoming)[:, None] * W + rw[None, :]
+            next_k = tl.load(kc_ptr + upcoming_rows, mask=next_ok[:, None], other=0)
+            next_v = tl.load(vc_ptr + upcoming_rows, mask=next_ok[:, None], other=0)
         else:
             rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
             rows = (base + rt)[:, None] * W + rw[None, :]
             kw = tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0)
-            if LOADS == 1:
-                vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
-        s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
-        s = tl.where(t_ok, s, float("-inf"))
-        m_tile = tl.max(s, 0)
-        if m_tile > m_ref + RESCALE_SLACK:  # also the first tile with a valid token (m_ref = -inf)
-            alpha = tl.math.exp2(m_ref - m_tile)
-            l_acc *= alpha
-            v0 *= alpha
-            v1 *= alpha
-            v2 *= alpha
-            v3 *= alpha
-            v4 *= alpha
-            v5 *= alpha
-            v6 *= alpha
-            v7 *= alpha
-            m_ref = m_tile
-        p = tl.math.exp2(s - tl.where(m_ref == float("-inf"), 0.0, m_ref))
-        l_acc += p
-        if LOADS == 0:
             vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
-        c0, c1, c2, c3, c4, c5, c6, c7 = subnormal_nibbles(vw)
-        # one factor per nibble position, shared by all words of a token
-        p0 = (p * SUB_F0)[:, None]
-        p1 = (p * SUB_F1)[:, None]
-        p2 = (p * SUB_F2)[:, None]
-        v0 += c0 * p0
-        v1 += c1 * p1
-        v2 += c2 * p2
-        v3 += c3 * (p * SUB_F3)[:, None]
-        v4 += c4 * (p * SUB_F4)[:, None]
-        v5 += c5 * (p * SUB_F5)[:, None]
-        v6 += c6 * p1
-        v7 += c7 * p0
+        m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(
+            kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7)
     l_i = tl.sum(l_acc, 0)
     l_safe, lse = softmax_total(m_ref, l_i)
     slot = (b * H_KV + hk).to(tl.int64) * n_splits + split

@@ -76,11 +76,16 @@ def decode_program(len_ptr, H_KV, SPLIT_T):
     Grid: axis 0 is batch * KV heads, axis 1 the splits of ``SPLIT_T`` tokens; the valid length is read
     from the device (CUDA-graph safe), so splits past it get an empty range.
     """
+    bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
+    return bh, b, hk, split, n_splits, t_begin, tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
+
+
+@triton.jit
+def split_program(H_KV, SPLIT_T):
+    """:func:`decode_program` without the end token (which needs the token count)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    t_begin = split * SPLIT_T
-    return bh, bh // H_KV, bh % H_KV, split, tl.num_programs(1), t_begin, tl.minimum(t_begin + SPLIT_T,
-                                                                                      tl.load(len_ptr))
+    return bh, bh // H_KV, bh % H_KV, split, tl.num_programs(1), split * SPLIT_T
 
 
 @triton.jit

@@ -112,11 +112,6 @@ _WORD_CANDIDATES = ((16, 1, 1056), (16, 1, 2112), (32, 1, 1056), (32, 2, 1056), 
                     (64, 4, 528), (64, 4, 1056), (128, 4, 528), (128, 8, 528))
 
 
-# The subnormal kernel's load order (its LOADS): 0 = V after the softmax, 1 = K and V together, 2 = also the next
-# tile's K and V before this tile's arithmetic.
-_SUBNORMAL_LOADS = 0
-
-
 def _word_config(group: int, variant: str) -> tuple[int, int, int]:
     """(BLOCK_T, num_warps, target programs) for an int4 word kernel ("magic": fastest in a sweep on an H200, MHA)."""
     if variant == "subnormal":
@@ -174,12 +169,19 @@ def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tupl
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
                      scaling: float, mask: torch.Tensor | None = None,
-                     config: tuple[int, ...] | None = None, variant: str | None = None) -> torch.Tensor:
+                     config: tuple[int, ...] | None = None, variant: str | None = None,
+                     inputs_settled: bool = False) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
+
+    ``inputs_settled``: the caller guarantees that ``query`` and every cached token were written before the
+    kernel just before this call started (only ``length`` may come from that kernel). The MHA kernel may then
+    load the query and its first tile while that kernel still runs (programmatic dependent launch, sm_90+):
+    the packed cache's decode step, where the token count's increment runs between the append and here.
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages]) pick a kernel and override its defaults (tuning).
+    target programs[, num_stages[, prefetch]]; prefetch, the next tile loaded ahead, for "subnormal" only)
+    pick a kernel and override its defaults (tuning).
     """
     from mmsdk.kernels import _kv_triton
 
@@ -187,7 +189,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
     if variant != "generic":
         return _decode_int4_words(query, key_codes, value_codes, key_scale, value_scale, length, scaling, mask,
-                                  config, variant)
+                                  config, variant, inputs_settled)
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
@@ -218,19 +220,19 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
                        mask: torch.Tensor | None, config: tuple[int, ...] | None,
-                       variant: str) -> torch.Tensor:
+                       variant: str, inputs_settled: bool) -> torch.Tensor:
     """Flash-decoding over int4 codes read as int32 words (8 channels per load element)."""
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
-    loads = _SUBNORMAL_LOADS
-    if config is not None and len(config) == 5:  # (..., num_stages, loads): the subnormal kernel's load order
+    prefetch = False
+    if config is not None and len(config) == 5:  # (..., num_stages, prefetch): the subnormal kernel's tile prefetch
         if variant != "subnormal":
             raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
-                             "fifth entry (the load order) is for variant 'subnormal' only")
-        config, loads = config[:4], config[4]
+                             "fifth entry (prefetch the next tile) is for variant 'subnormal' only")
+        config, prefetch = config[:4], bool(config[4])
     block_t, warps, target, *stages = _completed(config, _word_config(group, variant))
     stages = [s for s in stages if s is not None]
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
@@ -245,8 +247,10 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     if variant == "subnormal":
         from mmsdk.kernels import _kv_subnormal_triton
 
+        pdl = inputs_settled and pdl_ready(query)
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, LOADS=loads, **launch_options)
+            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch, PDL=pdl,
+            launch_pdl=pdl, **launch_options)
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](

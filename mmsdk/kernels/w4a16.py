@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, pdl_ready, triton_ready
+from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, pdl_preload_ready, triton_ready
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "gemv_ready", "gemv_splits", "int4_linear", "k_slices",
            "unsupported_reason", "w4a16_gemv", "w4a16_matmul"]
@@ -243,7 +243,7 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             raise ValueError(f"GEMV kind {kind!r} reads 4-word quads of one group: group size {group} < 32; "
                              "use kind 'fma'.")
         w2, s2, z2 = second if paired else (qweight, scales, zero_points)
-        pdl = pdl_ready(x)
+        pdl = pdl_preload_ready(x)  # weights load before the wait
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, BLOCK_C=block_g,
             PAIRED=paired, PREFETCH=kind == "quadp", PDL=pdl, launch_pdl=pdl, **flags)

@@ -28,7 +28,7 @@ from functools import cache
 
 import torch
 
-from mmsdk.kernels import note_fallback, pdl_ready
+from mmsdk.kernels import note_fallback, pdl_preload_ready
 from mmsdk.kernels.w4a16 import (
     _QUAD_KINDS,
     _TARGET_PROGRAMS,
@@ -133,7 +133,7 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     direct = n_splits == 1
     target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
     has_zp = zero_points is not None
-    pdl = pdl_ready(x)
+    pdl = pdl_preload_ready(x)  # weights load before the wait
     _kernels().gemv_quad_gated[(triton.cdiv(n, block_n), n_splits, m)](
         x, qweight.view(torch.int32), scales, zero_points if has_zp else scales, qweight2.view(torch.int32), scales2,
         zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
