@@ -176,23 +176,25 @@ def gqa() -> list[dict[str, Any]]:
 MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch) of the subnormal kernel, without and with the
     # next tile's K and V loaded ahead
     "subnormal": [None] + [(bt, w, t, None, prefetch) for prefetch in (False, True)
-                           for bt, w in ((16, 1), (32, 1), (32, 2), (64, 2)) for t in (528, 1056, 2112)],
+                           for bt, w in ((16, 1), (32, 1), (32, 2), (64, 2)) for t in (132, 264, 528, 1056, 2112)],
 }
 
 
 def mha() -> list[dict[str, Any]]:
-    """The MHA int4 KV decode kernels' configurations on LLaVA-1.5-7B heads (32/32, head_dim 128), 4k and 16k."""
-    return _kv_sweep(32, 32, MHA_SPACE)
+    """The MHA int4 KV decode kernels' configurations on LLaVA-1.5-7B heads (32/32, head_dim 128): 1280 tokens (the
+    decode-step benchmark's cache: a 1k prompt and 128 new), 4k and 16k."""
+    return _kv_sweep(32, 32, MHA_SPACE, (1280, 4096, 16384))
 
 
-def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    """Every (variant, config) of ``space`` at 4k and 16k tokens against SDPA on the bf16 cache, fastest first."""
+def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
+              contexts: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
+    """Every (variant, config) of ``space`` at each context against SDPA on the bf16 cache, fastest first."""
     from benchmarks.gpu_suite import kv_problem
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
     from mmsdk.plugins.quantizers.quantized_cache import Packed
 
     rows = []
-    for ctx in (4096, 16384):
+    for ctx in contexts:
         d = 128
         scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
         reference = reference_decode_attention(q, codec.decode(Packed(kc), torch.float32, d),
