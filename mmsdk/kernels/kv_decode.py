@@ -104,7 +104,8 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
 # 2**23, V reduced every tile); "generic" is the byte kernel every format can use.
 VARIANTS = ("subnormal", "magic", "generic")
 # (BLOCK_T, num_warps, target programs) worth timing for the subnormal kernel. On an H200 (MHA 32 heads,
-# head_dim 128, benchmarks/gpu_tune.py sweep_kv) (32, 1, 1056) was fastest at 4k and 16k tokens.
+# head_dim 128, benchmarks/gpu_tune.py sweep_kv) (32, 1, 1056) was fastest at 4k and 16k tokens before the
+# kernel loaded tiles ahead; since then 528 programs win up to 4k tokens (see _word_config).
 # More tokens per thread (BLOCK_T / warps) means more loads in flight and
 # more accumulator registers; one warp needs no barrier for the per-tile max. Compiled offline for sm_90
 # (Triton 3.6), every MHA candidate below fits in registers (128-228) without spills. The subnormal kernel
@@ -115,10 +116,15 @@ _WORD_CANDIDATES = ((16, 1, 1056), (16, 1, 2112), (32, 1, 1056), (32, 2, 1056), 
                     (64, 4, 528), (64, 4, 1056), (128, 4, 528), (128, 8, 528))
 
 
-def _word_config(group: int, variant: str) -> tuple[int, int, int]:
-    """(BLOCK_T, num_warps, target programs) for an int4 word kernel ("magic": fastest in a sweep on an H200, MHA)."""
+def _word_config(group: int, variant: str, t_max: int) -> tuple[int, int, int]:
+    """(BLOCK_T, num_warps, target programs) for an int4 word kernel ("magic": fastest in a sweep on an H200, MHA).
+
+    The subnormal kernel takes half the programs for caches of up to 8k tokens: on the H200 (32 heads) 528
+    programs against 1056 measured 7.2 against 7.8-8.1 µs at 1280 tokens and 10.3 against 10.9 at 4k, and
+    37.3 against 28.3 µs at 16k (benchmarks/gpu_kernel_sweeps.py mha; between 4k and 16k not measured).
+    """
     if variant == "subnormal":
-        return 32, 1, 2 * _TARGET_PROGRAMS
+        return 32, 1, _TARGET_PROGRAMS if t_max <= 8192 else 2 * _TARGET_PROGRAMS
     if group >= 3:
         return 64, 4, _TARGET_PROGRAMS
     return 32, 2, 2 * _TARGET_PROGRAMS
@@ -236,7 +242,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
                              "fifth entry (prefetch the next tile) is for variant 'subnormal' only")
         config, prefetch = config[:4], bool(config[4])
-    block_t, warps, target, *stages = _completed(config, _word_config(group, variant))
+    block_t, warps, target, *stages = _completed(config, _word_config(group, variant, t_max))
     stages = [s for s in stages if s is not None]
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
