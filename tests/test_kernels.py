@@ -302,6 +302,7 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
         graph = torch.cuda.CUDAGraph()
         seen = []
         with torch.cuda.graph(graph):
+            on_gpu.add_(1)  # a graph needs at least one kernel
             seen.append(pdl_preload_ready(on_gpu))
         assert seen == [hopper]
         monkeypatch.setenv(PDL_ENV, "0")

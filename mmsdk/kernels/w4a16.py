@@ -23,6 +23,9 @@ For one row the GEMV candidates are mostly the quad kernel (``gemv_quad`` in _ge
 an exact subnormal, so each nibble costs one AND and one FMA). A gated MLP's gate and up projections
 run together with ``silu(gate) * up`` applied in the same launch (mmsdk.kernels.w4a16_gated).
 
+Inside a captured CUDA graph on sm_90+ the batch-1 GEMVs use programmatic dependent launch: each program loads its
+first step's weights while the kernel before it still runs (mmsdk/kernels/_pdl_triton.py).
+
 Block configurations are chosen per shape by timing the candidates on first use, each replayed from a
 CUDA graph (a decode-sized kernel is shorter than its Python launch); CUDA only, and during CUDA-graph
 capture or under the interpreter the first candidate is taken.
