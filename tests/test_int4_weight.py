@@ -276,7 +276,7 @@ def test_cuda_gated_mlp_body_matches_the_original_mlp(config, monkeypatch):
     from mmsdk.plugins.quantizers.int4_mlp import install_gated_mlp
 
     if config is not None:
-        monkeypatch.setattr(w4a16_gated, "_tuned", lambda *_: config)
+        monkeypatch.setattr(w4a16_gated, "tuned_config", lambda *_: config)
     torch.manual_seed(0)
     mlp = LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=704)).cuda().to(torch.bfloat16)
     for name in ("gate_proj", "up_proj", "down_proj"):

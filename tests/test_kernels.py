@@ -139,8 +139,8 @@ def test_w4a16_gated_kind_stores_silu_itself_with_one_k_slice(target, symmetric,
 
     device, dtype, tol = target
     epilogues = []
-    finish = w4a16_gated._finish_splits
-    monkeypatch.setattr(w4a16_gated, "_finish_splits", lambda *a: (epilogues.append(a[3]), finish(*a)))
+    finish = w4a16_gated.finish_splits
+    monkeypatch.setattr(w4a16_gated, "finish_splits", lambda *a: (epilogues.append(a[3]), finish(*a)))
     # (n, k, group, config, K splits, epilogue's slices or None): N odd / not a multiple of BLOCK_N, K padded past
     # in_features (296 of 384 or 320), slices given or derived from the target programs (counted from N rows: 33 rows
     # in 8-row blocks are 5 programs, target 1 -> one slice, target 64 -> two)

@@ -40,26 +40,28 @@ import torch
 
 from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, pdl_preload_ready, triton_ready
 
-__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "dequantize_packed", "gemv_ready", "gemv_splits", "int4_linear", "k_slices",
-           "unsupported_reason", "w4a16_gemv", "w4a16_matmul"]
+__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
+           "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
+           "k_slices", "launch_gemv", "triton_kernels", "tuned_config", "unsupported_reason", "w4a16_gemv",
+           "w4a16_matmul"]
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
-_TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
+TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
 # 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights),
 # "fma" (gemv: shift-and-mask nibbles, any group size) or "dot" (gemv on the tensor cores, for several rows).
 # 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K, warps, stages). Whichever candidate times fastest for
 # the shape runs. The K split count is derived from the shape: about the config's target number of programs
-# (default _TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
+# (default TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
 # interpreter); the order follows H200 sweeps (benchmarks/gpu_kernel_sweeps.py tiles: few rows and long K
 # steps, 128-256 weight bytes per thread and step, read fastest). The paired gate/up GEMV of a gated MLP
 # (mmsdk.kernels.w4a16_gated) also takes kind "gated": both weights' rows in one program.
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
 _GEMV_KINDS = ("quad", "quadp", "fma", "dot")
-_QUAD_KINDS = ("quad", "quadp")
+QUAD_KINDS = ("quad", "quadp")
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
     1: ((8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
         (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
@@ -129,7 +131,7 @@ def w4a16_matmul(
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     kp = k_blocks * block_size
-    _check_columns(k_in, kp)
+    check_columns(k_in, kp)
     bucket = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     key = (bucket, n, kp, block_size, x.dtype, zero_points is not None, bias is not None)
@@ -137,12 +139,12 @@ def w4a16_matmul(
     def launch(cfg: tuple[int, int, int, int]) -> None:
         _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, bucket, cfg)
 
-    cfg = config or _tuned(key, launch, _CANDIDATES[bucket], block_size)
+    cfg = config or tuned_config(key, launch, _CANDIDATES[bucket], block_size)
     launch(cfg)
     return out
 
 
-def _check_columns(k_in: int, packed_k: int) -> None:
+def check_columns(k_in: int, packed_k: int) -> None:
     """Refuse activations wider than the packed weight (which holds K rounded up to whole groups)."""
     if k_in > packed_k:
         raise ValueError(f"x has {k_in} columns but the packed weight holds only {packed_k}: pass activations with "
@@ -158,7 +160,7 @@ def gemv_ready(qweight: torch.Tensor) -> bool:
     return qweight.is_contiguous() and qweight.data_ptr() % 4 == 0 and qweight.shape[-1] % 4 == 0
 
 
-def gemv_splits(n: int, k_blocks: int, block_n: int, block_g: int, target: int = _TARGET_PROGRAMS) -> int:
+def gemv_splits(n: int, k_blocks: int, block_n: int, block_g: int, target: int = TARGET_PROGRAMS) -> int:
     """How many K slices give about ``target`` programs (whole ``block_g`` steps per slice)."""
     n_blocks = -(-n // block_n)
     steps = -(-k_blocks // block_g)
@@ -194,7 +196,7 @@ def w4a16_gemv(
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
-    _check_columns(k_in, k_blocks * block_size)
+    check_columns(k_in, k_blocks * block_size)
     bucket = 1 if m == 1 else (4 if m <= 4 else 16)
     key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -203,25 +205,25 @@ def w4a16_gemv(
         if len(cfg) == 4:  # a fused-kernel candidate
             _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, 16, cfg)
         else:
-            _launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
+            launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
 
-    launch(config or _tuned(key, launch, _gemv_candidates(bucket, block_size), block_size))
+    launch(config or tuned_config(key, launch, gemv_candidates(bucket, block_size), block_size))
     return out
 
 
 @cache
-def _gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
+def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
-    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in _QUAD_KINDS or group >= 32)
+    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in QUAD_KINDS or group >= 32)
 
 
-def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                  bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
                  splits: int | None, second: PackedWeight | None = None) -> None:
     """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
     from programs split between the two weights (the paired GEMV's "quad" kinds)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
-    target_programs = cfg[5] if len(cfg) > 5 else _TARGET_PROGRAMS
+    target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
     _check_kind(kind, paired)
     import triton
@@ -235,13 +237,13 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     direct = n_splits == 1 and not paired  # a program here holds one of the two products: always via fp32 partials
     target = out if direct else torch.empty(n_splits, m, rows, device=x.device, dtype=torch.float32)
     n_blocks = triton.cdiv(n, block_n)
-    kernels = _kernels()
+    kernels = triton_kernels()
     args = (x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
             bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
             zero_points.stride(0) if zero_points is not None else 0)
     flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
                  BLOCK_N=block_n, num_warps=warps)
-    if kind in _QUAD_KINDS:  # one activation row per program (grid axis 2 is then the row)
+    if kind in QUAD_KINDS:  # one activation row per program (grid axis 2 is then the row)
         if group < 32:
             raise ValueError(f"GEMV kind {kind!r} reads 4-word quads of one group: group size {group} < 32; "
                              "use kind 'fma'.")
@@ -254,7 +256,7 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
     if not direct:
-        _finish_splits(target, out, bias, n_splits, paired)
+        finish_splits(target, out, bias, n_splits, paired)
 
 
 def _check_kind(kind: str, paired: bool) -> None:
@@ -262,12 +264,12 @@ def _check_kind(kind: str, paired: bool) -> None:
     if kind not in _GEMV_KINDS:
         raise ValueError(f"GEMV kind {kind!r}: use one of {_GEMV_KINDS} (kind 'gated' is for the paired gate/up "
                          "GEMV, mmsdk.kernels.w4a16_gated.w4a16_gated_silu, only).")
-    if paired and kind not in _QUAD_KINDS:
-        raise ValueError(f"the per-weight programs of a paired (gated) GEMV run the {_QUAD_KINDS} kinds only, not "
+    if paired and kind not in QUAD_KINDS:
+        raise ValueError(f"the per-weight programs of a paired (gated) GEMV run the {QUAD_KINDS} kinds only, not "
                          f"{kind!r}: pass a 'quad' or 'gated' config or none.")
 
 
-def _finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,
+def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,
                    paired: bool) -> None:
     """``out`` from the fp32 partials: their sum (+ bias), or for a paired GEMV ``silu(gate) * up``."""
     import triton
@@ -276,9 +278,9 @@ def _finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor
     block = 1024
     grid = (triton.cdiv(m * n, block),)
     if paired:
-        _kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4)
+        triton_kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4)
     else:
-        _kernels().split_sum[grid](partials, bias if bias is not None else partials, out, m * n, n,
+        triton_kernels().split_sum[grid](partials, bias if bias is not None else partials, out, m * n, n,
                                    SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
@@ -291,7 +293,7 @@ def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _kernels().fused[grid](
+    triton_kernels().fused[grid](
         x, qweight, scales, zero_points if zero_points is not None else scales, bias if bias is not None else scales,
         out, m, n, k_in, k_blocks * group, x.stride(0), out.stride(0),
         zero_points.stride(0) if zero_points is not None else 0,
@@ -319,7 +321,7 @@ def _tuning() -> _Tuning:
     return _Tuning()
 
 
-def _tuned(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int) -> Any:
+def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int) -> Any:
     """The fastest candidate for ``key`` (timed once on CUDA; the first one under the interpreter or a capture)."""
     table = _tuning().chosen
     if key in table:
@@ -351,7 +353,7 @@ def dequantize_packed(
     out = torch.empty(n, in_features, device=qweight.device, dtype=dtype)
     block_n, block_k = 32, max(256, block_size)
     grid = (triton.cdiv(n, block_n), triton.cdiv(in_features, block_k))
-    _kernels().dequant[grid](
+    triton_kernels().dequant[grid](
         qweight, scales, zero_points if zero_points is not None else scales, out, n, in_features,
         k_blocks * block_size, zero_points.stride(0) if zero_points is not None else 0,
         GROUP=block_size, HAS_ZP=zero_points is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
@@ -359,7 +361,7 @@ def dequantize_packed(
     return out
 
 
-def _kernels() -> Any:
+def triton_kernels() -> Any:
     """The Triton kernels (a separate module, so importing this one does not import Triton)."""
     from mmsdk.kernels import _w4a16_triton
 

@@ -30,24 +30,24 @@ import torch
 
 from mmsdk.kernels import note_fallback, pdl_preload_ready
 from mmsdk.kernels.w4a16 import (
-    _QUAD_KINDS,
-    _TARGET_PROGRAMS,
+    QUAD_KINDS,
+    TARGET_PROGRAMS,
     GemvConfig,
     PackedWeight,
-    _check_columns,
-    _finish_splits,
-    _gemv_candidates,
-    _kernels,
-    _launch_gemv,
-    _tuned,
+    check_columns,
+    finish_splits,
+    gemv_candidates,
     gemv_ready,
     k_slices,
+    launch_gemv,
+    triton_kernels,
+    tuned_config,
     unsupported_reason,
 )
 
 __all__ = ["PAIRED_KINDS", "gated_silu_reason", "w4a16_gated_silu"]
 
-PAIRED_KINDS = ("gated", *_QUAD_KINDS)
+PAIRED_KINDS = ("gated", *QUAD_KINDS)
 # "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 and a one-warp tile, here
 # with twice their weight bytes per thread and step, in the order they measured on the 7B MLPs (H200: 8x64x2 within
 # 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
@@ -93,14 +93,14 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     if not flat.is_contiguous():
         flat = flat.contiguous()
     n, k_blocks, _ = gate[0].shape
-    _check_columns(in_features, k_blocks * block_size)
+    check_columns(in_features, k_blocks * block_size)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None)
 
     def launch(cfg: GemvConfig) -> None:
         _launch_paired(flat, gate, up, out, block_size, cfg, splits)
 
-    launch(config or _tuned(key, launch, _paired_candidates(block_size), block_size))
+    launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size))
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -108,7 +108,7 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
 def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
     """What the tuner times for a paired GEMV: the "gated" tiles first (taken untimed under capture or the
     interpreter), then the one-row "quad" kinds of the plain GEMV (groups >= 32 throughout)."""
-    per_weight = tuple(c for c in _gemv_candidates(1, group) if len(c) > 4 and c[4] in _QUAD_KINDS)
+    per_weight = tuple(c for c in gemv_candidates(1, group) if len(c) > 4 and c[4] in QUAD_KINDS)
     return tuple((*tile, 1, "gated", 528) for tile in _GATED_TILES) + per_weight
 
 
@@ -119,7 +119,7 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
         raise ValueError(f"paired GEMV config {cfg!r}: use (BLOCK_N, BLOCK_C, warps, 1, KIND[, target programs]) "
                          f"with KIND one of {PAIRED_KINDS}.")
     if cfg[4] != "gated":
-        _launch_gemv(x, *gate, None, out, group, cfg, splits, second=up)
+        launch_gemv(x, *gate, None, out, group, cfg, splits, second=up)
         return
     import triton
 
@@ -128,16 +128,16 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     # one program covers rows rn of both weights: slices are counted from N rows, not the 2N of the quad kinds
-    per_split, n_splits = k_slices(n, k_blocks, block_n, block_c, cfg[5] if len(cfg) > 5 else _TARGET_PROGRAMS,
+    per_split, n_splits = k_slices(n, k_blocks, block_n, block_c, cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS,
                                    splits)
     direct = n_splits == 1
     target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
     has_zp = zero_points is not None
     pdl = pdl_preload_ready(x)  # weights load before the wait
-    _kernels().gemv_quad_gated[(triton.cdiv(n, block_n), n_splits, m)](
+    triton_kernels().gemv_quad_gated[(triton.cdiv(n, block_n), n_splits, m)](
         x, qweight.view(torch.int32), scales, zero_points if has_zp else scales, qweight2.view(torch.int32), scales2,
         zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
         zero_points.stride(0) if has_zp else 0, GROUP=group, HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n,
         BLOCK_C=block_c, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     if not direct:
-        _finish_splits(target, out, None, n_splits, True)
+        finish_splits(target, out, None, n_splits, True)
