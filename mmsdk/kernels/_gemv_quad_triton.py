@@ -101,6 +101,15 @@ def quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5,
 
 
 @triton.jit
+def quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One weight's step, :func:`quad_step`, with the step's activations loaded here."""
+    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+    return quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BLOCK_N,
+                     BLOCK_C)
+
+
+@triton.jit
 def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
               stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -175,9 +184,8 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             g = cw // WPG
             s = quad_scales(s_ptr, rn, g, ok, k_blocks)
             wait_for_inputs(PDL)
-            xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
-            acc += quad_step(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2,
-                             y3, y4, y5, y6, y7, HAS_ZP, BLOCK_N, BLOCK_C)
+            acc += quad_accumulate(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, x_row, cw, c_ok, K_in, z_ptr, rn, g,
+                                   ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
             w_loop = w_begin + 4 * BLOCK_C
     for w0 in range(w_loop, w_end, 4 * BLOCK_C):
         cw = w0 + 4 * rc  # first word of each quad
@@ -192,9 +200,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
         g = cw // WPG
         s = quad_scales(s_ptr, rn, g, ok, k_blocks)
-        xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
-        acc += quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BLOCK_N,
-                         BLOCK_C)
+        acc += quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
     dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
@@ -218,6 +224,17 @@ def gated_weights(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok,
     g = cw // WPG
     return (gate_words, up_words, quad_scales(s_ptr, rn, g, ok, k_blocks), quad_scales(s2_ptr, rn, g, ok, k_blocks),
             cw, c_ok, ok, g)
+
+
+@triton.jit
+def gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr, rn, g, ok, stride_zn,
+                     HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Both weights' steps (:func:`quad_step`) over one load and split of the step's activations."""
+    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+    return (quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP,
+                      BLOCK_N, BLOCK_C),
+            quad_step(up_words, up_s, z2_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP,
+                      BLOCK_N, BLOCK_C))
 
 
 @triton.jit
@@ -252,20 +269,18 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
         gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
             w_ptr, s_ptr, w2_ptr, s2_ptr, at, w_begin, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
         wait_for_inputs(PDL)
-        xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
-        gate += quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
-                          HAS_ZP, BLOCK_N, BLOCK_C)
-        up += quad_step(up_words, up_s, z2_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
-                        HAS_ZP, BLOCK_N, BLOCK_C)
+        gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,
+                                              rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
+        gate += gate_step
+        up += up_step
         w_loop = w_begin + 4 * BLOCK_C
     for w0 in range(w_loop, w_end, 4 * BLOCK_C):
         gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
             w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
-        xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
-        gate += quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
-                          HAS_ZP, BLOCK_N, BLOCK_C)
-        up += quad_step(up_words, up_s, z2_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7,
-                        HAS_ZP, BLOCK_N, BLOCK_C)
+        gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,
+                                              rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
+        gate += gate_step
+        up += up_step
     gate_out = tl.sum(gate, 1) * 1.8446744073709552e+19  # undo 2**-64
     up_out = tl.sum(up, 1) * 1.8446744073709552e+19
     if DIRECT:

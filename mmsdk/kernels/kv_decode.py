@@ -253,13 +253,14 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             length, mask if mask is not None else lse, partial, lse,
             query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
             mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, split_t, float(scaling) * _kv_triton.LOG2E)
+    pdl = pdl_ready(query)
     if variant == "subnormal":
         from mmsdk.kernels import _kv_subnormal_triton
 
-        pdl = inputs_settled and pdl_ready(query)
+        early = inputs_settled and pdl  # the query and first tile load before the wait
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch, PDL=pdl,
-            launch_pdl=pdl, **launch_options)
+            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch, PDL=early,
+            launch_pdl=early, **launch_options)
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
@@ -267,7 +268,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
-        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), num_warps=4 if d >= 64 else 1,
+        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl, num_warps=4 if d >= 64 else 1,
     )
     return out
 
