@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._kv_triton import softmax_total, split_program, token_tile
-from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -118,7 +117,7 @@ def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_ac
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
                                       HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
-                                      PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+                                      PREFETCH: tl.constexpr = False):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
@@ -126,10 +125,6 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
 
     ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles).
-    With ``PDL`` (launched with programmatic dependent launch, mmsdk/kernels/_pdl_triton.py) the query
-    and the first tile's words load while the kernel before runs (the one that advances the token
-    count: every cached word was written before it started); the count itself is read after the wait,
-    and the first tile's tokens past it are masked then.
     """
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     rw = tl.arange(0, W)
@@ -155,26 +150,13 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     v6 = tl.zeros((BLOCK_T, W), tl.float32)
     v7 = tl.zeros((BLOCK_T, W), tl.float32)
     base = bh.to(tl.int64) * TMAX
-    t_loop = t_begin
-    if PDL:  # the first tile, its words loaded before the wait (inside the buffer; masked by the count after)
-        first = t_begin + tl.arange(0, BLOCK_T)
-        first_rows = (base + first)[:, None] * W + rw[None, :]
-        kw = tl.load(kc_ptr + first_rows, mask=(first < TMAX)[:, None], other=0)
-        vw = tl.load(vc_ptr + first_rows, mask=(first < TMAX)[:, None], other=0)
-        wait_for_inputs(PDL)
-        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
-        _, t_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-        m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(
-            kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7)
-        t_loop = t_begin + BLOCK_T
-    else:
-        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
-    if PREFETCH:  # the loop's first tile; each tile then loads the next one's before its arithmetic
-        ahead, next_ok = token_tile(t_loop, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+    t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))  # read after the query (as measured on the H200)
+    if PREFETCH:  # the first tile; each tile then loads the next one's before its arithmetic
+        ahead, next_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         ahead_rows = (base + ahead)[:, None] * W + rw[None, :]
         next_k = tl.load(kc_ptr + ahead_rows, mask=next_ok[:, None], other=0)
         next_v = tl.load(vc_ptr + ahead_rows, mask=next_ok[:, None], other=0)
-    for t0 in range(t_loop, t_end, BLOCK_T):
+    for t0 in range(t_begin, t_end, BLOCK_T):
         if PREFETCH:
             kw, vw, t_ok = next_k, next_v, next_ok
             # new names: a token index inside the loop may be int64 (the count is), so it cannot carry over

@@ -178,14 +178,8 @@ def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tupl
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
                      scaling: float, mask: torch.Tensor | None = None,
-                     config: tuple[int, ...] | None = None, variant: str | None = None,
-                     inputs_settled: bool = False) -> torch.Tensor:
+                     config: tuple[int, ...] | None = None, variant: str | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
-
-    ``inputs_settled``: the caller guarantees that ``query`` and every cached token were written before the
-    kernel just before this call started (only ``length`` may come from that kernel). The MHA kernel may then
-    load the query and its first tile while that kernel still runs (programmatic dependent launch, sm_90+):
-    the packed cache's decode step, where the token count's increment runs between the append and here.
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
@@ -198,7 +192,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
     if variant != "generic":
         return _decode_int4_words(query, key_codes, value_codes, key_scale, value_scale, length, scaling, mask,
-                                  config, variant, inputs_settled)
+                                  config, variant)
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
@@ -229,7 +223,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
                        mask: torch.Tensor | None, config: tuple[int, ...] | None,
-                       variant: str, inputs_settled: bool) -> torch.Tensor:
+                       variant: str) -> torch.Tensor:
     """Flash-decoding over int4 codes read as int32 words (8 channels per load element)."""
     from mmsdk.kernels import _kv_triton
 
@@ -253,14 +247,11 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             length, mask if mask is not None else lse, partial, lse,
             query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
             mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, split_t, float(scaling) * _kv_triton.LOG2E)
-    pdl = pdl_ready(query)
     if variant == "subnormal":
         from mmsdk.kernels import _kv_subnormal_triton
 
-        early = inputs_settled and pdl  # the query and first tile load before the wait
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch, PDL=early,
-            launch_pdl=early, **launch_options)
+            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch, **launch_options)
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
@@ -268,7 +259,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
-        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl, num_warps=4 if d >= 64 else 1,
+        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), num_warps=4 if d >= 64 else 1,
     )
     return out
 

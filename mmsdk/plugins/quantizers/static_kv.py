@@ -150,10 +150,8 @@ class PackedStaticLayer(QuantizedKVLayer):
         """Decode attention of ``query`` [B, Hq, 1, D] over the stored tokens: ``[B, 1, Hq, D]``."""
         from mmsdk.kernels.kv_decode import decode_attention
 
-        # the query (RoPE) and the cache (the append) were written before the token count's increment, the kernel
-        # just before this one (see _append): the decode kernel may read them while that increment runs
         return decode_attention(query, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
-                                self.length, self.fmt, scaling, mask, inputs_settled=True)
+                                self.length, self.fmt, scaling, mask)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
