@@ -1,18 +1,23 @@
 """Offline sm_90 builds of the batch-1 "quad" GEMVs per tile: registers, spills, barriers, weight bytes per thread.
 
-Triton compiles for an H100/H200 target on any machine (no GPU); the build shows what a tile costs before device time
-is spent on it. Barriers (``bar.sync`` in the PTX) count the shared-memory round trips the compiler inserts to split the
-activations by nibble position; registers and the stack (spills) come from ``cuobjdump -res-usage``, spill stores are
-the ``STL`` instructions of the SASS. ``gemv_quad`` is built as the tuner launches it with split K (fp32 partials);
-``gemv_quad_gated`` (a gated MLP's gate and up rows in one program) with one K slice, storing ``silu(gate) * up``.
+Triton compiles for an H100/H200 target on any machine (no GPU); the build shows what a tile costs before device time is
+spent on it. ``loop_instructions_per_word`` counts the SASS instructions of the K loop per weight word a thread handles
+(the kernel's issue cost per byte: an H200 issues about 33e12 thread instructions per second, 132 multiprocessors x 4
+schedulers x 32 lanes x 1.98 GHz). Barriers (``bar.sync`` in the PTX) count the shared-memory round trips the compiler
+inserts to split the activations by nibble position; registers and the stack (spills) come from
+``cuobjdump -res-usage``, spill stores are the ``STL`` instructions of the SASS. ``gemv_quad`` is built as the tuner
+launches it with split K (fp32 partials); ``gemv_quad_gated`` (a gated MLP's gate and up rows in one program) with one K
+slice, storing ``silu(gate) * up``.
 
     python benchmarks/sm90_gemv_builds.py
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (16, 64, 2), (8, 64, 2), (4, 64, 1), (8, 32, 1),
@@ -31,7 +36,7 @@ def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, o
     from mmsdk.kernels import _w4a16_triton as kernels
 
     kernel = kernels.gemv_quad_gated if gated else kernels.gemv_quad
-    constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads)
+    constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads, PDL=False)
     if not gated:
         constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
     pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS
@@ -48,10 +53,39 @@ def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, o
         usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True).stdout
     fields = dict(part.split(":", 1) for part in usage.split() if part.count(":") == 1 and part[0].isupper())
+    words = rows * quads * 4 * (2 if gated else 1) / (32 * warps)  # weight words per thread and step
+    loop = loop_body(sass)
     return {"kernel": kernel.__name__, "tile": (rows, quads, warps), "registers": int(fields["REG"]),
             "stack_bytes": int(fields["STACK"]), "spill_stores": sass.count(" STL"),
             "barriers": compiled.asm["ptx"].count("bar.sync"),
-            "weight_bytes_per_thread_and_step": rows * quads * 16 * (2 if gated else 1) // (32 * warps)}
+            "weight_bytes_per_thread_and_step": int(words * 4),
+            "loop_instructions_per_word": round(len(loop) / words, 1),
+            "loop_top_opcodes": dict(Counter(_opcode(line) for line in loop).most_common(6))}
+
+
+def loop_body(sass: str) -> list[str]:
+    """The SASS instructions of the longest backward branch's span (the K loop)."""
+    lines = [line for line in sass.splitlines() if _ADDRESS.match(line)]
+    spans = []
+    for line in lines:
+        target = re.search(r"BRA\s+`?\(?\.?L?_?x?_?(?:0x)?([0-9a-f]+)", line)
+        if target and int(target.group(1), 16) < _address(line):
+            spans.append((int(target.group(1), 16), _address(line)))
+    if not spans:
+        return []
+    first, last = max(spans, key=lambda span: span[1] - span[0])
+    return [line for line in lines if first <= _address(line) <= last]
+
+
+_ADDRESS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
+
+
+def _address(line: str) -> int:
+    return int(_ADDRESS.match(line).group(1), 16)  # type: ignore[union-attr]
+
+
+def _opcode(line: str) -> str:
+    return re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split()[0].split(".")[0]
 
 
 def main() -> None:
