@@ -75,17 +75,14 @@ def measure(model: Any, inputs: dict[str, Any], reps: int) -> dict[str, Any]:
 
 def _without_pdl(model: Any, inputs: dict[str, Any]) -> float:
     """The kept step's replay time when its graph is captured with programmatic dependent launch turned off."""
-    import os
-
-    from mmsdk.kernels import PDL_ENV
+    from benchmarks.gpu_tune import pdl_setting
     from mmsdk.kernels.fast_generate import release
 
-    os.environ[PDL_ENV] = "0"
     try:
-        release(model)  # the next call captures a new graph, launching without PDL
-        return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+        with pdl_setting(False):
+            release(model)  # the next call captures a new graph, launching without PDL
+            return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
     finally:
-        os.environ.pop(PDL_ENV)
         release(model)
 
 

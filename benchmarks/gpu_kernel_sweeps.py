@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_tune import gtime, rel, run_sections
+from benchmarks.gpu_tune import gtime, pdl_setting, rel, run_sections
 
 SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008), "o_proj": (4096, 4096),
           "qwen gate+up": (37888, 3584)}
@@ -123,9 +123,6 @@ def pdl() -> list[dict[str, Any]]:
 
 def _pdl_row(name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
     """One shape of :func:`pdl` (a gated MLP's gate and up with ``gated``)."""
-    import os
-
-    from mmsdk.kernels import PDL_ENV
     from mmsdk.kernels.norm_rope_gpu import add_rms_norm
     from mmsdk.kernels.w4a16 import w4a16_gemv
     from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
@@ -152,10 +149,9 @@ def _pdl_row(name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
                                                           for w in dense),
                            "norm_us": gtime(lambda: add_rms_norm(x, residual, norm_weight, 1e-6))}
     gemv(x)  # tune once (PDL on), so both settings run the same configuration
-    for setting, key in (("1", "pdl"), ("0", "no_pdl")):
-        os.environ[PDL_ENV] = setting
-        row[key] = {"us": gtime(lambda: gemv(x)), "pair_us": gtime(pair), "rel_err": rel(gemv(x), expected)}
-    os.environ.pop(PDL_ENV)
+    for on, key in ((True, "pdl"), (False, "no_pdl")):
+        with pdl_setting(on):
+            row[key] = {"us": gtime(lambda: gemv(x)), "pair_us": gtime(pair), "rel_err": rel(gemv(x), expected)}
     row["gain_alone"] = row["no_pdl"]["us"] / row["pdl"]["us"]
     row["vs_bf16"] = {key: row["bf16_us"] / row[key]["us"] for key in ("pdl", "no_pdl")}
     return row

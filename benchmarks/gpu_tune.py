@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,6 +29,22 @@ def gtime(fn: Callable[[], Any], calls: int = 20, reps: int = 15) -> float:
     from mmsdk.kernels import graph_time_ms
 
     return graph_time_ms(fn, calls, reps) * 1e3
+
+
+@contextmanager
+def pdl_setting(on: bool) -> Iterator[None]:
+    """Programmatic dependent launch on or off (``MMSDK_PDL``) for kernels launched inside the block."""
+    from mmsdk.kernels import PDL_ENV
+
+    before = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PDL_ENV)
+        else:
+            os.environ[PDL_ENV] = before
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,9 +3,8 @@
 A kernel launched with ``launch_pdl=True`` may start while the kernel before it on the stream still
 runs, once every program of that kernel has called ``griddepcontrol.launch_dependents`` (or exited).
 Before :func:`wait_for_inputs` it may only read data written before the kernel in front of it started
-(the batch-1 GEMVs load their first weight tiles);
-after it, everything the previous kernel wrote is visible, and that kernel has finished, so no
-write-after-read race is left either. Every program of a
+(the batch-1 GEMVs load their first weight tiles); after it, everything the previous kernel wrote is
+visible, and that kernel has finished, so no write-after-read race is left either. Every program of a
 PDL-launched kernel must reach :func:`wait_for_inputs` before it stores anything: that also makes the
 order transitive (kernel ``i`` finishes only after kernel ``i - 1`` has).
 

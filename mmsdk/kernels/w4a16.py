@@ -218,8 +218,8 @@ def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
 
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
-                 splits: int | None, second: PackedWeight | None = None) -> None:
+                bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
+                splits: int | None, second: PackedWeight | None = None) -> None:
     """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
     from programs split between the two weights (the paired GEMV's "quad" kinds)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
@@ -270,7 +270,7 @@ def _check_kind(kind: str, paired: bool) -> None:
 
 
 def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,
-                   paired: bool) -> None:
+                  paired: bool) -> None:
     """``out`` from the fp32 partials: their sum (+ bias), or for a paired GEMV ``silu(gate) * up``."""
     import triton
 
@@ -281,7 +281,7 @@ def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
         triton_kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4)
     else:
         triton_kernels().split_sum[grid](partials, bias if bias is not None else partials, out, m * n, n,
-                                   SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                         SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
