@@ -14,8 +14,9 @@
   1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
   made at commit e1d71cb.)
 
-Times are medians of CUDA-graph replays (20 calls per graph), as in gpu_tune.py; errors are relative
-to the fp32 product of the dequantized weights (or the fp64 attention reference).
+Times are medians of CUDA-graph replays (20 calls per graph), as in gpu_tune.py; weights and caches are read
+from HBM as in a model (copies timed in turn, gpu_tune.cold; ``pdl`` times one copy, as before the ninth pass);
+errors are relative to the fp32 product of the dequantized weights (or the fp64 attention reference).
 
     python benchmarks/gpu_kernel_sweeps.py --sections tiles,gqa --out sweeps.json
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_tune import gtime, pdl_setting, rel, run_sections
+from benchmarks.gpu_tune import cold, gtime, pdl_setting, rel, run_sections
 
 SHAPES = {"qkv": (12288, 4096), "gate+up": (22016, 4096), "down": (4096, 11008), "o_proj": (4096, 4096),
           "qwen gate+up": (37888, 3584)}
@@ -59,14 +60,15 @@ def tiles() -> list[dict[str, Any]]:
         packed_bytes = p.qweight.numel() + p.scales.numel() * 2
         out = w4a16_gemv(x, p.qweight, p.scales, None, 128)
         row: dict[str, Any] = {
-            "shape": name, "bf16_us": gtime(lambda: torch.nn.functional.linear(x, dense)),
-            "tuned": {"us": gtime(lambda: w4a16_gemv(x, p.qweight, p.scales, None, 128)), "rel_err": rel(out, expected),
+            "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
+            "tuned": {"us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
+                      "rel_err": rel(out, expected),
                       "cfg": _tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False))}}
         measured = []
         for cfg in TILES:
             try:
                 out = w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg)
-                t = gtime(lambda: w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg))
+                t = gtime(cold(lambda q, s, c=cfg: w4a16_gemv(x, q, s, None, 128, config=c), p.qweight, p.scales))
             except Exception as error:
                 measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
                 continue
@@ -99,7 +101,9 @@ def _gated_rows() -> dict[str, Any]:
                     (16, 64, 4, 1, "quadp", 528)):
             got = w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)
             out[f"{label} {cfg or 'tuned'}"] = {
-                "us": gtime(lambda: w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)),
+                "us": gtime(cold(lambda gq, gs, uq, us, c=cfg: w4a16_gated_silu(x, (gq, gs, None), (uq, us, None), k,
+                                                                                128, config=c),
+                                 gate.qweight, gate.scales, up.qweight, up.scales)),
                 "rel_err": rel(got, expected)}
     print(out, flush=True)
     return {"gated": out}
@@ -186,6 +190,7 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
               contexts: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
     """Every (variant, config) of ``space`` at each context against SDPA on the bf16 cache, fastest first."""
     from benchmarks.gpu_suite import kv_problem
+    from mmsdk.kernels import l2_spill_copies
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
     from mmsdk.plugins.quantizers.quantized_cache import Packed
 
@@ -195,16 +200,19 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
         scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
         reference = reference_decode_attention(q, codec.decode(Packed(kc), torch.float32, d),
                                                codec.decode(Packed(vc), torch.float32, d), d**-0.5)
-        sdpa = gtime(lambda: torch.nn.functional.scaled_dot_product_attention(q, kbf, vbf, enable_gqa=hq != hkv))
+        sdpa = gtime(cold(lambda k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv),
+                          kbf, vbf))
+        codes = l2_spill_copies((kc, vc))  # each layer reads its own cache: a 4k-token int4 cache fits in L2
         results = []
         for variant, configs in space.items():
             for cfg in configs:
-                def run(cfg: Any = cfg, variant: str = variant) -> torch.Tensor:
-                    return decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5, config=cfg,
+                def run(cfg: Any = cfg, variant: str = variant, k_codes: Any = kc, v_codes: Any = vc) -> torch.Tensor:
+                    return decode_attention(q, k_codes, v_codes, scale, scale, length, "int4", d**-0.5, config=cfg,
                                             variant=variant)
 
                 try:
-                    out, t = run(), gtime(run)
+                    out = run()
+                    t = gtime([lambda c=cfg, v=variant, kv=kv: run(c, v, *kv) for kv in codes])
                 except Exception as error:
                     print("skip", variant, cfg, type(error).__name__, str(error)[:100], flush=True)
                     continue

@@ -24,11 +24,25 @@ import torch
 RESULTS: dict[str, Any] = {}
 
 
-def gtime(fn: Callable[[], Any], calls: int = 20, reps: int = 15) -> float:
-    """Median microseconds of one call of fn, from replays of a CUDA graph of ``calls`` calls."""
+def gtime(fn: Callable[[], Any] | list[Callable[[], Any]], calls: int = 20, reps: int = 15) -> float:
+    """Median microseconds of one call of fn, from replays of a CUDA graph of ``calls`` calls (fn may be a list
+    from :func:`cold`: called in turn)."""
     from mmsdk.kernels import graph_time_ms
 
     return graph_time_ms(fn, calls, reps) * 1e3
+
+
+def cold(fn: Callable[..., Any], *tensors: Any) -> list[Callable[[], Any]]:
+    """``fn(*tensors)`` on copies of ``tensors`` that together hold 3x the L2 cache, one callable per copy.
+
+    Timed in turn (gpu_suite.gbench, :func:`gtime`), every call reads its tensors from HBM, as each layer of a
+    model reads its weights: a call repeated on one copy reads whatever fits from L2 (50 MB on an H200: a 7B
+    model's int4 qkv, o_proj and down weights, a 4k-token int4 KV cache), which flatters small inputs against
+    big ones.
+    """
+    from mmsdk.kernels import l2_spill_copies
+
+    return [lambda c=copy: fn(*c) for copy in l2_spill_copies(tensors)]
 
 
 @contextmanager

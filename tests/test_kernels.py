@@ -307,3 +307,24 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
         assert seen == [hopper]
         monkeypatch.setenv(PDL_ENV, "0")
         assert not pdl_ready(on_gpu)
+
+
+def test_timing_copies_overflow_the_l2_cache():
+    """The tuner times candidates over weight copies that together hold 3x L2, so each call reads HBM."""
+    from mmsdk.kernels import l2_spill_copies
+
+    weight, scales = torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1)
+    assert l2_spill_copies((weight, scales, None)) == [(weight, scales, None)]  # CPU: nothing to spill
+    if CUDA:
+        from mmsdk.kernels import graph_time_ms
+
+        weight = torch.randint(0, 255, (1024, 1024), dtype=torch.uint8, device="cuda")  # 1 MiB
+        copies = l2_spill_copies((weight, None))
+        l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+        assert copies[0][0] is weight and all(c[1] is None for c in copies)
+        assert len(copies) * weight.numel() >= 3 * l2 or len(copies) == 64
+        assert len({c[0].data_ptr() for c in copies}) == len(copies)
+        assert all(torch.equal(c[0], weight) for c in copies)
+        seen = []
+        assert graph_time_ms([lambda c=c: seen.append(c[0].sum()) for c in copies[:3]], calls=4) > 0
+        assert len(seen) == 3 + 6  # each once outside the capture, then two whole rounds captured

@@ -27,7 +27,8 @@ Inside a captured CUDA graph on sm_90+ the batch-1 GEMVs use programmatic depend
 first step's weights while the kernel before it still runs (mmsdk/kernels/_pdl_triton.py).
 
 Block configurations are chosen per shape by timing the candidates on first use, each replayed from a
-CUDA graph (a decode-sized kernel is shorter than its Python launch); CUDA only, and during CUDA-graph
+CUDA graph (a decode-sized kernel is shorter than its Python launch) over copies of the weights that
+together overflow L2 (a model reads each layer's weights from HBM); CUDA only, and during CUDA-graph
 capture or under the interpreter the first candidate is taken.
 """
 
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import graph_time_ms, interpreting, note_fallback, pdl_preload_ready, triton_ready
+from mmsdk.kernels import graph_time_ms, interpreting, l2_spill_copies, note_fallback, pdl_preload_ready, triton_ready
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
            "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
@@ -136,11 +137,11 @@ def w4a16_matmul(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     key = (bucket, n, kp, block_size, x.dtype, zero_points is not None, bias is not None)
 
-    def launch(cfg: tuple[int, int, int, int]) -> None:
-        _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, bucket, cfg)
+    def launch(cfg: tuple[int, int, int, int], weight: PackedWeight) -> None:
+        _launch_fused(x, *weight, bias, out, block_size, bucket, cfg)
 
-    cfg = config or tuned_config(key, launch, _CANDIDATES[bucket], block_size)
-    launch(cfg)
+    weight = (qweight, scales, zero_points)
+    launch(config or tuned_config(key, launch, _CANDIDATES[bucket], block_size, weight), weight)
     return out
 
 
@@ -201,13 +202,14 @@ def w4a16_gemv(
     key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
-    def launch(cfg: tuple[Any, ...]) -> None:
+    def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
         if len(cfg) == 4:  # a fused-kernel candidate
-            _launch_fused(x, qweight, scales, zero_points, bias, out, block_size, 16, cfg)
+            _launch_fused(x, *weight, bias, out, block_size, 16, cfg)
         else:
-            launch_gemv(x, qweight, scales, zero_points, bias, out, block_size, cfg, splits)
+            launch_gemv(x, *weight, bias, out, block_size, cfg, splits)
 
-    launch(config or tuned_config(key, launch, gemv_candidates(bucket, block_size), block_size))
+    weight = (qweight, scales, zero_points)
+    launch(config or tuned_config(key, launch, gemv_candidates(bucket, block_size), block_size, weight), weight)
     return out
 
 
@@ -321,17 +323,25 @@ def _tuning() -> _Tuning:
     return _Tuning()
 
 
-def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int) -> Any:
-    """The fastest candidate for ``key`` (timed once on CUDA; the first one under the interpreter or a capture)."""
+def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int,
+                 weights: tuple[torch.Tensor | None, ...]) -> Any:
+    """The fastest candidate for ``key`` (timed once on CUDA; the first one under the interpreter or a capture).
+
+    ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
+    timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
+    (:func:`mmsdk.kernels.l2_spill_copies`; the copies live only while tuning): timed on one L2-resident
+    copy, the tuner would pick the tiles that read L2 fastest, not HBM.
+    """
     table = _tuning().chosen
     if key in table:
         return table[key]
     if interpreting() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
+    copies = l2_spill_copies(weights)
     timings = []
     for cfg in dict.fromkeys(_fit(c, group) for c in candidates):
         try:
-            timings.append((graph_time_ms(lambda c=cfg: launch(c)), cfg))
+            timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies]), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
             note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
     table[key] = min(timings)[1] if timings else candidates[0]

@@ -97,10 +97,11 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None)
 
-    def launch(cfg: GemvConfig) -> None:
-        _launch_paired(flat, gate, up, out, block_size, cfg, splits)
+    def launch(cfg: GemvConfig, weights: tuple[torch.Tensor | None, ...]) -> None:
+        _launch_paired(flat, weights[:3], weights[3:], out, block_size, cfg, splits)  # type: ignore[arg-type]
 
-    launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size))
+    weights = (*gate, *up)
+    launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size, weights), weights)
     return out.reshape(*x.shape[:-1], n)
 
 
