@@ -44,6 +44,11 @@ TILES = [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1,
          (8, 32, 1, 1, "quad", 528), (8, 32, 1, 1, "quad", 1056), (8, 64, 1, 1, "quad", 528),
          (2, 128, 1, 1, "quad", 528), (4, 32, 1, 1, "quad", 1056), (4, 128, 2, 1, "quad", 528),
          (8, 128, 2, 1, "quad", 528), (4, 64, 1, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)]
+# the quad arithmetic over a K loop pipelined through shared memory (ninth pass: cp.async "quads", TMA "quadt"),
+# (..., target programs, stages)
+TILES += [(8, 64, 2, 1, "quads", 528, 3), (8, 64, 2, 1, "quads", 1056, 3), (8, 64, 2, 1, "quadt", 528, 3),
+          (8, 64, 2, 1, "quadt", 528, 4), (8, 64, 2, 1, "quadt", 1056, 3), (8, 128, 4, 1, "quadt", 528, 3),
+          (8, 32, 1, 1, "quadt", 528, 4), (16, 64, 4, 1, "quadt", 528, 3), (4, 64, 1, 1, "quadt", 528, 4)]
 
 
 def tiles() -> list[dict[str, Any]]:
@@ -96,7 +101,8 @@ def _gated_rows() -> dict[str, Any]:
         parts = [(w.qweight, w.scales, w.zero_points) for w in (gate, up)]
         expected = torch.nn.functional.silu(x.float() @ dequantize_int4(gate, torch.float32).T) * (
             x.float() @ dequantize_int4(up, torch.float32).T)
-        for cfg in (None, *[(*tile, 1, "gated", 528) for tile in _GATED_TILES], (8, 128, 4, 1, "quad", 528),
+        staged = [(*tile, 1, "gated", 528, stages) for tile in _GATED_TILES[:3] for stages in (2, 3)]
+        for cfg in (None, *[(*tile, 1, "gated", 528) for tile in _GATED_TILES], *staged, (8, 128, 4, 1, "quad", 528),
                     (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528), (32, 16, 4, 1, "quad", 1056),
                     (16, 64, 4, 1, "quadp", 528)):
             got = w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)
