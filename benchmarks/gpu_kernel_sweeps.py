@@ -4,7 +4,10 @@
   next step's weights ("quadp") reach more bandwidth at batch 1 on the LLaVA-1.5-7B / Qwen2-VL-7B shapes,
   against bf16 cuBLAS and the tuner's pick. (An earlier section, ``fixup``, summed the K slices inside the
   launch instead of in a second kernel: no faster, 0-5% slower on every shape, so that code was removed;
-  its results are benchmarks/results/h200_kernel_sweeps_fixup.json, made at commit 575927b.)
+  its results are benchmarks/results/h200_kernel_sweeps_fixup.json, made at commit 575927b. The quad arithmetic
+  over a K loop software-pipelined 2-4 deep through shared memory, weights by cp.async or TMA, and the gated
+  kernel pipelined 2-3 deep, read 1.3-2x slower than the unpipelined tiles on every shape, so that code was removed
+  too: benchmarks/results/h200_kernel_sweeps_tiles_staged.json, made at commit 703eff2.)
 * ``pdl``: what programmatic dependent launch buys the tuned batch-1 GEMVs (their first weight tiles load
   while the previous kernel still runs), alone and after an add + RMSNorm.
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
@@ -44,11 +47,6 @@ TILES = [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1,
          (8, 32, 1, 1, "quad", 528), (8, 32, 1, 1, "quad", 1056), (8, 64, 1, 1, "quad", 528),
          (2, 128, 1, 1, "quad", 528), (4, 32, 1, 1, "quad", 1056), (4, 128, 2, 1, "quad", 528),
          (8, 128, 2, 1, "quad", 528), (4, 64, 1, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)]
-# the quad arithmetic over a K loop pipelined through shared memory (ninth pass: cp.async "quads", TMA "quadt"),
-# (..., target programs, stages)
-TILES += [(8, 64, 2, 1, "quads", 528, 3), (8, 64, 2, 1, "quads", 1056, 3), (8, 64, 2, 1, "quadt", 528, 3),
-          (8, 64, 2, 1, "quadt", 528, 4), (8, 64, 2, 1, "quadt", 1056, 3), (8, 128, 4, 1, "quadt", 528, 3),
-          (8, 32, 1, 1, "quadt", 528, 4), (16, 64, 4, 1, "quadt", 528, 3), (4, 64, 1, 1, "quadt", 528, 4)]
 
 
 def tiles() -> list[dict[str, Any]]:
@@ -101,8 +99,7 @@ def _gated_rows() -> dict[str, Any]:
         parts = [(w.qweight, w.scales, w.zero_points) for w in (gate, up)]
         expected = torch.nn.functional.silu(x.float() @ dequantize_int4(gate, torch.float32).T) * (
             x.float() @ dequantize_int4(up, torch.float32).T)
-        staged = [(*tile, 1, "gated", 528, stages) for tile in _GATED_TILES[:3] for stages in (2, 3)]
-        for cfg in (None, *[(*tile, 1, "gated", 528) for tile in _GATED_TILES], *staged, (8, 128, 4, 1, "quad", 528),
+        for cfg in (None, *[(*tile, 1, "gated", 528) for tile in _GATED_TILES], (8, 128, 4, 1, "quad", 528),
                     (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528), (32, 16, 4, 1, "quad", 1056),
                     (16, 64, 4, 1, "quadp", 528)):
             got = w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)

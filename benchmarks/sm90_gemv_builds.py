@@ -39,8 +39,6 @@ def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, o
     constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads, PDL=False)
     if not gated:
         constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
-    else:
-        constants.update(STAGES=1)
     pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}

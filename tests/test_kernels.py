@@ -74,8 +74,7 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
     device, dtype, tol = target
     # (m, n, k, group, (BLOCK_N, BLOCK_G, warps, BLOCK_M, KIND[, programs]), K splits): shift-and-mask rows, tensor-core
     # rows, and the quad kernel (16-byte activation loads, subnormal nibbles) for one and two rows, split and not,
-    # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp") and
-    # over a pipelined K loop, weights by cp.async ("quads") or TMA ("quadt", whose boxes cross K slices)
+    # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp")
     for m, n, k, group, config, splits in ((1, 40, 512, 64, (8, 4, 4, 1, "fma"), 3),
                                            (3, 33, 200, 32, (16, 2, 4, 4, "fma"), 2),
                                            (5, 24, 256, 16, (16, 2, 4, 16, "dot"), 1),
@@ -83,11 +82,7 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
                                            (1, 33, 296, 128, (16, 8, 4, 1, "quad", 64), None),
                                            (2, 24, 296, 32, (8, 8, 2, 1, "quad", 64), None),
                                            (1, 40, 512, 64, (16, 2, 4, 1, "quadp"), 2),
-                                           (2, 33, 296, 32, (16, 1, 4, 1, "quadp", 64), None),
-                                           (1, 40, 512, 64, (16, 4, 4, 1, "quads", 528, 2), 2),
-                                           (2, 33, 296, 32, (8, 8, 2, 1, "quads", 64), None),
-                                           (1, 40, 512, 64, (16, 4, 4, 1, "quadt", 528, 4), 3),
-                                           (2, 33, 296, 32, (8, 8, 2, 1, "quadt", 64), None)):
+                                           (2, 33, 296, 32, (16, 1, 4, 1, "quadp", 64), None)):
         packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
         x = torch.randn(m, k, device=device).to(dtype)
         bias = torch.randn(n, device=device).to(dtype)

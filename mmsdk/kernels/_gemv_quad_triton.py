@@ -201,14 +201,6 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
         g = cw // WPG
         s = quad_scales(s_ptr, rn, g, ok, k_blocks)
         acc += quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
-    store_rows(acc, b_ptr, out_ptr, split, M, row, out_cols, column0, rn, n_ok, HAS_BIAS, DIRECT)
-
-
-@triton.jit
-def store_rows(acc, b_ptr, out_ptr, split, M, row, out_cols, column0, rn, n_ok, HAS_BIAS: tl.constexpr,
-               DIRECT: tl.constexpr):
-    """A program's rows from its ``[BLOCK_N, BLOCK_C]`` accumulator: in out's dtype (+ bias) with ``DIRECT``,
-    else the fp32 partials of K slice ``split``."""
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
     dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
@@ -217,48 +209,6 @@ def store_rows(acc, b_ptr, out_ptr, split, M, row, out_cols, column0, rn, n_ok, 
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
         tl.store(dst, out, mask=n_ok)
-
-
-@triton.jit
-def gemv_quad_staged(x_ptr, w_ptr, w_desc, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
-                     stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     DIRECT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
-                     TMA: tl.constexpr, PDL: tl.constexpr = False):
-    """:func:`gemv_quad` with its K loop software-pipelined ``STAGES`` deep (kinds "quads" and "quadt").
-
-    Triton's pipeliner issues the loads of the next ``STAGES - 1`` steps (weight words, scales, activations)
-    as asynchronous copies into shared memory before a step's arithmetic: more bytes in flight per program
-    than registers allow, for weights read from HBM. With ``TMA`` (kind "quadt", sm_90+) the weight tiles
-    come from the tensor memory accelerator through ``w_desc`` (a ``[BLOCK_N, 4 * BLOCK_C]`` box of the
-    ``[N, KW]`` int32 words; it reads zeros past the weight's end), otherwise (kind "quads") from 16-byte
-    ``cp.async`` copies of each thread's words. A K slice that ends inside a box reads the next slice's
-    words, which its masked scales and activations multiply by zero. ``PDL`` waits at the start.
-    """
-    WPG: tl.constexpr = GROUP // 8
-    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_blocks = KW // WPG
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rc, rw = tl.arange(0, BLOCK_C), tl.arange(0, 4 * BLOCK_C)
-    n_ok = rn < N
-    x_row = x_ptr + row * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
-    w_begin = split * groups_per_split * WPG
-    w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * KW
-    wait_for_inputs(PDL)
-    for w0 in tl.range(w_begin, w_end, 4 * BLOCK_C, num_stages=STAGES):
-        if TMA:
-            flat = w_desc.load([pid_n * BLOCK_N, w0])
-        else:
-            flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
-        cw = w0 + 4 * rc  # first word of each quad
-        c_ok = cw < w_end
-        ok = n_ok[:, None] & c_ok[None, :]
-        g = cw // WPG
-        s = quad_scales(s_ptr, rn, g, ok, k_blocks)
-        acc += quad_accumulate(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok,
-                               stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
-    store_rows(acc, b_ptr, out_ptr, split, M, row, N, 0, rn, n_ok, HAS_BIAS, DIRECT)
 
 
 @triton.jit
@@ -290,8 +240,7 @@ def gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, 
 @triton.jit
 def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, M, N, K_in, KW, groups_per_split,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
-                    STAGES: tl.constexpr = 1):
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row per program: each program the same rows of both.
 
     Gate (``w/s/z``) and up (``w2/s2/z2``, same shape) rows ``rn`` are two accumulators over the same
@@ -301,8 +250,7 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     dtype: no partials and no second kernel. Otherwise it stores fp32 partials at ``out[split]``
     (rows ``2N`` wide, up at columns ``N ..``) for ``split_gated``. The arithmetic is
     :func:`gemv_quad`'s; a tile carries twice its weight bytes per thread and step. ``PDL`` as in
-    :func:`gemv_quad`: the first step's words and scales of both weights load before the wait. ``STAGES`` > 1
-    software-pipelines the K loop that deep through shared memory (as :func:`gemv_quad_staged`).
+    :func:`gemv_quad`: the first step's words and scales of both weights load before the wait.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -326,7 +274,7 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
         gate += gate_step
         up += up_step
         w_loop = w_begin + 4 * BLOCK_C
-    for w0 in tl.range(w_loop, w_end, 4 * BLOCK_C, num_stages=STAGES):
+    for w0 in range(w_loop, w_end, 4 * BLOCK_C):
         gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
             w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
         gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,

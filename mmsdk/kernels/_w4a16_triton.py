@@ -6,9 +6,9 @@ import triton
 import triton.language as tl
 
 # the batch-1 quad GEMVs live in their own module; launched through this one
-from mmsdk.kernels._gemv_quad_triton import gemv_quad, gemv_quad_gated, gemv_quad_staged, silu_times
+from mmsdk.kernels._gemv_quad_triton import gemv_quad, gemv_quad_gated, silu_times
 
-__all__ = ["dequant", "fused", "gemv", "gemv_quad", "gemv_quad_gated", "gemv_quad_staged", "split_gated", "split_sum"]
+__all__ = ["dequant", "fused", "gemv", "gemv_quad", "gemv_quad_gated", "split_gated", "split_sum"]
 
 
 @triton.jit

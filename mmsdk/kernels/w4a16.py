@@ -39,30 +39,20 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import (
-    graph_time_ms,
-    interpreting,
-    l2_spill_copies,
-    note_fallback,
-    pdl_preload_ready,
-    pdl_ready,
-    triton_ready,
-)
+from mmsdk.kernels import graph_time_ms, interpreting, l2_spill_copies, note_fallback, pdl_preload_ready, triton_ready
 
-__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "STAGED_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight",
-           "check_columns", "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits",
-           "int4_linear", "k_slices", "launch_gemv", "triton_kernels", "tuned_config", "unsupported_reason",
-           "w4a16_gemv", "w4a16_matmul"]
+__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
+           "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
+           "k_slices", "launch_gemv", "triton_kernels", "tuned_config", "unsupported_reason", "w4a16_gemv",
+           "w4a16_matmul"]
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
 TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
-# GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs[, stages]]) candidates per row bucket. KIND:
+# GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
 # 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights),
-# "quads" / "quadt" (gemv_quad_staged: the same arithmetic over a K loop pipelined ``stages`` deep through
-# shared memory, weights by cp.async or, "quadt", by TMA), "fma" (gemv: shift-and-mask nibbles, any group
-# size) or "dot" (gemv on the tensor cores, for several rows).
+# "fma" (gemv: shift-and-mask nibbles, any group size) or "dot" (gemv on the tensor cores, for several rows).
 # 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K, warps, stages). Whichever candidate times fastest for
 # the shape runs. The K split count is derived from the shape: about the config's target number of programs
 # (default TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
@@ -71,14 +61,12 @@ TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # (mmsdk.kernels.w4a16_gated) also takes kind "gated": both weights' rows in one program.
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
-_GEMV_KINDS = ("quad", "quadp", "quads", "quadt", "fma", "dot")
-QUAD_KINDS = ("quad", "quadp")  # gemv_quad's kinds (the ones a paired gate/up launch can run)
-STAGED_KINDS = ("quads", "quadt")  # gemv_quad_staged: the quad arithmetic over a pipelined K loop
+_GEMV_KINDS = ("quad", "quadp", "fma", "dot")
+QUAD_KINDS = ("quad", "quadp")
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
     1: ((8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
         (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
-        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma"),
-        (8, 64, 2, 1, "quads", 528, 3), (8, 64, 2, 1, "quadt", 528, 3)),
+        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
     4: ((64, 256, 4, 3), (32, 256, 4, 4), (16, 512, 4, 3), (16, 2, 4, 4, "fma"), (32, 1, 4, 16, "dot")),
     16: ((64, 256, 4, 3), (32, 256, 4, 4), (32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")),
 }
@@ -228,8 +216,7 @@ def w4a16_gemv(
 @cache
 def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
-    return tuple(c for c in _GEMV_CANDIDATES[bucket]
-                 if len(c) == 4 or c[4] not in QUAD_KINDS + STAGED_KINDS or group >= 32)
+    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in QUAD_KINDS or group >= 32)
 
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -258,9 +245,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             zero_points.stride(0) if zero_points is not None else 0)
     flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
                  BLOCK_N=block_n, num_warps=warps)
-    if kind in STAGED_KINDS:
-        _launch_staged(x, qweight, scales, zero_points, bias, target, group, cfg, per_split, n_splits, direct)
-    elif kind in QUAD_KINDS:  # one activation row per program (grid axis 2 is then the row)
+    if kind in QUAD_KINDS:  # one activation row per program (grid axis 2 is then the row)
         if group < 32:
             raise ValueError(f"GEMV kind {kind!r} reads 4-word quads of one group: group size {group} < 32; "
                              "use kind 'fma'.")
@@ -274,40 +259,6 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                                                                     DOT=dot, **flags)
     if not direct:
         finish_splits(target, out, bias, n_splits, paired)
-
-
-def _launch_staged(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                   bias: torch.Tensor | None, target: torch.Tensor, group: int, cfg: GemvConfig, per_split: int,
-                   n_splits: int, direct: bool) -> None:
-    """Launch ``gemv_quad_staged`` (kinds "quads", "quadt"; ``cfg[6]``, if given, is the pipeline depth, default 3)."""
-    import triton
-
-    block_n, block_c, warps, _, kind = cfg[:5]
-    if group < 32:
-        raise ValueError(f"GEMV kind {kind!r} reads 4-word quads of one group: group size {group} < 32; "
-                         "use kind 'fma'.")
-    m, k_in = x.shape
-    n = qweight.shape[0]
-    words = qweight.view(torch.int32).view(n, -1)
-    descriptor = _word_descriptor(words, block_n, block_c) if kind == "quadt" else None
-    has_zp = zero_points is not None
-    pdl = pdl_ready(x)  # waits first: nothing is loaded before the wait
-    triton_kernels().gemv_quad_staged[(triton.cdiv(n, block_n), n_splits, m)](
-        x, words, descriptor, scales, zero_points if has_zp else scales, bias if bias is not None else scales, target,
-        m, n, k_in, words.shape[1], per_split, x.stride(0), zero_points.stride(0) if has_zp else 0, GROUP=group,
-        HAS_ZP=has_zp, HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_N=block_n, BLOCK_C=block_c,
-        STAGES=cfg[6] if len(cfg) > 6 else 3, TMA=kind == "quadt", PDL=pdl, launch_pdl=pdl, num_warps=warps)
-
-
-def _word_descriptor(words: torch.Tensor, block_n: int, block_c: int) -> Any:
-    """A TMA descriptor of the ``[N, KW]`` int32 weight words in ``[block_n, 4 * block_c]`` boxes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if 4 * block_c > 256 or block_n > 256 or words.data_ptr() % 16 or words.shape[1] % 4:
-        raise ValueError(f"GEMV kind 'quadt' reads [{block_n}, {4 * block_c}] boxes of a {tuple(words.shape)} word "
-                         "array through TMA: boxes hold at most 256 per side, rows must be 16-byte multiples and the "
-                         "weight 16-byte aligned; use kind 'quads'.")
-    return TensorDescriptor.from_tensor(words, [block_n, 4 * block_c])
 
 
 def _check_kind(kind: str, paired: bool) -> None:

@@ -1,8 +1,7 @@
 """A gated MLP's INT4 gate and up projections for one token: ``silu(x @ Wg.T) * (x @ Wu.T)`` in one launch.
 
 Two kinds of configuration (GEMV configs as in mmsdk.kernels.w4a16, ``(BLOCK_N, BLOCK_C quads, warps, 1,
-KIND[, target programs[, stages]])``, stages for kind "gated" only: its K loop pipelined that deep); the tuner
-times both kinds per shape (key ``("gated", ...)``) and runs the faster:
+KIND[, target programs])``); the tuner times both kinds per shape (key ``("gated", ...)``) and runs the faster:
 
 * ``"gated"`` (``gemv_quad_gated``): each program computes the same output rows of both weights (two
   accumulators; a step's activations are loaded and split by nibble once for both weights' words). The
@@ -111,8 +110,7 @@ def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
     """What the tuner times for a paired GEMV: the "gated" tiles first (taken untimed under capture or the
     interpreter), then the one-row "quad" kinds of the plain GEMV (groups >= 32 throughout)."""
     per_weight = tuple(c for c in gemv_candidates(1, group) if len(c) > 4 and c[4] in QUAD_KINDS)
-    staged = tuple((*tile, 1, "gated", 528, stages) for tile in _GATED_TILES[:2] for stages in (2, 3))
-    return tuple((*tile, 1, "gated", 528) for tile in _GATED_TILES) + per_weight + staged
+    return tuple((*tile, 1, "gated", 528) for tile in _GATED_TILES) + per_weight
 
 
 def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
@@ -141,6 +139,6 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
         x, qweight.view(torch.int32), scales, zero_points if has_zp else scales, qweight2.view(torch.int32), scales2,
         zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
         zero_points.stride(0) if has_zp else 0, GROUP=group, HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n,
-        BLOCK_C=block_c, PDL=pdl, STAGES=cfg[6] if len(cfg) > 6 else 1, launch_pdl=pdl, num_warps=warps)
+        BLOCK_C=block_c, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     if not direct:
         finish_splits(target, out, None, n_splits, True)
