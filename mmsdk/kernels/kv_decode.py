@@ -105,7 +105,7 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
 VARIANTS = ("subnormal", "magic", "generic")
 # (BLOCK_T, num_warps, target programs) worth timing for the subnormal kernel. On an H200 (MHA 32 heads,
 # head_dim 128, benchmarks/gpu_tune.py sweep_kv) (32, 1, 1056) was fastest at 4k and 16k tokens before the
-# kernel loaded tiles ahead; since then 528 programs win up to 4k tokens (see _word_config).
+# kernel loaded tiles ahead; since then 528 programs win up to about 2k tokens (see _word_config).
 # More tokens per thread (BLOCK_T / warps) means more loads in flight and
 # more accumulator registers; one warp needs no barrier for the per-tile max. Compiled offline for sm_90
 # (Triton 3.6), every MHA candidate below fits in registers (128-228) without spills. The subnormal kernel
@@ -119,12 +119,14 @@ _WORD_CANDIDATES = ((16, 1, 1056), (16, 1, 2112), (32, 1, 1056), (32, 2, 1056), 
 def _word_config(group: int, variant: str, t_max: int) -> tuple[int, int, int]:
     """(BLOCK_T, num_warps, target programs) for an int4 word kernel ("magic": fastest in a sweep on an H200, MHA).
 
-    The subnormal kernel takes half the programs for caches of up to 8k tokens: on the H200 (32 heads) 528
-    programs against 1056 measured 7.2 against 7.8-8.1 µs at 1280 tokens and 10.3 against 10.9 at 4k, and
-    37.3 against 28.3 µs at 16k (benchmarks/gpu_kernel_sweeps.py mha; between 4k and 16k not measured).
+    The subnormal kernel takes half the programs for caches of up to 2k tokens. On the H200 (32 heads), with
+    each call reading its cache from HBM as each layer does (benchmarks/gpu_kernel_sweeps.py mha, ninth pass),
+    528 programs against 1056 measured 8.1 against 8.5 µs at 1280 tokens, 13.3 against 12.0 at 4k and 37.5
+    against 28.5 at 16k; between 1280 and 4k tokens not measured, the switch is set at 2k. (Repeated on one
+    L2-resident cache, as earlier sweeps timed it, 528 programs had also won at 4k.)
     """
     if variant == "subnormal":
-        return 32, 1, _TARGET_PROGRAMS if t_max <= 8192 else 2 * _TARGET_PROGRAMS
+        return 32, 1, _TARGET_PROGRAMS if t_max <= 2048 else 2 * _TARGET_PROGRAMS
     if group >= 3:
         return 64, 4, _TARGET_PROGRAMS
     return 32, 2, 2 * _TARGET_PROGRAMS
