@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import mmsdk
 from mmsdk import Optimizer
@@ -288,3 +289,51 @@ def test_cuda_gated_mlp_body_matches_the_original_mlp(config, monkeypatch):
         out = mlp(x).float()
     # one bf16 rounding less than transformers (SiLU and product in fp32): ~3e-3 relative
     assert (out - reference).norm() / reference.norm() < 1e-2
+
+
+def test_plus_residual_uses_a_residual_forward_only_while_nothing_else_watches():
+    """``plus_residual(m, x, r)`` is ``r + m(x)``: through a module's residual forward unless hooks, forward
+    wrappers or a newer body would be bypassed."""
+    from mmsdk.plugins._forward import add_forward_wrapper, plus_residual, set_forward_body, set_residual_body
+
+    class Marked(nn.Linear):
+        def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return residual + self(x) + 1000  # marks which path ran
+
+    x, residual = torch.randn(2, 4), torch.randn(2, 3)
+    module = Marked(4, 3)
+    literal = residual + module(x)
+    assert torch.equal(plus_residual(module, x, residual), literal + 1000)
+    handle = module.register_forward_hook(lambda *_: None)
+    assert torch.equal(plus_residual(module, x, residual), literal)  # the hook must see the call
+    handle.remove()
+    set_forward_body(module, lambda t: torch.zeros(2, 3))  # another pass replaced what it computes
+    assert torch.equal(plus_residual(module, x, residual), residual)
+    set_residual_body(module, lambda t, r: r - 1)
+    assert torch.equal(plus_residual(module, x, residual), residual - 1)
+    set_forward_body(module, lambda t: torch.ones(2, 3))  # a newer body: the residual body is stale
+    assert torch.equal(plus_residual(module, x, residual), residual + 1)
+    set_residual_body(module, lambda t, r: r - 1)
+    add_forward_wrapper(module, lambda inner, t: inner(t) * 2)  # a wrapper must see the call
+    assert torch.equal(plus_residual(module, x, residual), residual + 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_gated_mlp_adds_the_residual_in_its_down_projection():
+    """A decoder layer's ``residual + mlp(h)`` through the gated int4 MLP: bitwise the two steps."""
+    from transformers.models.llama.configuration_llama import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from mmsdk.plugins._forward import plus_residual
+    from mmsdk.plugins.adapters.llava import LlavaAdapter
+    from mmsdk.plugins.quantizers.int4_mlp import install_gated_mlp
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=256, intermediate_size=704)).cuda().to(torch.bfloat16)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(mlp, name, Int4Linear.from_linear(getattr(mlp, name), block_size=64))
+    install_gated_mlp(mlp, LlavaAdapter())
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16) * 8
+    with torch.no_grad():
+        assert torch.equal(plus_residual(mlp, x, residual), residual + mlp(x))

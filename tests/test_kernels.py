@@ -92,6 +92,33 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
         assert _rel(out, expected) < tol  # interpreter fp16 ~2-3e-4, H200 bf16 ~2e-3
 
 
+def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
+    """``residual + x @ W.T`` in the GEMV's last store (direct) or its K slices' sum: bitwise torch's two steps."""
+    from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
+
+    device, dtype, _ = target
+    n, k, group = 40, 512, 64
+    packed = quantize_int4(torch.randn(n, k, device=device), group, scale_dtype=dtype)
+    for m, config, splits in ((1, (16, 4, 4, 1, "quad"), 1), (1, (16, 4, 4, 1, "quadp"), 2),
+                              (2, (8, 4, 4, 1, "fma"), 1), (2, (8, 4, 4, 1, "fma"), 3)):
+        x = torch.randn(m, k, device=device).to(dtype)
+        residual = (torch.randn(m, n, device=device) * 4).to(dtype)
+        product = w4a16_gemv(x, packed.qweight, packed.scales, None, group, config=config, splits=splits)
+        got = w4a16_gemv(x, packed.qweight, packed.scales, None, group, config=config, splits=splits,
+                         residual=residual)
+        assert torch.equal(got, residual + product), (config, splits)
+    with pytest.raises(ValueError, match="residual must be a contiguous tensor"):
+        w4a16_gemv(x, packed.qweight, packed.scales, None, group, config=config, residual=residual.T)
+    # int4_linear: folded for the GEMV's rows, added after the product for a residual of another dtype
+    x = torch.randn(1, 1, k, device=device).to(dtype)
+    residual = torch.randn(1, 1, n, device=device)
+    plain = int4_linear(x, packed.qweight, packed.scales, None, k, group)
+    assert torch.equal(int4_linear(x, packed.qweight, packed.scales, None, k, group, residual=residual),
+                       residual + plain)
+    assert torch.equal(int4_linear(x, packed.qweight, packed.scales, None, k, group, residual=residual.to(dtype)),
+                       residual.to(dtype) + plain)
+
+
 def _gated_problem(n: int, k: int, group: int, symmetric: bool, device: str, dtype: torch.dtype) -> tuple:
     """(x [1, 1, k], gate and up as (qweight, scales, zero_points), silu(x Wg^T) * (x Wu^T) from the dequantized
     weights in fp32)."""
@@ -286,7 +313,7 @@ def test_kernels_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "13 passed" in result.stdout, result.stdout[-2000:]
+    assert " passed" in result.stdout and "14 passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):

@@ -18,6 +18,19 @@ def silu_times(gate, up):
 
 
 @triton.jit
+def add_residual(product, r_ptrs, ok, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """``product`` rounded to ``dtype``; with ``HAS_RESIDUAL`` then ``residual + that``, rounded again.
+
+    Bitwise what ``residual + linear(x)`` gives in torch: the linear's output is rounded to the model
+    dtype, and torch adds two bf16/fp16 tensors in fp32 and rounds the sum.
+    """
+    out = product.to(dtype)
+    if HAS_RESIDUAL:
+        out = (out.to(tl.float32) + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+    return out
+
+
+@triton.jit
 def nibble_factor(P: tl.constexpr):
     """2**(85 - P): turns a nibble left at bit position ``P`` of a subnormal float into ``code * 2**-64``."""
     if P == 0:
@@ -111,9 +124,10 @@ def quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn
 
 @triton.jit
 def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm,
-              stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+              stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
+              BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+              HAS_RESIDUAL: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -150,6 +164,9 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     With ``PDL`` (launched with programmatic dependent launch, mmsdk/kernels/_pdl_triton.py) a program
     loads its first step's words and scales, which no earlier kernel writes, while the kernel before it
     still runs, then waits for that kernel before it reads the activations.
+
+    With ``HAS_RESIDUAL`` and ``DIRECT`` the store is ``residual + x @ W.T`` (``r_ptr``: ``[M, N]``, out's
+    dtype), rounded as torch rounds the two steps (:func:`add_residual`): a decoder layer's last residual add.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -206,7 +223,8 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     if DIRECT:
         if HAS_BIAS:
             out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+        residual = r_ptr + row.to(tl.int64) * N + rn
+        tl.store(dst, add_residual(out, residual, n_ok, out_ptr.dtype.element_ty, HAS_RESIDUAL), mask=n_ok)
     else:
         tl.store(dst, out, mask=n_ok)
 

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 # the batch-1 quad GEMVs live in their own module; launched through this one
-from mmsdk.kernels._gemv_quad_triton import gemv_quad, gemv_quad_gated, silu_times
+from mmsdk.kernels._gemv_quad_triton import add_residual, gemv_quad, gemv_quad_gated, silu_times
 
 __all__ = ["dequant", "fused", "gemv", "gemv_quad", "gemv_quad_gated", "split_gated", "split_sum"]
 
@@ -168,8 +168,10 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
 
 
 @triton.jit
-def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``)."""
+def split_sum(p_ptr, b_ptr, r_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``);
+    with ``HAS_RESIDUAL`` that product plus the residual ``r`` (:func:`add_residual`)."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -177,7 +179,7 @@ def split_sum(p_ptr, b_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.c
         acc += tl.load(p_ptr + s * MN + r, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + r % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + r, add_residual(acc, r_ptr + r, ok, out_ptr.dtype.element_ty, HAS_RESIDUAL), mask=ok)
 
 @triton.jit
 def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr):

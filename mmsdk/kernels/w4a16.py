@@ -100,8 +100,13 @@ def int4_linear(
     in_features: int,
     block_size: int,
     bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back)."""
+    """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back).
+
+    With ``residual`` (the output's shape): ``residual + (x @ W.T + bias)``, bitwise what torch gives for the
+    two steps; the batch-1 GEMVs add it in their last store instead of a separate kernel.
+    """
     reason = unsupported_reason(x, qweight, scales, block_size)
     if reason is not None:
         note_fallback("w4a16", reason)
@@ -109,14 +114,20 @@ def int4_linear(
     flat = x.reshape(-1, in_features)
     if not flat.is_contiguous():
         flat = flat.contiguous()
+    shape = (*x.shape[:-1], qweight.shape[0])
+    foldable = residual is not None and residual.shape == shape and residual.dtype == x.dtype
     if flat.shape[0] <= GEMV_MAX_M and gemv_ready(qweight):
-        out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias)
+        rows = residual.reshape(flat.shape[0], -1).contiguous() if foldable else None  # type: ignore[union-attr]
+        out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows)
+        if rows is not None:
+            return out.reshape(shape)
     elif flat.shape[0] <= FUSED_MAX_M:
         out = w4a16_matmul(flat, qweight, scales, zero_points, block_size, bias)
     else:
         weight = dequantize_packed(qweight, scales, zero_points, in_features, block_size, x.dtype)
         out = torch.nn.functional.linear(flat, weight, None if bias is None else bias.to(x.dtype))
-    return out.reshape(*x.shape[:-1], qweight.shape[0])
+    out = out.reshape(shape)
+    return out if residual is None else residual + out
 
 
 def w4a16_matmul(
@@ -188,12 +199,14 @@ def w4a16_gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     splits: int | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
-    shape when None).
+    shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product as
+    :func:`int4_linear` describes.
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
@@ -205,8 +218,10 @@ def w4a16_gemv(
     def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
         if len(cfg) == 4:  # a fused-kernel candidate
             _launch_fused(x, *weight, bias, out, block_size, 16, cfg)
+            if residual is not None:
+                out.add_(residual)  # bf16 + bf16 in fp32, rounded once: the same as residual + out
         else:
-            launch_gemv(x, *weight, bias, out, block_size, cfg, splits)
+            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual)
 
     weight = (qweight, scales, zero_points)
     launch(config or tuned_config(key, launch, gemv_candidates(bucket, block_size), block_size, weight), weight)
@@ -221,13 +236,18 @@ def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
-                splits: int | None, second: PackedWeight | None = None) -> None:
+                splits: int | None, second: PackedWeight | None = None, residual: torch.Tensor | None = None) -> None:
     """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
-    from programs split between the two weights (the paired GEMV's "quad" kinds)."""
+    from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
+    shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
+    slices' sum)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
     _check_kind(kind, paired)
+    if residual is not None and (paired or residual.shape != out.shape or not residual.is_contiguous()):
+        raise ValueError("a GEMV's residual must be a contiguous tensor of the output's shape, and a paired (gated) "
+                         "GEMV takes none: add it after the launch.")
     import triton
 
     dot = kind == "dot"
@@ -252,13 +272,16 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         w2, s2, z2 = second if paired else (qweight, scales, zero_points)
         pdl = pdl_preload_ready(x)  # weights load before the wait
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
-            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks, BLOCK_C=block_g,
-            PAIRED=paired, PREFETCH=kind == "quadp", PDL=pdl, launch_pdl=pdl, **flags)
+            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
+            residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
+            PDL=pdl, HAS_RESIDUAL=residual is not None and direct, launch_pdl=pdl, **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
+        if direct and residual is not None:
+            out.add_(residual)
     if not direct:
-        finish_splits(target, out, bias, n_splits, paired)
+        finish_splits(target, out, bias, n_splits, paired, residual)
 
 
 def _check_kind(kind: str, paired: bool) -> None:
@@ -272,8 +295,9 @@ def _check_kind(kind: str, paired: bool) -> None:
 
 
 def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,
-                  paired: bool) -> None:
-    """``out`` from the fp32 partials: their sum (+ bias), or for a paired GEMV ``silu(gate) * up``."""
+                  paired: bool, residual: torch.Tensor | None = None) -> None:
+    """``out`` from the fp32 partials: their sum (+ bias; then + ``residual`` as :func:`int4_linear` adds it), or
+    for a paired GEMV ``silu(gate) * up``."""
     import triton
 
     m, n = out.shape
@@ -282,8 +306,10 @@ def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
     if paired:
         triton_kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4)
     else:
-        triton_kernels().split_sum[grid](partials, bias if bias is not None else partials, out, m * n, n,
-                                         SPLITS=n_splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        triton_kernels().split_sum[grid](partials, bias if bias is not None else partials,
+                                         residual if residual is not None else partials, out, m * n, n,
+                                         SPLITS=n_splits, HAS_BIAS=bias is not None,
+                                         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,

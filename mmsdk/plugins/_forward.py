@@ -6,6 +6,12 @@ pruning's gathers). Wrappers look the body up at call time, so the order in whic
 them does not matter. ``rebind_global`` builds a copy of a forward function that sees another
 object under one global name (how a fused RoPE op or a sparse attention function reaches code
 that calls a module-level function), keeping the function's decorators.
+
+``plus_residual(module, x, residual)`` is ``residual + module(x)``; a module may compute it in fewer
+kernels (a decoder layer's last residual add folded into its MLP's down projection): a class
+through a ``residual_forward(x, residual)`` method, an instance through :func:`set_residual_body`.
+Either must be bitwise equal to the two steps; it is skipped while anything else observes the
+module's calls (forward wrappers or hooks) or once another body replaced what the module computes.
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ __all__ = [
     "has_forward_body",
     "innermost_override",
     "module_body",
+    "plus_residual",
     "rebind_global",
     "set_forward_body",
+    "set_residual_body",
 ]
 
 BODY_ATTR = "_mmsdk_body"
 _DISPATCH_ATTR = "_mmsdk_dispatch"
+_RESIDUAL_ATTR = "_mmsdk_residual_body"
 
 
 def module_body(module: nn.Module) -> Callable[..., Any]:
@@ -80,13 +89,44 @@ def _ensure_dispatch(module: nn.Module) -> None:
         return module_body(module)(*args, **kwargs)
 
     module.forward = dispatch
-    module.__dict__[_DISPATCH_ATTR] = True
+    module.__dict__[_DISPATCH_ATTR] = dispatch
 
 
 def set_forward_body(module: nn.Module, body: Callable[..., Any]) -> None:
     """Make ``body`` (a callable taking the forward's arguments) what the module computes."""
     _ensure_dispatch(module)
     module.__dict__[BODY_ATTR] = body
+
+
+def set_residual_body(module: nn.Module, body: Callable[..., Any]) -> None:
+    """Make ``body(x, residual)`` how :func:`plus_residual` computes ``residual + module(x)`` while the module's
+    current body (:func:`module_body`) stays what it computes."""
+    module.__dict__[_RESIDUAL_ATTR] = (module.__dict__.get(BODY_ATTR), body)
+
+
+def plus_residual(module: nn.Module, x: Any, residual: Any) -> Any:
+    """``residual + module(x)``, through the module's residual forward where it has a valid one (module docstring)."""
+    state = module.__dict__
+    installed = state.get(_RESIDUAL_ATTR)
+    body = None
+    if installed is not None and installed[0] is state.get(BODY_ATTR):
+        body = installed[1]
+    elif installed is None and not has_forward_body(module):
+        body = getattr(module, "residual_forward", None)
+    if body is None or _observed(module):
+        return residual + module(x)
+    return body(x, residual)
+
+
+def _observed(module: nn.Module) -> bool:
+    """True when something besides the module's body sees its calls: forward wrappers, or forward hooks."""
+    from torch.nn.modules import module as torch_module
+
+    forward = module.__dict__.get("forward")
+    wrapped = forward is not None and forward is not module.__dict__.get(_DISPATCH_ATTR)
+    hooks = (module._forward_hooks, module._forward_pre_hooks, torch_module._global_forward_hooks,
+             torch_module._global_forward_pre_hooks)
+    return wrapped or any(len(h) > 0 for h in hooks)
 
 
 def add_forward_wrapper(module: nn.Module, handler: Callable[..., Any]) -> None:

@@ -38,7 +38,7 @@ from mmsdk.core.config import PassConfig
 from mmsdk.core.passes import PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 from mmsdk.kernels.norm_rope import mrope_streams
-from mmsdk.plugins._forward import body_function, module_body, rebind_global, set_forward_body
+from mmsdk.plugins._forward import body_function, module_body, plus_residual, rebind_global, set_forward_body
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
 from mmsdk.plugins.attention.fused_norm_rope import (
     DeferredRMSNorm,
@@ -172,7 +172,7 @@ def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str,
         h = getattr(layer, input_norm)(hidden_states)
         h = attention(hidden_states=h, **passed)[0]
         h, residual = fused(h, residual)
-        return residual + mlp(h)
+        return plus_residual(mlp, h, residual)  # residual + mlp(h), in the MLP's last kernel where it can
 
     return body
 

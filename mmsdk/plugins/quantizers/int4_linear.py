@@ -112,6 +112,18 @@ class Int4Linear(nn.Module):
         out = torch.nn.functional.linear(x, self.dequantize(x.dtype))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
+    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``, bitwise; on CUDA the batch-1 GEMV adds the residual in its last store
+        (mmsdk.plugins._forward.plus_residual calls this for a decoder layer's last residual add)."""
+        if self.prequant is None and x.is_cuda:
+            from mmsdk.kernels.w4a16 import int4_linear
+
+            out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
+                              self.bias, residual=residual)
+            if out is not None:
+                return out
+        return residual + self(x)
+
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"
         awq = ", awq prequant" if self.prequant is not None else ""

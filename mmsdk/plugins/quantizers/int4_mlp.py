@@ -7,7 +7,8 @@ projections alike, the MLP's body runs :func:`mmsdk.kernels.w4a16_gated.w4a16_ga
 (one GEMV launch over both weights that stores ``silu(gate) * up`` itself when K needs no split,
 else that launch and one epilogue) and the original forward for everything else (CPU, prompts,
 AWQ pre-scales, biases). The two linears stay separate modules with their own buffers, so exports
-see exactly what they saw before.
+see exactly what they saw before. A decoder layer whose last residual add goes through
+``plus_residual`` (``rmsnorm-rope-fusion``'s layer body) gets it from the down projection's GEMV.
 
 Only MLPs that compute ``down(silu(gate(x)) * up(x))`` get the body: checked on a probe, bitwise.
 """
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from mmsdk.core.adapter import ModelAdapter
-from mmsdk.plugins._forward import has_forward_body, module_body, set_forward_body
+from mmsdk.plugins._forward import has_forward_body, module_body, plus_residual, set_forward_body, set_residual_body
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 
 __all__ = ["fuse_gated_mlps", "install_gated_mlp"]
@@ -63,7 +64,18 @@ def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
                 return down(hidden)
         return original(x, *args, **kwargs)
 
+    def residual_body(x: torch.Tensor, residual: torch.Tensor) -> Any:
+        """``residual + body(x)``; with the paired kernel the down projection adds the residual itself."""
+        parts = _projections(mlp, adapter)
+        if parts is not None:
+            gate, up, down = parts
+            hidden = _gated_silu(x, gate, up)
+            if hidden is not None:
+                return plus_residual(down, hidden, residual)
+        return residual + original(x)
+
     set_forward_body(mlp, body)
+    set_residual_body(mlp, residual_body)
 
 
 def _computes_gated_silu(mlp: nn.Module, parts: tuple[Int4Linear, Int4Linear, nn.Module]) -> bool:
