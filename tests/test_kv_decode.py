@@ -154,6 +154,64 @@ def test_variant_choice_is_validated(device):
         decode_attention(gqa_query, *codes, *scales, count, "int4", 0.1, variant="subnormal")
 
 
+def test_attention_appends_the_new_token_itself(device):
+    """decode_attention(..., append=(k, v)) equals append_kv, a length increment and decode_attention: the same
+    codes, length and output bitwise ("subnormal" appends in its own launches, the other variants first)."""
+    from mmsdk.kernels.kv_decode import append_kv, decode_attention
+
+    torch.manual_seed(4)
+    # (query heads, KV heads, dim, t_max, length, variant, config): the new token inside a split, at a split's
+    # first position, the last cache slot, with a mask, and grouped heads (appended before the kernel)
+    cases = ((2, 2, 32, 100, 77, "subnormal", (16, 1, 8)), (2, 2, 32, 96, 48, "subnormal", (16, 1, 4)),
+             (2, 2, 128, 48, 47, "subnormal", None), (3, 3, 32, 64, 20, "subnormal", (16, 1, 64, None, False)),
+             (4, 2, 32, 64, 30, "magic", None), (4, 2, 32, 64, 30, "generic", None))
+    for hq, hkv, dim, t_max, length, variant, config in cases:
+        query, codes, scales, count, _, _ = _problem(device, hq, hkv, dim, t_max, length)
+        new = [torch.randn(1, hkv, 1, dim, device=device) for _ in range(2)]
+        mask = torch.rand(1, length + 1, device=device) > 0.3 if hq == 3 else None
+        appended, count_a = [c.clone() for c in codes], count.clone()
+        append_kv(*new, *appended, *scales, count_a, "int4")
+        count_a += 1
+        expected = decode_attention(query, *appended, *scales, count_a, "int4", dim**-0.5, mask, config, variant)
+        got = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, mask, config, variant,
+                               append=(new[0], new[1]))
+        assert torch.equal(codes[0], appended[0]) and torch.equal(codes[1], appended[1]), (variant, length)
+        assert int(count) == length + 1
+        assert torch.equal(got, expected), (variant, length)
+
+
+def test_packed_layer_lets_attention_append_a_decode_token(device, monkeypatch):
+    """A packed int4 layer keeps a decode step's token for attend() (whose kernel writes it); attend() or any other
+    reader of the cache (here .keys) sees the same codes and length as when update() appends it at once."""
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+    torch.manual_seed(5)
+    codec = StaticCodec("int4", torch.rand(1, 32, device=device) * 0.3 + 0.05)
+    prompt, steps = [torch.randn(1, 2, 5, 32, device=device) for _ in range(2)], []
+    for _ in range(3):
+        steps.append([torch.randn(1, 2, 1, 32, device=device) for _ in range(2)])
+    query = torch.randn(1, 2, 1, 32, device=device)
+
+    def run(defer: bool) -> tuple[list[torch.Tensor], PackedStaticLayer]:
+        layer = PackedStaticLayer(codec, codec, 16, fused=True)
+        monkeypatch.setattr(layer, "_attention_appends", lambda *args: defer and PackedStaticLayer._attention_appends(
+            layer, *args))
+        layer.update(*prompt)
+        outs = []
+        for key, value in steps[:2]:
+            layer.update(key, value)
+            assert (layer._pending is not None) == defer
+            outs.append(layer.attend(query, 32**-0.5, None))
+        layer.update(*steps[2])
+        outs.append(layer.keys)  # another reader: the kept token is written first
+        return outs, layer
+
+    (deferred, a), (direct, b) = run(True), run(False)
+    assert all(torch.equal(x, y) for x, y in zip(deferred, direct, strict=True))
+    assert torch.equal(a.key_codes, b.key_codes) and torch.equal(a.value_codes, b.value_codes)
+    assert int(a.length) == int(b.length) == 8 and a._pending is None
+
+
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 def test_kv_decode_under_the_interpreter():
     """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~25 s)."""
@@ -161,7 +219,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "6 passed" in result.stdout, result.stdout[-2000:]
+    assert "8 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

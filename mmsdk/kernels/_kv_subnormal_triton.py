@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._kv_triton import softmax_total, split_program, token_tile
+from mmsdk.kernels._kv_triton import encode, softmax_total, split_program, token_tile
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -114,10 +114,22 @@ def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_ac
 
 
 @triton.jit
+def store_token_words(new_row, scale_row, codes_ptr, word_row, rw, W: tl.constexpr):
+    """Quantize one head's token ``new_row`` [8W] (int4 with per-channel scales, as the append kernel does) and
+    store it as W int32 words at ``word_row``: channel ``8w + j`` in nibble ``j`` of word ``w``, the bytes the
+    append kernel writes (channel ``2i`` in byte ``i``'s low nibble) read as little-endian words."""
+    rj = tl.arange(0, 8)
+    channel = 8 * rw[:, None] + rj[None, :]
+    codes = encode(tl.load(new_row + channel).to(tl.float32), tl.load(scale_row + channel), 0).to(tl.int32)
+    tl.store(codes_ptr + word_row * W + rw, tl.sum(codes << (4 * rj)[None, :], 1))  # disjoint bits: the sum is an OR
+
+
+@triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
+                                      kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h,
                                       HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
-                                      PREFETCH: tl.constexpr = False):
+                                      PREFETCH: tl.constexpr = False, APPEND: tl.constexpr = False):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
@@ -125,6 +137,12 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
 
     ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles).
+
+    With ``APPEND`` the step's new token is not in the cache yet: ``kn`` / ``vn`` hold its K and V (bf16/fp16
+    ``[B, H, 1, 8W]``, strides ``sk_*`` / ``sv_*``) and ``len`` counts the tokens before it. The program whose
+    split holds position ``len`` quantizes the token into the cache (the append kernel's codes) and, after a
+    barrier, attends over it with the rest of its split; the combine kernel then advances ``len``. This saves
+    the decode step an append launch and a length increment.
     """
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     rw = tl.arange(0, W)
@@ -150,7 +168,15 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     v6 = tl.zeros((BLOCK_T, W), tl.float32)
     v7 = tl.zeros((BLOCK_T, W), tl.float32)
     base = bh.to(tl.int64) * TMAX
-    t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))  # read after the query (as measured on the H200)
+    length = tl.load(len_ptr)  # read after the query (as measured on the H200)
+    if APPEND:
+        if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
+            store_token_words(kn_ptr + b * sk_b + hk * sk_h, ks_row, kc_ptr, bh.to(tl.int64) * TMAX + length, rw, W)
+            store_token_words(vn_ptr + b * sv_b + hk * sv_h, vs_ptr + hk * (8 * W), vc_ptr,
+                              bh.to(tl.int64) * TMAX + length, rw, W)
+            tl.debug_barrier()  # the words are read back below by other threads of this program
+        length += 1
+    t_end = tl.minimum(t_begin + SPLIT_T, length)
     if PREFETCH:  # the first tile; each tile then loads the next one's before its arithmetic
         ahead, next_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         ahead_rows = (base + ahead)[:, None] * W + rw[None, :]

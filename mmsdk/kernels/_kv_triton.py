@@ -306,11 +306,13 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
 
 
 @triton.jit
-def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h,
-                           BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h, len_ptr,
+                           BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
+                           ADVANCE: tl.constexpr = False):
     """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine).
 
-    With ``PDL`` the next kernel (the output projection's GEMV) may launch at once.
+    With ``PDL`` the next kernel (the output projection's GEMV) may launch at once. With ``ADVANCE`` program 0
+    adds the step's token to the cache length ``len`` (the partial kernel appended it: its ``APPEND``).
     """
     let_next_launch(PDL)
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
@@ -319,3 +321,6 @@ def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_
     o = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
     o = o * tl.load(vs_ptr + hk * D + rd)
     tl.store(out_ptr + b * so_b + h * so_h + rd, o.to(out_ptr.dtype.element_ty))
+    if ADVANCE:
+        if bh == 0:  # every partial program has read the length: the partial kernel has finished
+            tl.store(len_ptr, tl.load(len_ptr) + 1)

@@ -180,21 +180,31 @@ def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tupl
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                      key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
                      scaling: float, mask: torch.Tensor | None = None,
-                     config: tuple[int, ...] | None = None, variant: str | None = None) -> torch.Tensor:
+                     config: tuple[int, ...] | None = None, variant: str | None = None,
+                     append: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
     target programs[, num_stages[, prefetch]]; prefetch, the next tile loaded ahead, for "subnormal" only)
     pick a kernel and override its defaults (tuning).
+
+    ``append`` is the step's new token, K and V ``[B, H_kv, 1, D]``, not yet in the cache: it is quantized
+    into the cache at position ``length``, ``length`` grows by one, and the query attends over it too. The
+    "subnormal" kernel does both in its own launches (no append kernel, no length increment); the others
+    append first (:func:`append_kv`).
     """
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
+    if append is not None and (variant != "subnormal" or append[0].shape[-2] != 1):
+        append_kv(*append, key_codes, value_codes, key_scale, value_scale, length, fmt)
+        length.add_(append[0].shape[-2])
+        append = None
     if variant != "generic":
         return _decode_int4_words(query, key_codes, value_codes, key_scale, value_scale, length, scaling, mask,
-                                  config, variant)
+                                  config, variant, append)
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
@@ -225,8 +235,9 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
                        mask: torch.Tensor | None, config: tuple[int, ...] | None,
-                       variant: str) -> torch.Tensor:
-    """Flash-decoding over int4 codes read as int32 words (8 channels per load element)."""
+                       variant: str, append: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Flash-decoding over int4 codes read as int32 words (8 channels per load element); ``append`` (variant
+    "subnormal" only) as in :func:`decode_attention`."""
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
@@ -252,16 +263,24 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     if variant == "subnormal":
         from mmsdk.kernels import _kv_subnormal_triton
 
+        new_key, new_value = append if append is not None else (query, query)
+        if new_key.stride(-1) != 1 or new_value.stride(-1) != 1:
+            new_key, new_value = new_key.contiguous(), new_value.contiguous()
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch, **launch_options)
+            *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
+            new_value.stride(1), HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch,
+            APPEND=append is not None, **launch_options)
+    elif append is not None:
+        raise ValueError(f"decode variant {variant!r} cannot append the new token itself: call append_kv first")
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
             *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, _pow2(group)) if use_dot else
             _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
     _kv_triton.decode_combine_natural[(b * hq,)](
-        partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2),
-        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), num_warps=4 if d >= 64 else 1,
+        partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2), length,
+        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), ADVANCE=append is not None,
+        num_warps=4 if d >= 64 else 1,
     )
     return out
 

@@ -2,7 +2,8 @@
 
 :class:`PackedStaticLayer` holds the same codes as :class:`QuantizedKVLayer` with static scales
 (int4 two per byte, int8, fp8), but in buffers sized for the whole generation, with the token
-count in a device tensor. New tokens are quantized and written by one Triton launch per layer;
+count in a device tensor. New tokens are quantized and written by one Triton launch per layer (on an
+int4 decode step, by the attention kernel itself: ``update`` keeps the token until ``attend``);
 ``update`` hands the attention call a marker instead of K/V tensors, and the registered attention
 function (:func:`mmsdk.kernels.kv_decode.attention_implementation`) runs
 :func:`~mmsdk.kernels.kv_decode.decode_attention` over the codes on decode steps. Nothing is
@@ -56,6 +57,10 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.key_scale: torch.Tensor | None = None  # fp32 [heads, head_dim] on the cache's device
         self.value_scale: torch.Tensor | None = None
         self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
+        # an int4 decode step's new K/V, kept by update() for attend(), whose kernel writes them into the cache
+        # and advances the length (one launch and one increment less per layer); anything else that reads the
+        # cache writes them first (_flush)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -96,6 +101,7 @@ class PackedStaticLayer(QuantizedKVLayer):
                      heads: slice = slice(None)) -> torch.Tensor | None:
         if not self.is_initialized or codes is None:
             return None
+        self._flush()
         from mmsdk.kernels import triton_ready
 
         if scale is not None and triton_ready(codes, scale):  # same numbers, without the decode's fp32 temporaries
@@ -118,17 +124,33 @@ class PackedStaticLayer(QuantizedKVLayer):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._flush()
         count = key_states.shape[-2]
         if self.cumulative_length + count > self.max_cache_len:
             raise ValueError(
                 f"the packed KV cache holds {self.max_cache_len} tokens but {self.cumulative_length + count} were "
                 "written: generate() sizes it from max_length / max_new_tokens; pass a larger one."
             )
-        self._append(key_states, value_states)
+        if self._attention_appends(key_states, count):
+            self._pending = (key_states, value_states)
+        else:
+            self._append(key_states, value_states)
         self.cumulative_length += count
         if self.fused:  # the registered attention reads the codes: one token by the kernel, a prompt by heads
             return self._markers  # type: ignore[return-value]
         return self.keys, self.values  # type: ignore[return-value]
+
+    def _attention_appends(self, key_states: torch.Tensor, count: int) -> bool:
+        """True when :meth:`attend` will write this step's token: a fused int4 decode step on the Triton path."""
+        from mmsdk.kernels import triton_ready
+
+        return self.fused and count == 1 and self.fmt == "int4" and triton_ready(key_states, self.key_codes)
+
+    def _flush(self) -> None:
+        """Write a token kept for :meth:`attend` now (something else reads the cache first)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._append(*pending)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         assert self.length is not None and self.key_codes is not None and self.value_codes is not None
@@ -150,8 +172,9 @@ class PackedStaticLayer(QuantizedKVLayer):
         """Decode attention of ``query`` [B, Hq, 1, D] over the stored tokens: ``[B, 1, Hq, D]``."""
         from mmsdk.kernels.kv_decode import decode_attention
 
+        pending, self._pending = self._pending, None  # the kernel writes it and advances the length
         return decode_attention(query, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
-                                self.length, self.fmt, scaling, mask)
+                                self.length, self.fmt, scaling, mask, append=pending)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -164,6 +187,7 @@ class PackedStaticLayer(QuantizedKVLayer):
         return sum(t.numel() * t.element_size() for t in (self.key_codes, self.value_codes) if t is not None)
 
     def reset(self) -> None:
+        self._pending = None
         self.cumulative_length = 0
         if self.length is not None:
             self.length.zero_()
@@ -171,10 +195,12 @@ class PackedStaticLayer(QuantizedKVLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("PackedStaticLayer.crop takes the negative number of tokens to remove.")
+        self._flush()
         self.cumulative_length = max(0, self.cumulative_length + tokens_to_remove)
         if self.length is not None:
             self.length.fill_(self.cumulative_length)
 
     def _map(self, fn: Any) -> None:
+        self._flush()
         if self.key_codes is not None and self.value_codes is not None:
             self.key_codes, self.value_codes = fn(self.key_codes).contiguous(), fn(self.value_codes).contiguous()
