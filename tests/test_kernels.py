@@ -355,3 +355,20 @@ def test_timing_copies_overflow_the_l2_cache():
         seen = []
         assert graph_time_ms([lambda c=c: seen.append(c[0].sum()) for c in copies[:3]], calls=4) > 0
         assert len(seen) == 3 + 6  # each once outside the capture, then two whole rounds captured
+
+
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+def test_timing_copies_stop_at_the_memory_limit(monkeypatch, caplog):
+    """No memory for the copies: fewer of them (at least the inputs themselves) and a warning, never an error."""
+    from mmsdk.kernels import l2_spill_copies
+
+    weight = torch.zeros(1024, device="cuda")
+
+    class Full(torch.Tensor):
+        def clone(self, *args, **kwargs):
+            raise torch.cuda.OutOfMemoryError("no memory")
+
+    full = weight.as_subclass(Full)
+    with caplog.at_level("WARNING", logger="mmsdk.kernels"):
+        copies = l2_spill_copies((full,))
+    assert copies == [(full,)] and "copies of a kernel's inputs fit" in caplog.text

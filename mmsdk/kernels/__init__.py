@@ -144,7 +144,8 @@ def l2_spill_copies(tensors: Sequence[torch.Tensor | None], l2_multiple: int = 3
     L2 holds 50 MB: a 7B model's int4 qkv, o_proj and down weights all fit), while in a model every
     layer's weights come from HBM. Timing the copies in turn (:func:`graph_time_ms` with one callable
     per copy) evicts each copy before it is read again, as in a decode step. The first entry is
-    ``tensors`` itself; ``None`` entries stay None.
+    ``tensors`` itself; ``None`` entries stay None. Where the device has no memory left for the copies
+    (they take up to ``l2_multiple`` times L2), fewer are made, with a warning in the ``mmsdk.kernels`` log.
     """
     present = [t for t in tensors if t is not None]
     if not present or present[0].device.type != "cuda":
@@ -153,6 +154,10 @@ def l2_spill_copies(tensors: Sequence[torch.Tensor | None], l2_multiple: int = 3
     size = sum(t.numel() * t.element_size() for t in present)
     count = min(most, max(2, -(-l2_multiple * l2 // max(size, 1))))
     copies = [tuple(tensors)]
-    for _ in range(count - 1):
-        copies.append(tuple(None if t is None else t.clone() for t in tensors))
+    try:
+        for _ in range(count - 1):
+            copies.append(tuple(None if t is None else t.clone() for t in tensors))
+    except torch.cuda.OutOfMemoryError:
+        LOG.warning("mmsdk.kernels: only %d of %d copies of a kernel's inputs fit in GPU memory for timing; its "
+                    "times may count reads from L2", len(copies), count)
     return copies
