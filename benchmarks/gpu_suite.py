@@ -64,17 +64,10 @@ def gbench(fn: Callable[[], Any] | list[Callable[[], Any]], calls: int = 20) -> 
 
     ``fn`` may be a list: the same work on copies of its inputs (gpu_tune.cold), called in turn.
     """
-    fns = fn if isinstance(fn, list) else [fn]
-    calls = -(-max(calls, len(fns)) // len(fns)) * len(fns)
-    for each in fns:
-        each()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    return bench(graph.replay, rep=100) / calls
+    from mmsdk.kernels import captured_calls
 
+    graph, calls = captured_calls(fn, calls)
+    return bench(graph.replay, rep=100) / calls
 
 
 def release_memory() -> None:
@@ -166,6 +159,7 @@ def section_kv(quick: bool) -> list[dict[str, Any]]:
             out = decode_attention(q, kc, vc, scale, scale, length, "int4", d**-0.5)
             kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
             err = rel(out, reference_decode_attention(q, kd, vd, d**-0.5))
+
             def ours(k_codes: torch.Tensor, v_codes: torch.Tensor) -> Any:
                 return decode_attention(q, k_codes, v_codes, scale, scale, length, "int4", d**-0.5)
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "PDL_ENV", "graph_time_ms", "l2_spill_copies", "note_fallback", "pdl_preload_ready",
-           "pdl_ready", "triton_available", "triton_ready"]
+__all__ = ["INTERPRET_ENV", "PDL_ENV", "captured_calls", "graph_time_ms", "l2_spill_copies", "note_fallback",
+           "pdl_preload_ready", "pdl_ready", "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -112,17 +112,10 @@ def graph_time_ms(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: in
     ``fn`` may be a sequence of callables (the same work on different copies of its inputs, from
     :func:`l2_spill_copies`): the graph calls them in turn, at least once each.
     """
-    fns = list(fn) if isinstance(fn, Sequence) else [fn]
-    calls = -(-max(calls, len(fns)) // len(fns)) * len(fns)  # whole rounds of the copies
-    for each in fns:
-        each()  # compile outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(calls):
-                fns[i % len(fns)]()
+        graph, calls = captured_calls(fn, calls, stream)
         graph.replay()
         times = []
         for _ in range(reps):
@@ -134,6 +127,24 @@ def graph_time_ms(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: in
             times.append(start.elapsed_time(end) / calls)
     torch.cuda.current_stream().wait_stream(stream)
     return sorted(times)[len(times) // 2]
+
+
+def captured_calls(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: int,
+                   stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of ``fn`` called about ``calls`` times, and the number of calls it holds.
+
+    ``fn`` may be a sequence of callables: called in turn, whole rounds only. Each is called once before
+    the capture (Triton compiles on a first call, which a capture cannot hold).
+    """
+    fns = list(fn) if isinstance(fn, Sequence) else [fn]
+    calls = -(-max(calls, len(fns)) // len(fns)) * len(fns)
+    for each in fns:
+        each()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    return graph, calls
 
 
 def l2_spill_copies(tensors: Sequence[torch.Tensor | None], l2_multiple: int = 3,

@@ -100,29 +100,27 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.packed(), dtype or self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x, None)
+
+    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``, bitwise; on CUDA the batch-1 GEMV adds the residual in its last store
+        (mmsdk.plugins._forward.plus_residual calls this for a decoder layer's last residual add)."""
+        return self._product(x, residual)
+
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias``, then ``residual +`` it when given (in the GEMV's last store where it can)."""
         if self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
         if x.is_cuda:
             from mmsdk.kernels.w4a16 import int4_linear
 
             out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
-                              self.bias)
-            if out is not None:
-                return out
-        out = torch.nn.functional.linear(x, self.dequantize(x.dtype))
-        return out if self.bias is None else out + self.bias.to(out.dtype)
-
-    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)``, bitwise; on CUDA the batch-1 GEMV adds the residual in its last store
-        (mmsdk.plugins._forward.plus_residual calls this for a decoder layer's last residual add)."""
-        if self.prequant is None and x.is_cuda:
-            from mmsdk.kernels.w4a16 import int4_linear
-
-            out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
                               self.bias, residual=residual)
             if out is not None:
                 return out
-        return residual + self(x)
+        out = torch.nn.functional.linear(x, self.dequantize(x.dtype))
+        out = out if self.bias is None else out + self.bias.to(out.dtype)
+        return out if residual is None else residual + out
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"

@@ -55,24 +55,23 @@ def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
     """Give ``mlp`` a body that runs the paired kernel where it can and the original forward elsewhere."""
     original = module_body(mlp)
 
+    def paired(x: torch.Tensor) -> tuple[torch.Tensor, nn.Module] | None:
+        """(``silu(gate(x)) * up(x)`` from the paired kernel, the down projection), or None where it cannot run."""
+        parts = _projections(mlp, adapter)
+        if parts is None:
+            return None
+        gate, up, down = parts
+        hidden = _gated_silu(x, gate, up)
+        return None if hidden is None else (hidden, down)
+
     def body(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        parts = None if args or kwargs else _projections(mlp, adapter)
-        if parts is not None:
-            gate, up, down = parts
-            hidden = _gated_silu(x, gate, up)
-            if hidden is not None:
-                return down(hidden)
-        return original(x, *args, **kwargs)
+        done = None if args or kwargs else paired(x)
+        return original(x, *args, **kwargs) if done is None else done[1](done[0])
 
     def residual_body(x: torch.Tensor, residual: torch.Tensor) -> Any:
         """``residual + body(x)``; with the paired kernel the down projection adds the residual itself."""
-        parts = _projections(mlp, adapter)
-        if parts is not None:
-            gate, up, down = parts
-            hidden = _gated_silu(x, gate, up)
-            if hidden is not None:
-                return plus_residual(down, hidden, residual)
-        return residual + original(x)
+        done = paired(x)
+        return residual + original(x) if done is None else plus_residual(done[1], done[0], residual)
 
     set_forward_body(mlp, body)
     set_residual_body(mlp, residual_body)
