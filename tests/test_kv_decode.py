@@ -156,7 +156,7 @@ def test_variant_choice_is_validated(device):
 
 def test_attention_appends_the_new_token_itself(device):
     """decode_attention(..., append=(k, v)) equals append_kv, a length increment and decode_attention: the same
-    codes, length and output bitwise ("subnormal" appends in its own launches, the other variants first)."""
+    codes, length and output bitwise ("subnormal" and "generic" append in their own launches, "magic" first)."""
     from mmsdk.kernels.kv_decode import append_kv, decode_attention
 
     torch.manual_seed(4)
@@ -178,6 +178,18 @@ def test_attention_appends_the_new_token_itself(device):
         assert torch.equal(codes[0], appended[0]) and torch.equal(codes[1], appended[1]), (variant, length)
         assert int(count) == length + 1
         assert torch.equal(got, expected), (variant, length)
+    # int8 codes (the "generic" byte kernel, grouped heads)
+    codes = [torch.randint(-128, 128, (1, 2, 40, 32), dtype=torch.int8, device=device) for _ in range(2)]
+    scales = [torch.rand(2, 32, device=device) * 0.05 + 0.01 for _ in range(2)]
+    query, new = torch.randn(1, 4, 1, 32, device=device), [torch.randn(1, 2, 1, 32, device=device) for _ in range(2)]
+    appended = [c.clone() for c in codes]
+    count, count_a = (torch.tensor([17], device=device) for _ in range(2))
+    append_kv(*new, *appended, *scales, count_a, "int8")
+    count_a += 1
+    expected = decode_attention(query, *appended, *scales, count_a, "int8", 0.2)
+    got = decode_attention(query, *codes, *scales, count, "int8", 0.2, append=(new[0], new[1]))
+    assert torch.equal(codes[0], appended[0]) and torch.equal(codes[1], appended[1]) and int(count) == 18
+    assert torch.equal(got, expected)
 
 
 def test_packed_layer_lets_attention_append_a_decode_token(device, monkeypatch):

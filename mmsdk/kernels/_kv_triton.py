@@ -42,31 +42,31 @@ def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, H, TMAX, D, HD
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    pos = tl.load(len_ptr) + tl.program_id(1)
+    row = bh.to(tl.int64) * TMAX + tl.load(len_ptr) + tl.program_id(1)
+    store_token(k_ptr + b * sk_b + h * sk_h + tl.program_id(1) * sk_t, ks_ptr, kc_ptr, h, row, D, HDP, FMT, BLOCK_HD)
+    store_token(v_ptr + b * sv_b + h * sv_h + tl.program_id(1) * sv_t, vs_ptr, vc_ptr, h, row, D, HDP, FMT, BLOCK_HD)
+
+
+@triton.jit
+def store_token(src, scale_ptr, dst, h, row, D, HDP, FMT: tl.constexpr, BLOCK_HD: tl.constexpr):
+    """Quantize one head's token ``src`` [D] with head ``h``'s per-channel scales and store its codes at code
+    row ``row`` (int4: channel ``2i`` in byte ``i``'s low nibble)."""
     rd = tl.arange(0, BLOCK_HD)
     even, odd = 2 * rd, 2 * rd + 1
     me, mo = even < D, odd < D
-    for which in tl.static_range(2):
-        if which == 0:
-            src = k_ptr + b * sk_b + h * sk_h + tl.program_id(1) * sk_t
-            scale_ptr, dst = ks_ptr, kc_ptr
-        else:
-            src = v_ptr + b * sv_b + h * sv_h + tl.program_id(1) * sv_t
-            scale_ptr, dst = vs_ptr, vc_ptr
-        xe = tl.load(src + even, mask=me, other=0.0).to(tl.float32)
-        xo = tl.load(src + odd, mask=mo, other=0.0).to(tl.float32)
-        se = tl.load(scale_ptr + h * D + even, mask=me, other=1.0)
-        so = tl.load(scale_ptr + h * D + odd, mask=mo, other=1.0)
-        ce = encode(xe, se, FMT)
-        co = encode(xo, so, FMT)
-        row = (bh.to(tl.int64) * TMAX + pos)
-        if FMT == 0:
-            co = tl.where(mo, co, 0.0)  # an odd head_dim pads its last byte's high nibble with 0
-            byte = ce.to(tl.uint8) | (co.to(tl.uint8) << 4)
-            tl.store(dst + row * HDP + rd, byte, mask=rd < HDP)
-        else:
-            tl.store(dst + row * D + even, ce, mask=me)
-            tl.store(dst + row * D + odd, co, mask=mo)
+    xe = tl.load(src + even, mask=me, other=0.0).to(tl.float32)
+    xo = tl.load(src + odd, mask=mo, other=0.0).to(tl.float32)
+    se = tl.load(scale_ptr + h * D + even, mask=me, other=1.0)
+    so = tl.load(scale_ptr + h * D + odd, mask=mo, other=1.0)
+    ce = encode(xe, se, FMT)
+    co = encode(xo, so, FMT)
+    if FMT == 0:
+        co = tl.where(mo, co, 0.0)  # an odd head_dim pads its last byte's high nibble with 0
+        byte = ce.to(tl.uint8) | (co.to(tl.uint8) << 4)
+        tl.store(dst + row * HDP + rd, byte, mask=rd < HDP)
+    else:
+        tl.store(dst + row * D + even, ce, mask=me)
+        tl.store(dst + row * D + odd, co, mask=mo)
 
 
 @triton.jit
@@ -162,10 +162,27 @@ def softmax_total(m_i, l_i):
 @triton.jit
 def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                    sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
+                   kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp."""
-    bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
+                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+                   APPEND: tl.constexpr = False):
+    """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
+
+    ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
+    position ``len`` by the program whose split holds it, which then attends over it (see
+    mmsdk.kernels._kv_subnormal_triton.decode_partial_int4_subnormal_mha); the combine kernel advances ``len``.
+    """
+    if APPEND:
+        bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
+        length = tl.load(len_ptr)
+        if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
+            row = bh.to(tl.int64) * TMAX + length
+            store_token(kn_ptr + b * sk_b + hk * sk_h, ks_ptr, kc_ptr, hk, row, D, HDP, FMT, BLOCK_HD)
+            store_token(vn_ptr + b * sv_b + hk * sv_h, vs_ptr, vc_ptr, hk, row, D, HDP, FMT, BLOCK_HD)
+            tl.debug_barrier()  # the codes are read back below by other threads of this program
+        t_end = tl.minimum(t_begin + SPLIT_T, length + 1)
+    else:
+        bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
     heads = hk * G + rg
@@ -225,9 +242,10 @@ def combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h,
-                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D]."""
+def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h, len_ptr,
+                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr, ADVANCE: tl.constexpr = False):
+    """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D];
+    ``ADVANCE`` as in :func:`decode_combine_natural`."""
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, BLOCK_HD)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]
@@ -239,6 +257,9 @@ def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so
     dst = out_ptr + b * so_b + h * so_h
     tl.store(dst + 2 * rd, oe.to(out_ptr.dtype.element_ty), mask=de)
     tl.store(dst + 2 * rd + 1, oo.to(out_ptr.dtype.element_ty), mask=do)
+    if ADVANCE:
+        if bh == 0:  # every partial program has read the length: the partial kernel has finished
+            tl.store(len_ptr, tl.load(len_ptr) + 1)
 
 
 @triton.jit

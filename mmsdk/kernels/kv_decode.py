@@ -191,14 +191,14 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``append`` is the step's new token, K and V ``[B, H_kv, 1, D]``, not yet in the cache: it is quantized
     into the cache at position ``length``, ``length`` grows by one, and the query attends over it too. The
-    "subnormal" kernel does both in its own launches (no append kernel, no length increment); the others
-    append first (:func:`append_kv`).
+    "subnormal" and "generic" kernels do both in their own launches (no append kernel, no length increment);
+    "magic" appends first (:func:`append_kv`).
     """
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
-    if append is not None and (variant != "subnormal" or append[0].shape[-2] != 1):
+    if append is not None and (variant == "magic" or append[0].shape[-2] != 1):
         append_kv(*append, key_codes, value_codes, key_scale, value_scale, length, fmt)
         length.add_(append[0].shape[-2])
         append = None
@@ -217,17 +217,19 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
     mask_arg = mask if mask is not None else lse
+    new_key, new_value = _new_token(append, query)
     _kv_triton.decode_partial[(b * h_kv, n_splits)](
         query, key_codes, value_codes, key_scale, length, mask_arg, partial, lse,
         query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
         mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
-        split_t, float(scaling) * _kv_triton.LOG2E,
+        split_t, float(scaling) * _kv_triton.LOG2E, new_key, new_value, value_scale, new_key.stride(0),
+        new_key.stride(1), new_value.stride(0), new_value.stride(1),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
-        BLOCK_HD=block_hd, num_warps=warps, num_stages=stages,
+        BLOCK_HD=block_hd, APPEND=append is not None, num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
-        partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2),
-        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, num_warps=4 if block_hd >= 64 else 1,
+        partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
+        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, num_warps=4 if block_hd >= 64 else 1,
     )
     return out
 
@@ -263,9 +265,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     if variant == "subnormal":
         from mmsdk.kernels import _kv_subnormal_triton
 
-        new_key, new_value = append if append is not None else (query, query)
-        if new_key.stride(-1) != 1 or new_value.stride(-1) != 1:
-            new_key, new_value = new_key.contiguous(), new_value.contiguous()
+        new_key, new_value = _new_token(append, query)
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
             new_value.stride(1), HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch,
@@ -283,6 +283,15 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         num_warps=4 if d >= 64 else 1,
     )
     return out
+
+
+def _new_token(append: tuple[torch.Tensor, torch.Tensor] | None,
+               query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new token's K and V with unit stride along head_dim (the query stands in when there is none)."""
+    new_key, new_value = append if append is not None else (query, query)
+    if new_key.stride(-1) != 1 or new_value.stride(-1) != 1:
+        new_key, new_value = new_key.contiguous(), new_value.contiguous()
+    return new_key, new_value
 
 
 def reference_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,

@@ -3,7 +3,7 @@
 :class:`PackedStaticLayer` holds the same codes as :class:`QuantizedKVLayer` with static scales
 (int4 two per byte, int8, fp8), but in buffers sized for the whole generation, with the token
 count in a device tensor. New tokens are quantized and written by one Triton launch per layer (on an
-int4 decode step, by the attention kernel itself: ``update`` keeps the token until ``attend``);
+decode step, by the attention kernel itself: ``update`` keeps the token until ``attend``);
 ``update`` hands the attention call a marker instead of K/V tensors, and the registered attention
 function (:func:`mmsdk.kernels.kv_decode.attention_implementation`) runs
 :func:`~mmsdk.kernels.kv_decode.decode_attention` over the codes on decode steps. Nothing is
@@ -57,7 +57,7 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.key_scale: torch.Tensor | None = None  # fp32 [heads, head_dim] on the cache's device
         self.value_scale: torch.Tensor | None = None
         self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
-        # an int4 decode step's new K/V, kept by update() for attend(), whose kernel writes them into the cache
+        # a decode step's new K/V, kept by update() for attend(), whose kernel writes them into the cache
         # and advances the length (one launch and one increment less per layer); anything else that reads the
         # cache writes them first (_flush)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -141,10 +141,10 @@ class PackedStaticLayer(QuantizedKVLayer):
         return self.keys, self.values  # type: ignore[return-value]
 
     def _attention_appends(self, key_states: torch.Tensor, count: int) -> bool:
-        """True when :meth:`attend` will write this step's token: a fused int4 decode step on the Triton path."""
+        """True when :meth:`attend` will write this step's token: a fused decode step on the Triton path."""
         from mmsdk.kernels import triton_ready
 
-        return self.fused and count == 1 and self.fmt == "int4" and triton_ready(key_states, self.key_codes)
+        return self.fused and count == 1 and triton_ready(key_states, self.key_codes)
 
     def _flush(self) -> None:
         """Write a token kept for :meth:`attend` now (something else reads the cache first)."""
