@@ -8,6 +8,8 @@
   over a K loop software-pipelined 2-4 deep through shared memory, weights by cp.async or TMA, and the gated
   kernel pipelined 2-3 deep, read 1.3-2x slower than the unpipelined tiles on every shape, so that code was removed
   too: benchmarks/results/h200_kernel_sweeps_tiles_staged.json, made at commit 703eff2.)
+* ``mma``: the tensor-core GEMV (kind "mma") at 1, 4 and 16 rows and groups of 128 and 32, against the "quad"
+  tiles, the fused kernel and bf16 cuBLAS on the same shapes.
 * ``pdl``: what programmatic dependent launch buys the tuned batch-1 GEMVs (their first weight tiles load
   while the previous kernel still runs), alone and after an add + RMSNorm.
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
@@ -82,6 +84,61 @@ def tiles() -> list[dict[str, Any]]:
         print({k: v for k, v in row.items() if k != "tiles"}, flush=True)
         rows.append(row)
     rows.append(_gated_rows())
+    return rows
+
+
+# the best "quad" tiles of the ninth pass and the fused kernel / "dot" GEMV the tuner chose for 4 and 16 rows before
+# the "mma" kind existed
+MMA_BASELINES = {1: [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
+                     (8, 64, 2, 1, "quadp", 528)],
+                 4: [(64, 256, 4, 3), (16, 2, 4, 4, "fma"), (32, 1, 4, 16, "dot")],
+                 16: [(64, 256, 4, 3), (32, 1, 4, 16, "dot")]}
+
+
+def mma() -> list[dict[str, Any]]:
+    """The tensor-core GEMV ("mma": nibbles made bf16 by lop3, weights as the dot's left operand) at 1, 4 and 16 rows,
+    groups of 128 and 32, against the kinds it may replace (MMA_BASELINES), bf16 cuBLAS and the tuner's pick over every candidate."""
+    from mmsdk.kernels.w4a16 import _MMA_CANDIDATES, _tuning, w4a16_gemv
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for group in (128, 32):
+            p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+            weight = dequantize_int4(p, torch.float32)
+            packed_bytes = p.qweight.numel() + p.scales.numel() * 2
+            for m in (1, 4, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                expected = x.float() @ weight.T
+                out = w4a16_gemv(x, p.qweight, p.scales, None, group)
+                bucket = 1 if m == 1 else (4 if m <= 4 else 16)
+                row: dict[str, Any] = {
+                    "shape": name, "group": group, "M": m,
+                    "bf16_us": gtime(cold(lambda w, x=x: torch.nn.functional.linear(x, w), dense)),
+                    "tuned": {"us": gtime(cold(lambda q, s, x=x, g=group: w4a16_gemv(x, q, s, None, g), p.qweight,
+                                                   p.scales)),
+                              "rel_err": rel(out, expected),
+                              "cfg": _tuning().chosen.get(("gemv", bucket, n, k // group, group, torch.bfloat16, False,
+                                                           False))}}
+                measured = []
+                for cfg in (*MMA_BASELINES[bucket], *_MMA_CANDIDATES):
+                    try:
+                        out = w4a16_gemv(x, p.qweight, p.scales, None, group, config=cfg)
+                        t = gtime(cold(lambda q, s, c=cfg, x=x, g=group: w4a16_gemv(x, q, s, None, g, config=c),
+                                       p.qweight, p.scales))
+                    except Exception as error:
+                        measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
+                        continue
+                    measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected),
+                                     "TBps": packed_bytes / t / 1e6})
+                row["configs"] = measured
+                good = [c for c in measured if "us" in c]
+                for kind, label in (("mma", "best_mma"), (None, "best_other")):
+                    pick = [c for c in good if (len(c["cfg"]) > 4 and c["cfg"][4] == "mma") == (kind == "mma")]
+                    row[label] = min(pick, key=lambda c: c["us"]) if pick else None
+                print({key: v for key, v in row.items() if key != "configs"}, flush=True)
+                rows.append(row)
     return rows
 
 
@@ -231,10 +288,10 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, pdl, gqa, mha")
+    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, mma, pdl, gqa, mha")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    sections = {"tiles": tiles, "pdl": pdl, "gqa": gqa, "mha": mha}
+    sections = {"tiles": tiles, "mma": mma, "pdl": pdl, "gqa": gqa, "mha": mha}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

@@ -17,7 +17,8 @@ import platform
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -335,6 +336,68 @@ def section_steady(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+@contextmanager
+def without_mma_gemv() -> Iterator[None]:
+    """GEMV candidates as they were before the tensor-core kind ("mma") existed, for an A/B in one run."""
+    from mmsdk.kernels import w4a16
+
+    before = dict(w4a16._GEMV_CANDIDATES)
+    for bucket, candidates in before.items():
+        w4a16._GEMV_CANDIDATES[bucket] = tuple(c for c in candidates if len(c) < 5 or c[4] != "mma")
+    w4a16._GEMV_CANDIDATES[4] += ((32, 256, 4, 4), (16, 512, 4, 3), (32, 1, 4, 16, "dot"))
+    w4a16._GEMV_CANDIDATES[16] += ((32, 256, 4, 4), (64, 2, 4, 16, "dot"))
+    w4a16.gemv_candidates.cache_clear()
+    w4a16._tuning().chosen.clear()
+    try:
+        yield
+    finally:
+        w4a16._GEMV_CANDIDATES.update(before)
+        w4a16.gemv_candidates.cache_clear()
+        w4a16._tuning().chosen.clear()
+
+
+def section_batch_decode(quick: bool) -> list[dict[str, Any]]:
+    """Batch-4 decode on LLaVA-1.5-7B shapes, 1k text tokens per row: the GEMVs see 4 activation rows.
+
+    HF bf16 eager against mmsdk's stack (int4-weight g32 and g128), the latter also with the GEMV kinds that existed
+    before the tensor-core "mma" kind (``without_mma_gemv``), in the same run. The floor counts the weights once
+    and the KV of all four rows.
+    """
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    batch, ctx, new, reps = (4, 1024, 16, 1) if quick else (4, 1024, 64, 3)
+    inputs = llava_inputs(batch, ctx, images=False)
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
+        row = {"variant": name, "batch": batch, **decode_rate(model, inputs, new, reps, generate)}
+        row["tokens_per_s"] *= batch
+        row["floor_ms"] = lm_bytes(model, kv * batch, ctx + new // 2) / COPY_BW * 1e3
+        row["x_floor"] = row["step_ms"] / row["floor_ms"]
+        rows.append(row)
+        print(row, flush=True)
+
+    model = build_llava()
+    record("HF bf16 eager generate", model, KV_BF16, type(model).generate.__get__(model))
+    del model
+    release_memory()
+    for group in (32, 128):
+        passes = ("qkv-fuse", Int4WeightConfig(group_size=group), "rmsnorm-rope-fusion")
+        # a fresh model per variant: generate keeps its static cache and CUDA graph between calls, so a variant timed
+        # on a model that already ran would time the other variant's graph, or a re-capture inside its timed calls
+        model = optimized(build_llava(), passes, kv=True)
+        record(f"mmsdk qkv-fuse + int4-weight g{group} + rmsnorm-rope-fusion + int4-kv (fast generate)", model,
+               KV_INT4)
+        del model
+        release_memory()
+        with without_mma_gemv():
+            model = optimized(build_llava(), passes, kv=True)
+            record(f"same g{group}, GEMV kinds before 'mma'", model, KV_INT4)
+            del model
+        release_memory()
+    return rows
+
+
 def section_qwen_decode(quick: bool) -> list[dict[str, Any]]:
     """Batch-1 decode on Qwen2-VL-7B shapes (GQA 28/4, M-RoPE), 1k text context: HF eager vs mmsdk's stack."""
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
@@ -486,6 +549,7 @@ def main() -> None:
                           + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv, "norm": section_norm,
                 "decode": section_decode, "steady": section_steady, "qwen_decode": section_qwen_decode,
+                "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
         start = time.perf_counter()

@@ -7,13 +7,15 @@ schedulers x 32 lanes x 1.98 GHz). Barriers (``bar.sync`` in the PTX) count the 
 inserts to split the activations by nibble position; registers and the stack (spills) come from
 ``cuobjdump -res-usage``, spill stores are the ``STL`` instructions of the SASS. ``gemv_quad`` is built as the tuner
 launches it with split K (fp32 partials); ``gemv_quad_gated`` (a gated MLP's gate and up rows in one program) with one K
-slice, storing ``silu(gate) * up``.
+slice, storing ``silu(gate) * up``. ``gemv_mma`` (the tensor-core kind) is built per group size, activation rows
+(the accumulator's columns) and candidate tile of ``mmsdk.kernels.w4a16._MMA_CANDIDATES``.
 
-    python benchmarks/sm90_gemv_builds.py
+    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma]
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import tempfile
@@ -29,10 +31,6 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
 
 def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, object]:
     """One g128 tile without zero points, bf16 activations and scales."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from mmsdk.kernels import _w4a16_triton as kernels
 
     kernel = kernels.gemv_quad_gated if gated else kernels.gemv_quad
@@ -40,12 +38,37 @@ def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, o
     if not gated:
         constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
     pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS
-    names = kernel.arg_names
+    words = rows * quads * 4 * (2 if gated else 1) / (32 * warps)  # weight words per thread and step
+    return {"kernel": kernel.__name__, "tile": (rows, quads, warps), **_compiled(kernel, constants, pointers,
+                                                                                {"num_warps": warps}, words)}
+
+
+def build_mma(block_n: int, step_k: int, warps: int, block_m: int, group: int, stages: int) -> dict[str, object]:
+    """One tile of the tensor-core GEMV (kind "mma") for ``block_m`` activation rows, bf16, no zero points."""
+    from mmsdk.kernels import _w4a16_triton as kernels
+
+    step_g = max(1, step_k // group)
+    constants: dict[str, object] = dict(GROUP=group, HAS_ZP=False, HAS_BIAS=False, DIRECT=False, BLOCK_N=block_n,
+                                        BLOCK_M=block_m, STEP_G=step_g, ASM=True, PDL=False, HAS_RESIDUAL=False)
+    pointers = {**POINTERS, "w_ptr": "*u8"}
+    words = block_n * group * step_g / 8 / (32 * warps)
+    return {"kernel": "gemv_mma", "tile": (block_n, step_k, warps, block_m, stages), "group": group,
+            **_compiled(kernels.gemv_mma, constants, pointers, {"num_warps": warps, "num_stages": stages}, words)}
+
+
+def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, str], options: dict[str, int],
+              words: float) -> dict[str, object]:
+    """Registers, stack, spills, barriers and the K loop's instructions per weight word of one sm_90 build."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names  # type: ignore[attr-defined]
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in constants and (n.endswith("_ptr") or n in ("KW", "K_in", "N", "stride_xm"))}
     compiled = triton.compile(ASTSource(kernel, signature, constants, aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                              target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "gemv.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -53,10 +76,8 @@ def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, o
         usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True).stdout
     fields = dict(part.split(":", 1) for part in usage.split() if part.count(":") == 1 and part[0].isupper())
-    words = rows * quads * 4 * (2 if gated else 1) / (32 * warps)  # weight words per thread and step
     loop = loop_body(sass)
-    return {"kernel": kernel.__name__, "tile": (rows, quads, warps), "registers": int(fields["REG"]),
-            "stack_bytes": int(fields["STACK"]), "spill_stores": sass.count(" STL"),
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "spill_stores": sass.count(" STL"),
             "barriers": compiled.asm["ptx"].count("bar.sync"),
             "weight_bytes_per_thread_and_step": int(words * 4),
             "loop_instructions_per_word": round(len(loop) / words, 1),
@@ -89,10 +110,22 @@ def _opcode(line: str) -> str:
 
 
 def main() -> None:
-    for tile in TILES:
-        print(build(*tile), flush=True)
-    for tile in GATED_TILES:
-        print(build(*tile, gated=True), flush=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernels", default="quad,gated,mma", help="comma-separated: quad, gated, mma")
+    chosen = parser.parse_args().kernels.split(",")
+    if "quad" in chosen:
+        for tile in TILES:
+            print(build(*tile), flush=True)
+    if "gated" in chosen:
+        for tile in GATED_TILES:
+            print(build(*tile, gated=True), flush=True)
+    if "mma" in chosen:
+        from mmsdk.kernels.w4a16 import _MMA_CANDIDATES
+
+        for group in (128, 64, 32):
+            for block_m in (1, 8, 16):
+                for cfg in _MMA_CANDIDATES:
+                    print(build_mma(cfg[0], cfg[1], cfg[2], block_m, group, cfg[6]), flush=True)
 
 
 if __name__ == "__main__":

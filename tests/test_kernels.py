@@ -74,7 +74,8 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
     device, dtype, tol = target
     # (m, n, k, group, (BLOCK_N, BLOCK_G, warps, BLOCK_M, KIND[, programs]), K splits): shift-and-mask rows, tensor-core
     # rows, and the quad kernel (16-byte activation loads, subnormal nibbles) for one and two rows, split and not,
-    # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp")
+    # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp"); the
+    # "mma" kernel (16-bit nibbles on the tensor cores) for 1, 5 and 16 rows, several groups per step or one
     for m, n, k, group, config, splits in ((1, 40, 512, 64, (8, 4, 4, 1, "fma"), 3),
                                            (3, 33, 200, 32, (16, 2, 4, 4, "fma"), 2),
                                            (5, 24, 256, 16, (16, 2, 4, 16, "dot"), 1),
@@ -82,7 +83,10 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
                                            (1, 33, 296, 128, (16, 8, 4, 1, "quad", 64), None),
                                            (2, 24, 296, 32, (8, 8, 2, 1, "quad", 64), None),
                                            (1, 40, 512, 64, (16, 2, 4, 1, "quadp"), 2),
-                                           (2, 33, 296, 32, (16, 1, 4, 1, "quadp", 64), None)):
+                                           (2, 33, 296, 32, (16, 1, 4, 1, "quadp", 64), None),
+                                           (1, 40, 512, 64, (32, 128, 4, 16, "mma"), 3),
+                                           (5, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None),
+                                           (16, 24, 256, 128, (16, 256, 1, 16, "mma"), 1)):
         packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
         x = torch.randn(m, k, device=device).to(dtype)
         bias = torch.randn(n, device=device).to(dtype)
@@ -100,7 +104,8 @@ def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
     n, k, group = 40, 512, 64
     packed = quantize_int4(torch.randn(n, k, device=device), group, scale_dtype=dtype)
     for m, config, splits in ((1, (16, 4, 4, 1, "quad"), 1), (1, (16, 4, 4, 1, "quadp"), 2),
-                              (2, (8, 4, 4, 1, "fma"), 1), (2, (8, 4, 4, 1, "fma"), 3)):
+                              (2, (8, 4, 4, 1, "fma"), 1), (2, (8, 4, 4, 1, "fma"), 3),
+                              (3, (16, 128, 4, 16, "mma"), 1), (1, (16, 128, 4, 16, "mma"), 2)):
         x = torch.randn(m, k, device=device).to(dtype)
         residual = (torch.randn(m, n, device=device) * 4).to(dtype)
         product = w4a16_gemv(x, packed.qweight, packed.scales, None, group, config=config, splits=splits)

@@ -39,7 +39,15 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import graph_time_ms, interpreting, l2_spill_copies, note_fallback, pdl_preload_ready, triton_ready
+from mmsdk.kernels import (
+    graph_time_ms,
+    interpreting,
+    l2_spill_copies,
+    note_fallback,
+    pdl_preload_ready,
+    pdl_ready,
+    triton_ready,
+)
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
            "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
@@ -52,7 +60,9 @@ TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
 # 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights),
-# "fma" (gemv: shift-and-mask nibbles, any group size) or "dot" (gemv on the tensor cores, for several rows).
+# "fma" (gemv: shift-and-mask nibbles, any group size), "dot" (gemv on the tensor cores, for several rows) or "mma"
+# (gemv_mma: up to 16 rows on the tensor cores, nibbles made 16-bit floats with one lop3 per pair; BLOCK_G counts
+# whole groups per step; group sizes >= 32).
 # 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K, warps, stages). Whichever candidate times fastest for
 # the shape runs. The K split count is derived from the shape: about the config's target number of programs
 # (default TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
@@ -61,14 +71,27 @@ TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # (mmsdk.kernels.w4a16_gated) also takes kind "gated": both weights' rows in one program.
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
-_GEMV_KINDS = ("quad", "quadp", "fma", "dot")
+_GEMV_KINDS = ("quad", "quadp", "fma", "dot", "mma")
 QUAD_KINDS = ("quad", "quadp")
+# "mma" configs: (BLOCK_N, K channels per step, warps, BLOCK_M, "mma", target programs, num_stages); a program takes
+# min(BLOCK_M, M rounded up to a power of two) activation rows, the accumulator's columns. Offline sm_90 builds of these
+# tiles (Triton 3.6, benchmarks/sm90_gemv_builds.py --kernels mma), 64 weight rows per warp, take 17-18 loop
+# instructions per weight word for groups of 128, 20-21 for 64 and 23-25 for 32 at up to 8 rows (against 27 for
+# "quad" at one row), 20-38 at 16 rows, where 64 x 256 x 1 (g128) and 128 x 256 x 2 (g128, 8 rows) spill a few
+# registers. On the H200 (benchmarks/gpu_kernel_sweeps.py mma) they run 4 and 16 rows 1.5-5.7x faster than the fused
+# and "dot" kernels, and one row 1.16-3x slower than "quad" (fewer instructions, yet not faster: one row is not bound
+# by instruction issue alone), which the tuner then keeps.
+_MMA_CANDIDATES = ((256, 128, 4, 16, "mma", 528, 2), (64, 128, 1, 16, "mma", 1056, 2), (128, 128, 2, 16, "mma", 528, 2),
+                   (128, 256, 2, 16, "mma", 528, 2), (64, 256, 1, 16, "mma", 1056, 2), (512, 128, 8, 16, "mma", 264, 2),
+                   (128, 128, 2, 16, "mma", 1056, 2))
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
     1: ((8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
         (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
-        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
-    4: ((64, 256, 4, 3), (32, 256, 4, 4), (16, 512, 4, 3), (16, 2, 4, 4, "fma"), (32, 1, 4, 16, "dot")),
-    16: ((64, 256, 4, 3), (32, 256, 4, 4), (32, 1, 4, 16, "dot"), (64, 2, 4, 16, "dot")),
+        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma"),
+        *_MMA_CANDIDATES),
+    # the fused kernel and "fma" / "dot" stay for groups of 16, which "mma" cannot take
+    4: (*_MMA_CANDIDATES, (64, 256, 4, 3), (16, 2, 4, 4, "fma")),
+    16: (*_MMA_CANDIDATES, (64, 256, 4, 3), (32, 1, 4, 16, "dot")),
 }
 DTYPES = (torch.bfloat16, torch.float16)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates per row bucket; BLOCK_K is raised to the group size.
@@ -230,8 +253,9 @@ def w4a16_gemv(
 
 @cache
 def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
-    """The bucket's candidates that take this group size ("quad" reads whole 4-word quads: groups >= 32)."""
-    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in QUAD_KINDS or group >= 32)
+    """The bucket's candidates that take this group size ("quad" reads whole 4-word quads, "mma" needs 16 channels
+    per half group: groups >= 32)."""
+    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in (*QUAD_KINDS, "mma") or group >= 32)
 
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -248,6 +272,9 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if residual is not None and (paired or residual.shape != out.shape or not residual.is_contiguous()):
         raise ValueError("a GEMV's residual must be a contiguous tensor of the output's shape, and a paired (gated) "
                          "GEMV takes none: add it after the launch.")
+    if kind == "mma":
+        _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
+        return
     import triton
 
     dot = kind == "dot"
@@ -282,6 +309,38 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             out.add_(residual)
     if not direct:
         finish_splits(target, out, bias, n_splits, paired, residual)
+
+
+def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig, splits: int | None,
+                residual: torch.Tensor | None) -> None:
+    """Launch a kind "mma" configuration, ``(BLOCK_N, K channels per step, warps, BLOCK_M, "mma"[, target programs[,
+    num_stages]])``, into ``out`` (``residual`` as :func:`launch_gemv` takes it)."""
+    import triton
+
+    if group < 32:
+        raise ValueError(f"GEMV kind 'mma' multiplies half groups of at least 16 channels: group size {group} < 32; "
+                         "use kind 'fma'.")
+    block_n, step_k, warps, block_m = cfg[:4]
+    target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
+    options = {"num_stages": cfg[6]} if len(cfg) > 6 else {}
+    step_g = max(1, step_k // group)
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    per_split, n_splits = k_slices(n, k_blocks, block_n, step_g, target_programs, splits)
+    direct = n_splits == 1
+    target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
+    pdl = pdl_ready(x)  # the kernel waits before its first load
+    block_m = min(block_m, triton.next_power_of_2(m))
+    triton_kernels().gemv_mma[(triton.cdiv(n, block_n), n_splits, triton.cdiv(m, block_m))](
+        x, qweight, scales, zero_points if zero_points is not None else scales, bias if bias is not None else scales,
+        target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
+        zero_points.stride(0) if zero_points is not None else 0, residual if residual is not None else scales,
+        GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_N=block_n,
+        BLOCK_M=block_m, STEP_G=step_g, ASM=not interpreting(), PDL=pdl, HAS_RESIDUAL=residual is not None and direct,
+        launch_pdl=pdl, num_warps=warps, **options)
+    if not direct:
+        finish_splits(target, out, bias, n_splits, False, residual)
 
 
 def _check_kind(kind: str, paired: bool) -> None:
