@@ -96,6 +96,21 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
         assert _rel(out, expected) < tol  # interpreter fp16 ~2-3e-4, H200 bf16 ~2e-3
 
 
+@pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs an NVIDIA GPU and Triton")
+def test_w4a16_mma_takes_fp16_activations():
+    """The tensor-core GEMV's fp16 path (nibbles made fp16 by the 1024.0 pattern) on the compiled kernel."""
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+
+    for m, group, symmetric in ((1, 32, True), (4, 128, False), (16, 64, True)):
+        packed = quantize_int4(torch.randn(96, 512, device="cuda"), group, symmetric=symmetric,
+                               scale_dtype=torch.float16)
+        x = torch.randn(m, 512, device="cuda", dtype=torch.float16)
+        expected = x.float() @ dequantize_int4(packed, torch.float32).T
+        out = w4a16_gemv(x, packed.qweight, packed.scales, packed.zero_points, group,
+                         config=(32, 128, 1, 16, "mma", 64, 2))
+        assert out.dtype == torch.float16 and _rel(out, expected) < 2e-3, (m, group, symmetric)
+
+
 def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
     """``residual + x @ W.T`` in the GEMV's last store (direct) or its K slices' sum: bitwise torch's two steps."""
     from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv

@@ -18,6 +18,9 @@ in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N
   by a Triton kernel and multiplied by cuBLAS (compute-bound there, so the tensor cores' best
   kernel wins; the copy lives only for that call).
 
+For 2-16 rows (batched decode) the fastest candidates are the tensor-core GEMV (kind "mma", _gemv_mma_triton.py: the
+packed bytes converted to bf16/fp16 in the tensor cores' operand layout, one lop3 per two nibbles).
+
 For one row the GEMV candidates are mostly the quad kernel (``gemv_quad`` in _gemv_quad_triton.py:
 16-byte weight and activation loads, and a nibble masked in place and read as an fp32 bit pattern is
 an exact subnormal, so each nibble costs one AND and one FMA). A gated MLP's gate and up projections
@@ -61,8 +64,8 @@ TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
 # 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights),
 # "fma" (gemv: shift-and-mask nibbles, any group size), "dot" (gemv on the tensor cores, for several rows) or "mma"
-# (gemv_mma: up to 16 rows on the tensor cores, nibbles made 16-bit floats with one lop3 per pair; BLOCK_G counts
-# whole groups per step; group sizes >= 32).
+# (gemv_mma: up to 16 rows on the tensor cores, nibbles made 16-bit floats with one lop3 per pair; BLOCK_G is the
+# K channels per step; group sizes >= 32).
 # 4-tuples are fused-kernel configs (BLOCK_N, BLOCK_K, warps, stages). Whichever candidate times fastest for
 # the shape runs. The K split count is derived from the shape: about the config's target number of programs
 # (default TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
