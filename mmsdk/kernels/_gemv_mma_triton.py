@@ -71,23 +71,24 @@ def centred_nibbles(b, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def group_product(x_ptr, w_ptr, rm, m_ok, rn, n_ok, g, g_ok, stride_xm, K_in, KB, GROUP: tl.constexpr,
+def group_product(x_ptr, w_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm, K_in, KB, GROUP: tl.constexpr,
                   ASM: tl.constexpr):
     """One group's ``(sum_k (c_k - 8) x_k, x)``: ``[BLOCK_N, BLOCK_M]`` fp32 and the group's activations.
 
     ``w_ptr`` holds ``KB`` bytes per output row (the MatMulNBits layout: byte ``i`` of a group carries channels
-    ``2i`` (low nibble) and ``2i + 1``). The activations load as contiguous pairs, split in registers. Past the
-    slice (not ``g_ok``) the weights and activations read as zeros. The weights are the dot's left operand, so the
+    ``2i`` (low nibble) and ``2i + 1``). The activations load as contiguous pairs, split in registers. A group from
+    ``g_end`` on (past the slice) reads as zeros; the masks are built per element (Triton's interpreter takes no
+    scalar term in a load mask). The weights are the dot's left operand, so the
     accumulator has one column per activation row (``BLOCK_M``, padded by the compiler to the tensor cores' 8).
     """
     HALF: tl.constexpr = GROUP // 2
     rh = tl.arange(0, HALF)
-    byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * KB + g * HALF + rh[None, :], mask=n_ok[:, None] & g_ok,
-                   other=0)
+    byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * KB + g * HALF + rh[None, :],
+                   mask=n_ok[:, None] & (g * HALF + rh < g_end * HALF)[None, :], other=0)
     low, high = centred_nibbles(byte, x_ptr.dtype.element_ty, ASM)
     k = g * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K_in)[None, :] & g_ok,
-                other=0.0)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :],
+                mask=m_ok[:, None] & ((k < K_in) & (k < g_end * GROUP))[None, :], other=0.0)
     xe, xo = tl.split(tl.reshape(x, (x.shape[0], HALF, 2)))
     product = tl.dot(low, tl.trans(xe))
     product = tl.dot(high, tl.trans(xo), product)
@@ -120,12 +121,12 @@ def gemv_mma(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_
     for g0 in range(g_begin, g_end, STEP_G):
         for i in tl.static_range(STEP_G):  # whole groups, each with its own loads, dot pair and scaling
             g = g0 + i
-            g_ok = g < g_end
-            product, x = group_product(x_ptr, w_ptr, rm, m_ok, rn, n_ok, g, g_ok, stride_xm, K_in, KW * 4, GROUP,
+            product, x = group_product(x_ptr, w_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm, K_in, KW * 4, GROUP,
                                        ASM)
-            s = tl.load(s_ptr + rn * k_blocks + g, mask=n_ok & g_ok, other=0.0).to(tl.float32)
+            ok = n_ok & (rn * 0 + g < g_end)
+            s = tl.load(s_ptr + rn * k_blocks + g, mask=ok, other=0.0).to(tl.float32)
             if HAS_ZP:  # the codes were centred on 8: add (8 - z) * sum x
-                zb = tl.load(z_ptr + rn * stride_zn + g // 2, mask=n_ok & g_ok, other=0)
+                zb = tl.load(z_ptr + rn * stride_zn + g // 2, mask=ok, other=0)
                 shift = 8.0 - ((zb >> ((g % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
                 product += shift[:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
             acc += product * s[:, None]
