@@ -96,7 +96,7 @@ def _replay_after_call(model: Any, inputs: dict[str, Any]) -> float:
 
 
 def main() -> None:
-    from mmsdk.kernels.w4a16 import _tuning
+    from mmsdk.kernels.w4a16_tuning import tuning
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     parser = argparse.ArgumentParser()
@@ -112,10 +112,10 @@ def main() -> None:
     for name, passes in stacks:
         model = suite.optimized(suite.build_llava(), passes, kv=True)
         floor_ms = suite.lm_bytes(model, suite.KV_INT4, 1024 + 128) / suite.COPY_BW * 1e3
-        before = set(_tuning().chosen)
+        before = set(tuning().chosen)
         row = {"stack": name, "floor_ms": floor_ms, **measure(model, inputs, args.reps)}
         row["step_over_floor"] = row["step_ms"] / floor_ms
-        row["gemv_configs"] = {str(key): cfg for key, cfg in _tuning().chosen.items() if key not in before}
+        row["gemv_configs"] = {str(key): cfg for key, cfg in tuning().chosen.items() if key not in before}
         results["rows"].append(row)
         print(row, flush=True)
         with open(args.out, "w") as f:

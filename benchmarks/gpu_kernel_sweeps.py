@@ -53,7 +53,8 @@ TILES = [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1,
 
 def tiles() -> list[dict[str, Any]]:
     """The tuner's pick and every tile of TILES per shape: time, error, packed bytes per second."""
-    from mmsdk.kernels.w4a16 import _tuning, w4a16_gemv
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.kernels.w4a16_tuning import tuning
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
@@ -68,7 +69,7 @@ def tiles() -> list[dict[str, Any]]:
             "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
             "tuned": {"us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
                       "rel_err": rel(out, expected),
-                      "cfg": _tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False))}}
+                      "cfg": tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False))}}
         measured = []
         for cfg in TILES:
             try:
@@ -98,7 +99,8 @@ MMA_BASELINES = {1: [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (
 def mma() -> list[dict[str, Any]]:
     """The tensor-core GEMV ("mma": nibbles made bf16 by lop3, weights as the dot's left operand) at 1, 4 and 16 rows,
     groups of 128 and 32, against the kinds it may replace (MMA_BASELINES), bf16 cuBLAS and the tuner's pick over every candidate."""
-    from mmsdk.kernels.w4a16 import _MMA_CANDIDATES, _tuning, w4a16_gemv
+    from mmsdk.kernels.w4a16 import _MMA_CANDIDATES, w4a16_gemv
+    from mmsdk.kernels.w4a16_tuning import tuning
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
@@ -119,7 +121,7 @@ def mma() -> list[dict[str, Any]]:
                     "tuned": {"us": gtime(cold(lambda q, s, x=x, g=group: w4a16_gemv(x, q, s, None, g), p.qweight,
                                                    p.scales)),
                               "rel_err": rel(out, expected),
-                              "cfg": _tuning().chosen.get(("gemv", bucket, n, k // group, group, torch.bfloat16, False,
+                              "cfg": tuning().chosen.get(("gemv", bucket, n, k // group, group, torch.bfloat16, False,
                                                            False))}}
                 measured = []
                 for cfg in (*MMA_BASELINES[bucket], *_MMA_CANDIDATES):

@@ -340,6 +340,7 @@ def section_steady(quick: bool) -> list[dict[str, Any]]:
 def without_mma_gemv() -> Iterator[None]:
     """GEMV candidates as they were before the tensor-core kind ("mma") existed, for an A/B in one run."""
     from mmsdk.kernels import w4a16
+    from mmsdk.kernels.w4a16_tuning import tuning
 
     before = dict(w4a16._GEMV_CANDIDATES)
     for bucket, candidates in before.items():
@@ -347,13 +348,13 @@ def without_mma_gemv() -> Iterator[None]:
     w4a16._GEMV_CANDIDATES[4] += ((32, 256, 4, 4), (16, 512, 4, 3), (32, 1, 4, 16, "dot"))
     w4a16._GEMV_CANDIDATES[16] += ((32, 256, 4, 4), (64, 2, 4, 16, "dot"))
     w4a16.gemv_candidates.cache_clear()
-    w4a16._tuning().chosen.clear()
+    tuning().chosen.clear()
     try:
         yield
     finally:
         w4a16._GEMV_CANDIDATES.update(before)
         w4a16.gemv_candidates.cache_clear()
-        w4a16._tuning().chosen.clear()
+        tuning().chosen.clear()
 
 
 def section_batch_decode(quick: bool) -> list[dict[str, Any]]:

@@ -115,8 +115,9 @@ def check_kv() -> list[dict[str, Any]]:
 
 def check_gated() -> list[dict[str, Any]]:
     """The paired gate/up GEMV with the SiLU*mul epilogue against two GEMVs + SiLU + mul (errors and times)."""
-    from mmsdk.kernels.w4a16 import _tuning, w4a16_gemv
+    from mmsdk.kernels.w4a16 import w4a16_gemv
     from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
+    from mmsdk.kernels.w4a16_tuning import tuning
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
@@ -139,7 +140,7 @@ def check_gated() -> list[dict[str, Any]]:
         out, ref_out = fused(), separate()
         rows.append({"shape": label, "group": group, "rel_err": rel(out, exp), "separate_rel_err": rel(ref_out, exp),
                      "paired_us": gtime(fused), "separate_us": gtime(separate),
-                     "cfg": _tuning().chosen.get(("gated", n, k // group, group, torch.bfloat16, False))})
+                     "cfg": tuning().chosen.get(("gated", n, k // group, group, torch.bfloat16, False))})
         rows[-1]["speedup"] = rows[-1]["separate_us"] / rows[-1]["paired_us"]
         print(rows[-1], flush=True)
     return rows

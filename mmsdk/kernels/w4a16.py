@@ -29,10 +29,10 @@ run together with ``silu(gate) * up`` applied in the same launch (mmsdk.kernels.
 Inside a captured CUDA graph on sm_90+ the batch-1 GEMVs use programmatic dependent launch: each program loads its
 first step's weights while the kernel before it still runs (mmsdk/kernels/_pdl_triton.py).
 
-Block configurations are chosen per shape by timing the candidates on first use, each replayed from a
-CUDA graph (a decode-sized kernel is shorter than its Python launch) over copies of the weights that
-together overflow L2 (a model reads each layer's weights from HBM); CUDA only, and during CUDA-graph
-capture or under the interpreter the first candidate is taken.
+Block configurations are chosen per shape by timing the candidates on first use (mmsdk.kernels.w4a16_tuning), each
+replayed from a CUDA graph (a decode-sized kernel is shorter than its Python launch) over copies of the weights that
+together overflow L2 (a model reads each layer's weights from HBM); CUDA only, and during CUDA-graph capture or under
+the interpreter the first candidate is taken.
 """
 
 from __future__ import annotations
@@ -42,15 +42,8 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import (
-    graph_time_ms,
-    interpreting,
-    l2_spill_copies,
-    note_fallback,
-    pdl_preload_ready,
-    pdl_ready,
-    triton_ready,
-)
+from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
+from mmsdk.kernels.w4a16_tuning import fit_config, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
            "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
@@ -379,7 +372,7 @@ def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   cfg: tuple[int, int, int, int]) -> None:
     import triton
 
-    block_n, block_k, warps, stages = _fit(cfg, group)
+    block_n, block_k, warps, stages = fit_config(cfg, group)
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
@@ -390,50 +383,6 @@ def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
-
-
-def _fit(cfg: tuple[Any, ...], group: int) -> tuple[Any, ...]:
-    if len(cfg) != 4:  # GEMV configs need no fitting
-        return cfg
-    block_n, block_k, warps, stages = cfg
-    return block_n, max(block_k, group), warps, stages
-
-
-class _Tuning:
-    """Chosen configuration per problem key (one instance per process, created on first use)."""
-
-    def __init__(self) -> None:
-        self.chosen: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-
-
-@cache
-def _tuning() -> _Tuning:
-    return _Tuning()
-
-
-def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int,
-                 weights: tuple[torch.Tensor | None, ...]) -> Any:
-    """The fastest candidate for ``key`` (timed once on CUDA; the first one under the interpreter or a capture).
-
-    ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
-    timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
-    (:func:`mmsdk.kernels.l2_spill_copies`; the copies live only while tuning): timed on one L2-resident
-    copy, the tuner would pick the tiles that read L2 fastest, not HBM.
-    """
-    table = _tuning().chosen
-    if key in table:
-        return table[key]
-    if interpreting() or torch.cuda.is_current_stream_capturing():
-        return candidates[0]
-    copies = l2_spill_copies(weights)
-    timings = []
-    for cfg in dict.fromkeys(_fit(c, group) for c in candidates):
-        try:
-            timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies]), cfg))
-        except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
-            note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
-    table[key] = min(timings)[1] if timings else candidates[0]
-    return table[key]
 
 
 def dequantize_packed(
