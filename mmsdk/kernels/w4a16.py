@@ -96,6 +96,9 @@ _CANDIDATES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
     32: ((64, 128, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3)),
     64: ((64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)),
 }
+# Tensor-core GEMV configs also timed for 17-64 rows (blocks of 16 rows, each block reading the weights again; 32- and
+# 64-row blocks spill in offline sm_90 builds). Not yet measured against the fused kernel on a GPU: the tuner decides.
+_MMA_MANY_ROWS = ((64, 128, 1, 16, "mma", 1056, 2), (128, 128, 2, 16, "mma", 528, 2), (64, 256, 1, 16, "mma", 1056, 2))
 
 
 def unsupported_reason(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_size: int) -> str | None:
@@ -156,9 +159,13 @@ def w4a16_matmul(
     zero_points: torch.Tensor | None,
     block_size: int,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[Any, ...] | None = None,
 ) -> torch.Tensor:
-    """Fused kernel: ``x`` [M, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]`` in x's dtype."""
+    """Fused kernel: ``x`` [M, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]`` in x's dtype.
+
+    ``config`` is a fused-kernel config (BLOCK_N, BLOCK_K, warps, stages) or, for 17-64 rows, a kind "mma" GEMV config
+    (see ``_MMA_MANY_ROWS``); None lets the tuner choose among both.
+    """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     kp = k_blocks * block_size
@@ -167,11 +174,17 @@ def w4a16_matmul(
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     key = (bucket, n, kp, block_size, x.dtype, zero_points is not None, bias is not None)
 
-    def launch(cfg: tuple[int, int, int, int], weight: PackedWeight) -> None:
-        _launch_fused(x, *weight, bias, out, block_size, bucket, cfg)
+    def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
+        if len(cfg) > 4:  # a tensor-core GEMV over blocks of 16 rows
+            launch_gemv(x, *weight, bias, out, block_size, cfg, None)
+        else:
+            _launch_fused(x, *weight, bias, out, block_size, bucket, cfg)
 
     weight = (qweight, scales, zero_points)
-    launch(config or tuned_config(key, launch, _CANDIDATES[bucket], block_size, weight), weight)
+    candidates = _CANDIDATES[bucket]
+    if bucket > 16 and block_size >= 32 and gemv_ready(qweight):
+        candidates += _MMA_MANY_ROWS
+    launch(config or tuned_config(key, launch, candidates, block_size, weight), weight)
     return out
 
 
