@@ -1,4 +1,4 @@
-"""Tensor-core W4A16 GEMV for 1..16 activation rows, behind mmsdk.kernels.w4a16 (kind "mma").
+"""Tensor-core W4A16 GEMV for a few activation rows (blocks of up to 16), behind mmsdk.kernels.w4a16 (kind "mma").
 
 Imported only when a kernel is launched (through mmsdk.kernels._w4a16_triton).
 
