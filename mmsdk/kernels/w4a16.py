@@ -76,15 +76,14 @@ QUAD_KINDS = ("quad", "quadp")
 # "quad" at one row), 20-38 at 16 rows, where 64 x 256 x 1 (g128) and 128 x 256 x 2 (g128, 8 rows) spill a few
 # registers. On the H200 (benchmarks/gpu_kernel_sweeps.py mma) they run 4 and 16 rows 1.5-5.7x faster than the fused
 # and "dot" kernels, and one row 1.16-3x slower than "quad" (fewer instructions, yet not faster: one row is not bound
-# by instruction issue alone), which the tuner then keeps.
+# by instruction issue alone), so the one-row bucket does not time them (each candidate adds to the first call).
 _MMA_CANDIDATES = ((256, 128, 4, 16, "mma", 528, 2), (64, 128, 1, 16, "mma", 1056, 2), (128, 128, 2, 16, "mma", 528, 2),
                    (128, 256, 2, 16, "mma", 528, 2), (64, 256, 1, 16, "mma", 1056, 2), (512, 128, 8, 16, "mma", 264, 2),
                    (128, 128, 2, 16, "mma", 1056, 2))
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
     1: ((8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
         (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
-        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma"),
-        *_MMA_CANDIDATES),
+        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
     # the fused kernel and "fma" / "dot" stay for groups of 16, which "mma" cannot take
     4: (*_MMA_CANDIDATES, (64, 256, 4, 3), (16, 2, 4, 4, "fma")),
     16: (*_MMA_CANDIDATES, (64, 256, 4, 3), (32, 1, 4, 16, "dot")),
