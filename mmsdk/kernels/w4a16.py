@@ -171,7 +171,10 @@ def w4a16_matmul(
     check_columns(k_in, kp)
     bucket = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    key = (bucket, n, kp, block_size, x.dtype, zero_points is not None, bias is not None)
+    # whether the tensor-core candidates apply is part of the problem: a choice made for a contiguous weight must not
+    # be replayed on one whose bytes cannot be read as rows of K/2
+    many_rows_mma = bucket > 16 and block_size >= 32 and gemv_ready(qweight)
+    key = (bucket, n, kp, block_size, x.dtype, zero_points is not None, bias is not None, many_rows_mma)
 
     def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
         if len(cfg) > 4:  # a tensor-core GEMV over blocks of 16 rows
@@ -180,9 +183,7 @@ def w4a16_matmul(
             _launch_fused(x, *weight, bias, out, block_size, bucket, cfg)
 
     weight = (qweight, scales, zero_points)
-    candidates = _CANDIDATES[bucket]
-    if bucket > 16 and block_size >= 32 and gemv_ready(qweight):
-        candidates += _MMA_MANY_ROWS
+    candidates = _CANDIDATES[bucket] + (_MMA_MANY_ROWS if many_rows_mma else ())
     launch(config or tuned_config(key, launch, candidates, block_size, weight), weight)
     return out
 
