@@ -10,6 +10,8 @@
   too: benchmarks/results/h200_kernel_sweeps_tiles_staged.json, made at commit 703eff2.)
 * ``mma``: the tensor-core GEMV (kind "mma") at 1, 4 and 16 rows and groups of 128 and 32, against the "quad"
   tiles, the fused kernel and bf16 cuBLAS on the same shapes.
+* ``many_rows``: 17-64 activation rows (w4a16_matmul): the fused kernel's configs against the tensor-core GEMV over
+  blocks of 16 rows (``_MMA_MANY_ROWS``) and bf16 cuBLAS, groups of 128 and 32.
 * ``pdl``: what programmatic dependent launch buys the tuned batch-1 GEMVs (their first weight tiles load
   while the previous kernel still runs), alone and after an add + RMSNorm.
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
@@ -139,6 +141,39 @@ def mma() -> list[dict[str, Any]]:
                 for kind, label in (("mma", "best_mma"), (None, "best_other")):
                     pick = [c for c in good if (len(c["cfg"]) > 4 and c["cfg"][4] == "mma") == (kind == "mma")]
                     row[label] = min(pick, key=lambda c: c["us"]) if pick else None
+                print({key: v for key, v in row.items() if key != "configs"}, flush=True)
+                rows.append(row)
+    return rows
+
+
+def many_rows() -> list[dict[str, Any]]:
+    """w4a16_matmul at 32 and 64 rows: every fused and tensor-core config, the tuner's pick and bf16 cuBLAS."""
+    from mmsdk.kernels.w4a16 import _CANDIDATES, _MMA_MANY_ROWS, w4a16_matmul
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for group in (128, 32):
+            p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+            weight = dequantize_int4(p, torch.float32)
+            for m in (32, 64):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                expected = x.float() @ weight.T
+                row: dict[str, Any] = {
+                    "shape": name, "group": group, "M": m,
+                    "bf16_us": gtime(cold(lambda w, x=x: torch.nn.functional.linear(x, w), dense))}
+                measured = []
+                for cfg in (None, *_CANDIDATES[m], *_MMA_MANY_ROWS):
+                    out = w4a16_matmul(x, p.qweight, p.scales, None, group, config=cfg)
+                    t = gtime(cold(lambda q, s, c=cfg, x=x, g=group: w4a16_matmul(x, q, s, None, g, config=c),
+                                   p.qweight, p.scales))
+                    measured.append({"cfg": cfg or "tuned", "us": t, "rel_err": rel(out, expected)})
+                row["configs"] = measured
+                for kind, label in ((True, "best_mma"), (False, "best_fused")):
+                    pick = [c for c in measured if c["cfg"] != "tuned" and (len(c["cfg"]) > 4) == kind]
+                    row[label] = min(pick, key=lambda c: c["us"])
+                row["tuned"] = measured[0]
                 print({key: v for key, v in row.items() if key != "configs"}, flush=True)
                 rows.append(row)
     return rows
@@ -290,10 +325,10 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, mma, pdl, gqa, mha")
+    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, mma, many_rows, pdl, gqa, mha")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    sections = {"tiles": tiles, "mma": mma, "pdl": pdl, "gqa": gqa, "mha": mha}
+    sections = {"tiles": tiles, "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

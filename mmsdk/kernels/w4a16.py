@@ -95,8 +95,10 @@ _CANDIDATES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
     32: ((64, 128, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3)),
     64: ((64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)),
 }
-# Tensor-core GEMV configs also timed for 17-64 rows (blocks of 16 rows, each block reading the weights again; 32- and
-# 64-row blocks spill in offline sm_90 builds). Not yet measured against the fused kernel on a GPU: the tuner decides.
+# Tensor-core GEMV configs for 17-64 rows (blocks of 16 rows, each block reading the weights again; 32- and 64-row
+# blocks spill in offline sm_90 builds). On the H200 (benchmarks/gpu_kernel_sweeps.py many_rows) the best of them runs
+# the 7B shapes 1.3-13x faster than the best fused config at 32 and 64 rows, so the fused configs are timed only
+# where these cannot run (groups of 16, weights not readable as int32 words).
 _MMA_MANY_ROWS = ((64, 128, 1, 16, "mma", 1056, 2), (128, 128, 2, 16, "mma", 528, 2), (64, 256, 1, 16, "mma", 1056, 2))
 
 
@@ -183,7 +185,7 @@ def w4a16_matmul(
             _launch_fused(x, *weight, bias, out, block_size, bucket, cfg)
 
     weight = (qweight, scales, zero_points)
-    candidates = _CANDIDATES[bucket] + (_MMA_MANY_ROWS if many_rows_mma else ())
+    candidates = _MMA_MANY_ROWS if many_rows_mma else _CANDIDATES[bucket]
     launch(config or tuned_config(key, launch, candidates, block_size, weight), weight)
     return out
 
