@@ -11,7 +11,13 @@ before they wait; ``step_ms_without_pdl`` is the same step captured with ``MMSDK
 * ``step_ms``: the kept decode-step graph replayed 64 more times right after a warm call, timed with CUDA
   events (no Python, no prefill): the steady decode step itself, against its bandwidth floor.
 
+``--stacks`` picks stacks by key (default ``g32,g128``; ``g32_rope_outside`` / ``g128_rope_outside`` are the same
+with each step's RoPE in a launch of its own, rmsnorm-rope-fusion's ``rope_in_attention=False``; ``qwen_g128`` and
+``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes); ``--step-only`` measures ``step_ms`` alone (one
+call to tune and capture, then the replays).
+
     python benchmarks/gpu_decode_reuse.py --out reuse.json
+    python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
 """
 
 from __future__ import annotations
@@ -95,25 +101,61 @@ def _replay_after_call(model: Any, inputs: dict[str, Any]) -> float:
     return replay_step_ms(model)
 
 
+def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
+    """Stack key -> (description, model: "llava" or "qwen2-vl", passes before int4-kv)."""
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    outside = RMSNormRoPEFusionConfig(rope_in_attention=False)
+    g128 = Int4WeightConfig(group_size=128)
+    return {
+        "g32": ("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv", "llava",
+                ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+        "g128": ("same with int4-weight g128", "llava", ("qkv-fuse", g128, "rmsnorm-rope-fusion")),
+        "g32_rope_outside": ("g32, RoPE in its own launch (rope_in_attention=False)", "llava",
+                             ("qkv-fuse", "int4-weight", outside)),
+        "g128_rope_outside": ("g128, RoPE in its own launch (rope_in_attention=False)", "llava",
+                              ("qkv-fuse", g128, outside)),
+        "qwen_g128": ("Qwen2-VL-7B shapes, qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv", "qwen2-vl",
+                      ("qkv-fuse", g128, "rmsnorm-rope-fusion")),
+        "qwen_g128_rope_outside": ("Qwen2-VL-7B shapes, g128, RoPE in its own launch", "qwen2-vl",
+                                   ("qkv-fuse", g128, outside)),
+    }
+
+
+def _model_and_inputs(name: str, passes: tuple[Any, ...]) -> tuple[Any, dict[str, torch.Tensor], float]:
+    """(optimized model with int4-kv, a 1k-token text prompt, K/V bytes per token of its int4 cache)."""
+    if name == "llava":
+        return suite.optimized(suite.build_llava(), passes, kv=True), suite.llava_inputs(1, 1024, False), suite.KV_INT4
+    ids = torch.randint(1, 150000, (1, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    kv_int4 = 28 * 2 * 4 * 128 * 0.5  # layers x (K, V) x KV heads x head_dim, half a byte each
+    model = suite.optimized(suite.build_qwen2_vl(), passes, kv=True)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, kv_int4
+
+
 def main() -> None:
     from mmsdk.kernels.w4a16_tuning import tuning
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="reuse.json")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--stacks", default="g32,g128", help=f"comma-separated keys of {sorted(stacks())}")
+    parser.add_argument("--step-only", action="store_true", help="measure the replayed step alone")
     args = parser.parse_args()
-    results: dict[str, Any] = {"command": f"python benchmarks/gpu_decode_reuse.py --reps {args.reps}",
+    chosen = {key: stacks()[key] for key in args.stacks.split(",")}
+    command = f"python benchmarks/gpu_decode_reuse.py --reps {args.reps} --stacks {args.stacks}"
+    results: dict[str, Any] = {"command": command + (" --step-only" if args.step_only else ""),
                                "env": suite.section_env(), "rows": []}
-    inputs = suite.llava_inputs(1, 1024, images=False)
-    stacks = (("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv",
-               ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
-              ("same with int4-weight g128", ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")))
-    for name, passes in stacks:
-        model = suite.optimized(suite.build_llava(), passes, kv=True)
-        floor_ms = suite.lm_bytes(model, suite.KV_INT4, 1024 + 128) / suite.COPY_BW * 1e3
+    for name, model_name, passes in chosen.values():
+        model, inputs, kv_bytes = _model_and_inputs(model_name, passes)
+        floor_ms = suite.lm_bytes(model, kv_bytes, 1024 + 128) / suite.COPY_BW * 1e3
         before = set(tuning().chosen)
-        row = {"stack": name, "floor_ms": floor_ms, **measure(model, inputs, args.reps)}
+        if args.step_only:
+            call_ms(model, inputs, 128, 1)  # tune, compile and capture
+            measured = {"step_ms": statistics.median(_replay_after_call(model, inputs) for _ in range(5))}
+        else:
+            measured = measure(model, inputs, args.reps)
+        row = {"stack": name, "floor_ms": floor_ms, **measured}
         row["step_over_floor"] = row["step_ms"] / floor_ms
         row["gemv_configs"] = {str(key): cfg for key, cfg in tuning().chosen.items() if key not in before}
         results["rows"].append(row)

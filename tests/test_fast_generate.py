@@ -133,6 +133,35 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
     _assert_agrees(again, _greedy(model, other, 33))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_rope_inside_the_attention_kernel_changes_no_token(name, session, tiny, monkeypatch):
+    """With int4-kv, each decode step's RoPE runs inside the attention kernel (PackedStaticLayer.take_rope): the
+    same tokens, bitwise, as with a RoPE launch before it (rope_in_attention=False), through the CUDA graph."""
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+    taken = []  # (query tokens, accepted) per offer
+    original = PackedStaticLayer.take_rope
+    monkeypatch.setattr(PackedStaticLayer, "take_rope",
+                        lambda self, q, *a: taken.append((q.shape[-2], original(self, q, *a))) or taken[-1][1])
+    answers = []
+    for inside in (True, False):
+        loaded = tiny(name)
+        opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+        opt.apply("qkv-fuse", Int4WeightConfig(indivisible="pad"), RMSNormRoPEFusionConfig(rope_in_attention=inside),
+                  "int4-kv")
+        inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+        answers.append(_Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 24}).run())
+        if inside:
+            # every decode step's attention took its RoPE (warm-up and capture), no prefill did
+            assert any(n == 1 for n, _ in taken) and all(ok == (n == 1) for n, ok in taken), taken
+            taken.clear()
+    assert taken == []  # rope_in_attention=False never offers it
+    assert torch.equal(answers[0], answers[1])
+
+
 def _assert_agrees(got, expected):
     """bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie."""
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()

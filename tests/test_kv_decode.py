@@ -192,6 +192,47 @@ def test_attention_appends_the_new_token_itself(device):
     assert torch.equal(got, expected)
 
 
+def test_attention_rotates_the_query_and_the_new_key_itself(device):
+    """decode_attention(..., rope=(cos, sin)) on an unrotated query and new K equals the RoPE op followed by
+    decode_attention: the same codes and output bitwise, for every variant ("magic" rotates first), with and
+    without a token to append, for one cos / sin row per batch row or one for all (bf16 on the GPU)."""
+    from mmsdk.kernels.kv_decode import decode_attention
+    from mmsdk.kernels.norm_rope_gpu import rope_qk
+
+    torch.manual_seed(6)
+    # bf16 on the GPU; fp16 under the interpreter (which mishandles bf16). On an H200, fp16 rotations differed from
+    # the RoPE kernel's in the last bit now and then (one output element in a few hundred, in 6 of 24 cases), bf16
+    # never.
+    half = torch.bfloat16 if device == "cuda" else torch.float16
+    for batch, hq, hkv, dim, variant, append, shared in ((1, 2, 2, 32, "subnormal", True, False),
+                                                         (2, 2, 2, 32, "subnormal", True, False),
+                                                         (2, 3, 3, 32, "subnormal", False, True),
+                                                         (2, 4, 2, 32, "magic", True, False),
+                                                         (2, 6, 2, 32, "generic", True, True),
+                                                         (1, 4, 2, 32, "generic", False, False)):
+        t_max, length = 64, 37
+        codes = [torch.randint(0, 256, (batch, hkv, t_max, dim // 2), dtype=torch.uint8, device=device)
+                 for _ in range(2)]
+        scales = [torch.rand(hkv, dim, device=device) * 0.3 + 0.05 for _ in range(2)]
+        query = torch.randn(batch, hq, 1, dim, device=device).to(half)
+        new = [torch.randn(batch, hkv, 1, dim, device=device).to(half) for _ in range(2)]
+        angles = torch.rand(1 if shared else batch, 1, dim // 2, device=device) * 40
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(half), angles.sin().to(half)
+        rotated_query, rotated_key = rope_qk(query, new[0], cos, sin)
+        before = [c.clone() for c in codes]
+        count_a, count = (torch.tensor([length], device=device) for _ in range(2))
+        expected = decode_attention(rotated_query, *before, *scales, count_a, "int4", dim**-0.5, variant=variant,
+                                    append=(rotated_key, new[1]) if append else None)
+        got = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, variant=variant,
+                               append=(new[0], new[1]) if append else None, rope=(cos, sin))
+        assert torch.equal(codes[0], before[0]) and torch.equal(codes[1], before[1]), variant
+        assert int(count) == int(count_a) == length + append
+        assert torch.equal(got, expected), (variant, batch, append)
+    with pytest.raises(ValueError, match="rows as"):
+        decode_attention(query, *codes, *scales, count, "int4", 0.2, rope=(cos[..., :8], sin[..., :8]))
+
+
 def test_packed_layer_lets_attention_append_a_decode_token(device, monkeypatch):
     """A packed int4 layer keeps a decode step's token for attend() (whose kernel writes it); attend() or any other
     reader of the cache (here .keys) sees the same codes and length as when update() appends it at once."""
@@ -224,6 +265,62 @@ def test_packed_layer_lets_attention_append_a_decode_token(device, monkeypatch):
     assert int(a.length) == int(b.length) == 8 and a._pending is None
 
 
+def test_packed_layer_lets_attention_rotate_a_decode_step(device):
+    """take_rope(): the step's unrotated q and k go to update() / attend() and the kernel rotates them. The codes,
+    length and output equal those of a step rotated by the RoPE op first, whether attend() runs, another reader
+    takes the cache first (.keys), a fallback attention asks for the rotated query, or the step is settled without
+    attention; tensors other than the ones offered are refused."""
+    from mmsdk.kernels.norm_rope_gpu import rope_qk
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+    torch.manual_seed(7)
+    half = torch.bfloat16 if device == "cuda" else torch.float16  # see test_attention_rotates_the_query_...
+    codec = StaticCodec("int4", torch.rand(1, 32, device=device) * 0.3 + 0.05)
+    prompt = [torch.randn(1, 2, 5, 32, device=device).to(half) for _ in range(2)]
+    key, value, query = (torch.randn(1, 2, 1, 32, device=device).to(half) for _ in range(3))
+    angles = torch.rand(1, 1, 16, device=device) * 30
+    cos, sin = torch.cat([angles, angles], -1).cos().to(half), torch.cat([angles, angles], -1).sin().to(half)
+    rotated_query, rotated_key = rope_qk(query, key, cos, sin)
+
+    def layer() -> PackedStaticLayer:
+        made = PackedStaticLayer(codec, codec, 16, fused=True)
+        made.update(*prompt)
+        return made
+
+    reference = layer()
+    reference.update(rotated_key, value)
+    expected = reference.attend(rotated_query, 32**-0.5, None)
+
+    def same_cache(other: PackedStaticLayer) -> bool:
+        return (torch.equal(other.key_codes, reference.key_codes) and torch.equal(other.value_codes,
+                                                                                 reference.value_codes)
+                and int(other.length) == int(reference.length) and other._rope is None and other._pending is None)
+
+    deferred = layer()
+    assert deferred.take_rope(query, key, cos, sin)
+    deferred.update(key, value)
+    assert torch.equal(deferred.attend(query, 32**-0.5, None), expected) and same_cache(deferred)
+    read_first = layer()
+    assert read_first.take_rope(query, key, cos, sin)
+    read_first.update(key, value)
+    read_first.keys  # noqa: B018  (another reader: the kept token is rotated and written)
+    assert torch.equal(read_first.attend(query, 32**-0.5, None), expected) and same_cache(read_first)
+    fallback = layer()
+    assert fallback.take_rope(query, key, cos, sin)
+    fallback.update(key, value)
+    assert torch.equal(fallback.rotated_query(query), rotated_query) and same_cache(fallback)
+    settled = layer()
+    assert settled.take_rope(query, key, cos, sin)
+    settled.update(key, value)
+    settled.settle_rope()
+    assert same_cache(settled)
+    refused = layer()
+    assert not refused.take_rope(query[:, :, :0], key, cos, sin)  # not one decode token: rotated by the caller
+    assert refused.take_rope(query, key, cos, sin)
+    with pytest.raises(RuntimeError, match="rope_in_attention=False"):
+        refused.update(key.clone(), value)
+
+
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 def test_kv_decode_under_the_interpreter():
     """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~25 s)."""
@@ -231,7 +328,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "8 passed" in result.stdout, result.stdout[-2000:]
+    assert "10 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

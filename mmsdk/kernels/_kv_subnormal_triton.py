@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._kv_triton import encode, softmax_total, split_program, token_tile
+from mmsdk.kernels._kv_triton import encode, rope_rotate, softmax_total, split_program, token_tile
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -47,9 +47,27 @@ def subnormal_nibbles(w):
 
 
 @triton.jit
-def load_q_nibble(q_row, ks_ptr, rw, scale, J: tl.constexpr, F: tl.constexpr):
-    """One head's q channels ``8w + J`` [W] (see :func:`load_q_nibble`), and them pre-scaled by ``F``."""
-    q = tl.load(q_row + 8 * rw + J).to(tl.float32) * tl.load(ks_ptr + 8 * rw + J) * scale
+def rotated_words(row, cos_row, sin_row, channel, W: tl.constexpr):
+    """One head's vector at ``row`` (8W channels) rotated by RoPE, as fp32 ``[W, 8]`` (``channel`` = 8w + j): the
+    partner of channel c is c +- 4W, the same column of the row W/2 rows away, so every load is contiguous."""
+    partner = (channel + 4 * W) % (8 * W)
+    return rope_rotate(tl.load(row + channel), tl.load(row + partner), tl.load(cos_row + channel),
+                       tl.load(sin_row + channel), channel >= 4 * W)
+
+
+@triton.jit
+def load_q_nibble(q_row, ks_ptr, rw, scale, rotated, J: tl.constexpr, F: tl.constexpr, ROPE: tl.constexpr):
+    """One head's q channels ``8w + J`` [W] times K's scale and ``scale``, and them pre-scaled by ``F``.
+
+    With ``ROPE`` they are column J of ``rotated`` (:func:`rotated_words` of q, already times K's scale and
+    ``scale``: loading each column with its partners and cos / sin would take four strided loads per column and
+    spill registers); the sum over the row picks it exactly.
+    """
+    if ROPE:
+        q = tl.sum(tl.where(tl.arange(0, 8)[None, :] == J, rotated, 0.0), 1)
+    else:
+        ch = 8 * rw + J
+        q = tl.load(q_row + ch).to(tl.float32) * tl.load(ks_ptr + ch) * scale
     return q, q * F
 
 
@@ -114,22 +132,29 @@ def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_ac
 
 
 @triton.jit
-def store_token_words(new_row, scale_row, codes_ptr, word_row, rw, W: tl.constexpr):
-    """Quantize one head's token ``new_row`` [8W] (int4 with per-channel scales, as the append kernel does) and
-    store it as W int32 words at ``word_row``: channel ``8w + j`` in nibble ``j`` of word ``w``, the bytes the
-    append kernel writes (channel ``2i`` in byte ``i``'s low nibble) read as little-endian words."""
+def store_token_words(new_row, scale_row, codes_ptr, word_row, rw, cos_row, sin_row, W: tl.constexpr,
+                      ROPE: tl.constexpr = False):
+    """Quantize one head's token ``new_row`` [8W] (int4 with per-channel scales, as the append kernel does; rotated
+    first with ``ROPE``) and store it as W int32 words at ``word_row``: channel ``8w + j`` in nibble ``j`` of word
+    ``w``, the bytes the append kernel writes (channel ``2i`` in byte ``i``'s low nibble) read as little-endian
+    words."""
     rj = tl.arange(0, 8)
     channel = 8 * rw[:, None] + rj[None, :]
-    codes = encode(tl.load(new_row + channel).to(tl.float32), tl.load(scale_row + channel), 0).to(tl.int32)
+    if ROPE:
+        token = rotated_words(new_row, cos_row, sin_row, channel, W)
+    else:
+        token = tl.load(new_row + channel).to(tl.float32)
+    codes = encode(token, tl.load(scale_row + channel), 0).to(tl.int32)
     tl.store(codes_ptr + word_row * W + rw, tl.sum(codes << (4 * rj)[None, :], 1))  # disjoint bits: the sum is an OR
 
 
 @triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
-                                      kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h,
+                                      kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
                                       HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
-                                      PREFETCH: tl.constexpr = False, APPEND: tl.constexpr = False):
+                                      PREFETCH: tl.constexpr = False, APPEND: tl.constexpr = False,
+                                      ROPE: tl.constexpr = False):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
@@ -143,19 +168,27 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     split holds position ``len`` quantizes the token into the cache (the append kernel's codes) and, after a
     barrier, attends over it with the rest of its split; the combine kernel then advances ``len``. This saves
     the decode step an append launch and a length increment.
+
+    With ``ROPE`` q and the new K are not rotated yet: the kernel rotates them as it loads them, by the step's
+    cos / sin rows (``[B, 1, 8W]``, batch stride ``sc_b``), which saves the step the RoPE launch.
     """
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     rw = tl.arange(0, W)
     q_row = q_ptr + b * sq_b + hk * sq_h
     ks_row = ks_ptr + hk * (8 * W)
-    a0, q0 = load_q_nibble(q_row, ks_row, rw, qk_scale, 0, SUB_F0)
-    a1, q1 = load_q_nibble(q_row, ks_row, rw, qk_scale, 1, SUB_F1)
-    a2, q2 = load_q_nibble(q_row, ks_row, rw, qk_scale, 2, SUB_F2)
-    a3, q3 = load_q_nibble(q_row, ks_row, rw, qk_scale, 3, SUB_F3)
-    a4, q4 = load_q_nibble(q_row, ks_row, rw, qk_scale, 4, SUB_F4)
-    a5, q5 = load_q_nibble(q_row, ks_row, rw, qk_scale, 5, SUB_F5)
-    a6, q6 = load_q_nibble(q_row, ks_row, rw, qk_scale, 6, SUB_F1)
-    a7, q7 = load_q_nibble(q_row, ks_row, rw, qk_scale, 7, SUB_F0)
+    cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
+    rotated = qk_scale  # stands in where ROPE is off
+    if ROPE:
+        channel = 8 * rw[:, None] + tl.arange(0, 8)[None, :]
+        rotated = rotated_words(q_row, cos_row, sin_row, channel, W) * tl.load(ks_row + channel) * qk_scale
+    a0, q0 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 0, SUB_F0, ROPE)
+    a1, q1 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 1, SUB_F1, ROPE)
+    a2, q2 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 2, SUB_F2, ROPE)
+    a3, q3 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 3, SUB_F3, ROPE)
+    a4, q4 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 4, SUB_F4, ROPE)
+    a5, q5 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 5, SUB_F5, ROPE)
+    a6, q6 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 6, SUB_F1, ROPE)
+    a7, q7 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 7, SUB_F0, ROPE)
     q_off = 8.0 * tl.sum(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7, 0)
     m_ref = tl.full([], float("-inf"), tl.float32)
     l_acc = tl.zeros((BLOCK_T,), tl.float32)
@@ -171,9 +204,10 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     length = tl.load(len_ptr)  # read after the query (as measured on the H200)
     if APPEND:
         if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
-            store_token_words(kn_ptr + b * sk_b + hk * sk_h, ks_row, kc_ptr, bh.to(tl.int64) * TMAX + length, rw, W)
+            store_token_words(kn_ptr + b * sk_b + hk * sk_h, ks_row, kc_ptr, bh.to(tl.int64) * TMAX + length, rw,
+                              cos_row, sin_row, W, ROPE)
             store_token_words(vn_ptr + b * sv_b + hk * sv_h, vs_ptr + hk * (8 * W), vc_ptr,
-                              bh.to(tl.int64) * TMAX + length, rw, W)
+                              bh.to(tl.int64) * TMAX + length, rw, cos_row, sin_row, W)
             tl.debug_barrier()  # the words are read back below by other threads of this program
         length += 1
     t_end = tl.minimum(t_begin + SPLIT_T, length)

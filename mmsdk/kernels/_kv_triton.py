@@ -36,6 +36,34 @@ def encode(x, s, FMT: tl.constexpr):
 
 
 @triton.jit
+def rope_rotate(x, partner, c, s, upper):
+    """Rotate-half RoPE of channel values ``x``, given each one's partner channel (``+ D/2`` in the lower half,
+    ``- D/2`` in the upper) and cos / sin: ``x cos - partner sin`` below, ``x cos + partner sin`` above.
+
+    fp32, rounded to ``x``'s dtype and returned as fp32, as the RoPE kernel (mmsdk.kernels._norm_rope_triton.rope_qk)
+    computes it: products of two bf16 / fp16 values are exact in fp32, so only the sum rounds. On an H200 the
+    results equal that kernel's bitwise in bf16; in fp16 one differed in its last bit now and then (cause not found).
+    """
+    p = partner.to(tl.float32)
+    r = x.to(tl.float32) * c.to(tl.float32) + tl.where(upper, p, -p) * s.to(tl.float32)
+    return r.to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def load_rotated(row, ch, ok, cos_row, sin_row, HALF, ROPE: tl.constexpr):
+    """Channels ``ch`` (where ``ok``; same shape) of one head's vector at ``row`` as fp32, rotated by the token's
+    RoPE (cos / sin rows of head_dim = 2 * HALF values) with ``ROPE``."""
+    x = tl.load(row + ch, mask=ok, other=0.0)
+    if ROPE:
+        upper = ch >= HALF
+        partner = tl.load(row + tl.where(upper, ch - HALF, ch + HALF), mask=ok, other=0.0)
+        c = tl.load(cos_row + ch, mask=ok, other=0.0)
+        s = tl.load(sin_row + ch, mask=ok, other=0.0)
+        return rope_rotate(x, partner, c, s, upper)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, H, TMAX, D, HDP,
            sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, FMT: tl.constexpr, BLOCK_HD: tl.constexpr):
     """Quantize token ``program_id(1)`` of one (batch, head) row of K and V and store it at ``length + l``."""
@@ -43,19 +71,23 @@ def append(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, H, TMAX, D, HD
     b = bh // H
     h = bh % H
     row = bh.to(tl.int64) * TMAX + tl.load(len_ptr) + tl.program_id(1)
-    store_token(k_ptr + b * sk_b + h * sk_h + tl.program_id(1) * sk_t, ks_ptr, kc_ptr, h, row, D, HDP, FMT, BLOCK_HD)
-    store_token(v_ptr + b * sv_b + h * sv_h + tl.program_id(1) * sv_t, vs_ptr, vc_ptr, h, row, D, HDP, FMT, BLOCK_HD)
+    k_row = k_ptr + b * sk_b + h * sk_h + tl.program_id(1) * sk_t
+    store_token(k_row, ks_ptr, kc_ptr, h, row, D, HDP, k_row, k_row, FMT, BLOCK_HD)
+    v_row = v_ptr + b * sv_b + h * sv_h + tl.program_id(1) * sv_t
+    store_token(v_row, vs_ptr, vc_ptr, h, row, D, HDP, v_row, v_row, FMT, BLOCK_HD)
 
 
 @triton.jit
-def store_token(src, scale_ptr, dst, h, row, D, HDP, FMT: tl.constexpr, BLOCK_HD: tl.constexpr):
+def store_token(src, scale_ptr, dst, h, row, D, HDP, cos_row, sin_row, FMT: tl.constexpr, BLOCK_HD: tl.constexpr,
+                ROPE: tl.constexpr = False):
     """Quantize one head's token ``src`` [D] with head ``h``'s per-channel scales and store its codes at code
-    row ``row`` (int4: channel ``2i`` in byte ``i``'s low nibble)."""
+    row ``row`` (int4: channel ``2i`` in byte ``i``'s low nibble); with ``ROPE`` the token is rotated first
+    (:func:`load_rotated`)."""
     rd = tl.arange(0, BLOCK_HD)
     even, odd = 2 * rd, 2 * rd + 1
     me, mo = even < D, odd < D
-    xe = tl.load(src + even, mask=me, other=0.0).to(tl.float32)
-    xo = tl.load(src + odd, mask=mo, other=0.0).to(tl.float32)
+    xe = load_rotated(src, even, me, cos_row, sin_row, D // 2, ROPE)
+    xo = load_rotated(src, odd, mo, cos_row, sin_row, D // 2, ROPE)
     se = tl.load(scale_ptr + h * D + even, mask=me, other=1.0)
     so = tl.load(scale_ptr + h * D + odd, mask=mo, other=1.0)
     ce = encode(xe, se, FMT)
@@ -162,35 +194,41 @@ def softmax_total(m_i, l_i):
 @triton.jit
 def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                    sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
-                   kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h,
+                   kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
-                   APPEND: tl.constexpr = False):
+                   APPEND: tl.constexpr = False, ROPE: tl.constexpr = False):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
 
     ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
     position ``len`` by the program whose split holds it, which then attends over it (see
     mmsdk.kernels._kv_subnormal_triton.decode_partial_int4_subnormal_mha); the combine kernel advances ``len``.
+    ``ROPE``: q (and the appended K) are not rotated yet; the kernel rotates them by the step's cos / sin rows
+    (``[B, 1, D]``, batch stride ``sc_b``) as it loads them.
     """
+    bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
+    cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
     if APPEND:
-        bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
         length = tl.load(len_ptr)
         if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
             row = bh.to(tl.int64) * TMAX + length
-            store_token(kn_ptr + b * sk_b + hk * sk_h, ks_ptr, kc_ptr, hk, row, D, HDP, FMT, BLOCK_HD)
-            store_token(vn_ptr + b * sv_b + hk * sv_h, vs_ptr, vc_ptr, hk, row, D, HDP, FMT, BLOCK_HD)
+            store_token(kn_ptr + b * sk_b + hk * sk_h, ks_ptr, kc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
+                        BLOCK_HD, ROPE)
+            store_token(vn_ptr + b * sv_b + hk * sv_h, vs_ptr, vc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
+                        BLOCK_HD)
             tl.debug_barrier()  # the codes are read back below by other threads of this program
         t_end = tl.minimum(t_begin + SPLIT_T, length + 1)
     else:
-        bh, b, hk, split, n_splits, t_begin, t_end = decode_program(len_ptr, H_KV, SPLIT_T)
+        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
     heads = hk * G + rg
     rd = tl.arange(0, BLOCK_HD)
     de, do = (2 * rd) < D, (2 * rd + 1) < D
     q_row = q_ptr + b * sq_b + heads[:, None] * sq_h
-    qe = tl.load(q_row + 2 * rd[None, :], mask=g_ok[:, None] & de[None, :], other=0.0).to(tl.float32)
-    qo = tl.load(q_row + 2 * rd[None, :] + 1, mask=g_ok[:, None] & do[None, :], other=0.0).to(tl.float32)
+    even = 2 * rd[None, :] + 0 * rg[:, None]  # [BLOCK_G, BLOCK_HD]: every load below has the mask's shape
+    qe = load_rotated(q_row, even, g_ok[:, None] & de[None, :], cos_row, sin_row, D // 2, ROPE)
+    qo = load_rotated(q_row, even + 1, g_ok[:, None] & do[None, :], cos_row, sin_row, D // 2, ROPE)
     # K's per-channel scale and the softmax scale fold into q once; exp2 replaces exp.
     qe = qe * (tl.load(ks_ptr + hk * D + 2 * rd, mask=de, other=0.0) * qk_scale)[None, :]
     qo = qo * (tl.load(ks_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0) * qk_scale)[None, :]

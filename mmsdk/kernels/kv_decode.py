@@ -181,7 +181,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
                      key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, fmt: str,
                      scaling: float, mask: torch.Tensor | None = None,
                      config: tuple[int, ...] | None = None, variant: str | None = None,
-                     append: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     append: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
@@ -193,18 +194,28 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     into the cache at position ``length``, ``length`` grows by one, and the query attends over it too. The
     "subnormal" and "generic" kernels do both in their own launches (no append kernel, no length increment);
     "magic" appends first (:func:`append_kv`).
+
+    ``rope`` (cos, sin ``[B, 1, D]``, or ``[1, 1, D]`` for every row) says that ``query`` and the appended K are not
+    rotated yet: the "subnormal" and "generic" kernels rotate them as they load them (rotate-half RoPE, rounded as
+    the RoPE kernel rounds), which saves the step a RoPE launch; "magic" rotates them first (one RoPE kernel).
     """
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
+    if rope is not None:
+        rope = _rope_rows(rope, b, d)
+        if variant == "magic" or (append is not None and append[0].shape[-2] != 1):
+            query, append = _rotated_now(query, append, rope)
+            rope = None
+    rope_args = (rope[0], rope[1], rope[0].stride(0)) if rope is not None else None
     if append is not None and (variant == "magic" or append[0].shape[-2] != 1):
         append_kv(*append, key_codes, value_codes, key_scale, value_scale, length, fmt)
         length.add_(append[0].shape[-2])
         append = None
     if variant != "generic":
         return _decode_int4_words(query, key_codes, value_codes, key_scale, value_scale, length, scaling, mask,
-                                  config, variant, append)
+                                  config, variant, append, rope_args)
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
@@ -223,9 +234,9 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
         mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
         split_t, float(scaling) * _kv_triton.LOG2E, new_key, new_value, value_scale, new_key.stride(0),
-        new_key.stride(1), new_value.stride(0), new_value.stride(1),
+        new_key.stride(1), new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
-        BLOCK_HD=block_hd, APPEND=append is not None, num_warps=warps, num_stages=stages,
+        BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
@@ -237,9 +248,10 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
                        mask: torch.Tensor | None, config: tuple[int, ...] | None,
-                       variant: str, append: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Flash-decoding over int4 codes read as int32 words (8 channels per load element); ``append`` (variant
-    "subnormal" only) as in :func:`decode_attention`."""
+                       variant: str, append: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       rope_args: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """Flash-decoding over int4 codes read as int32 words (8 channels per load element); ``append`` and the RoPE
+    rows ``rope_args`` (cos, sin, batch stride; variant "subnormal" only) as in :func:`decode_attention`."""
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
@@ -268,10 +280,11 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         new_key, new_value = _new_token(append, query)
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
-            new_value.stride(1), HAS_MASK=mask is not None, BLOCK_T=block_t, W=d // 8, PREFETCH=prefetch,
-            APPEND=append is not None, **launch_options)
-    elif append is not None:
-        raise ValueError(f"decode variant {variant!r} cannot append the new token itself: call append_kv first")
+            new_value.stride(1), *(rope_args or _no_rope(query)), HAS_MASK=mask is not None, BLOCK_T=block_t,
+            W=d // 8, PREFETCH=prefetch, APPEND=append is not None, ROPE=rope_args is not None, **launch_options)
+    elif append is not None or rope_args is not None:
+        raise ValueError(f"decode variant {variant!r} cannot append or rotate the new token itself: call append_kv "
+                         "(and the RoPE op) first")
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
@@ -283,6 +296,33 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         num_warps=4 if d >= 64 else 1,
     )
     return out
+
+
+def _no_rope(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stand-in cos / sin arguments of a launch without ROPE (the kernels never read them)."""
+    return query, query, 0
+
+
+def _rope_rows(rope: tuple[torch.Tensor, torch.Tensor], batch: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin as ``[B, 1, D]`` rows with unit stride along D and one batch stride for both."""
+    cos, sin = rope
+    if cos.dim() != 3 or cos.shape[1:] != (1, dim) or cos.shape != sin.shape or cos.shape[0] not in (1, batch):
+        raise ValueError(f"rope cos/sin of shapes {tuple(cos.shape)} / {tuple(sin.shape)}: pass the decode step's "
+                         f"rows as [B, 1, {dim}] (or [1, 1, {dim}] for every row)")
+    cos, sin = cos.expand(batch, 1, dim), sin.expand(batch, 1, dim)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
+def _rotated_now(query: torch.Tensor, append: tuple[torch.Tensor, torch.Tensor] | None,
+                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """``query`` and the appended K rotated by the RoPE op (for kernels that do not rotate them)."""
+    from mmsdk.kernels.norm_rope_gpu import rope_qk
+
+    key = append[0] if append is not None else query[:, :1]
+    query, key = rope_qk(query, key, *rope)
+    return query, ((key, append[1]) if append is not None else None)
 
 
 def _new_token(append: tuple[torch.Tensor, torch.Tensor] | None,
@@ -354,6 +394,7 @@ def _make_attention(base: str) -> Any:
             return _prefill_by_heads(layer, fallback, module, query, attention_mask, *args, **kwargs)
         if layer is not None and (unsupported or not triton_ready(query)):
             note_fallback("packed KV decode attention", f"{unsupported or 'no CUDA'}")
+            query = layer.rotated_query(query)  # a RoPE left to the kernel (PackedStaticLayer.take_rope) runs now
             key, value, layer = layer.keys, layer.values, None
         if layer is None:
             return fallback(module, query, key, value, attention_mask, *args, **kwargs)

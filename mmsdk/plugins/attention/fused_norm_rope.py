@@ -16,7 +16,8 @@ from torch import nn
 from mmsdk.kernels import norm_rope as reference_ops
 from mmsdk.kernels import norm_rope_gpu as fast_ops
 
-__all__ = ["DeferredRMSNorm", "FusedAddRMSNorm", "FusedMRoPEEmbedding", "FusedRMSNormRoPE", "FusedRoPE"]
+__all__ = ["DeferredRMSNorm", "FusedAddRMSNorm", "FusedMRoPEEmbedding", "FusedRMSNormRoPE", "FusedRoPE",
+           "RoPEInAttention"]
 
 
 class FusedAddRMSNorm(nn.Module):
@@ -60,6 +61,26 @@ class FusedRoPE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, mrope_section={self.mrope_section}"
+
+
+class RoPEInAttention:
+    """The rotary op of an attention forward that may leave a decode step's RoPE to a packed KV cache's kernel.
+
+    While ``cache_layer`` is set (by the attention body rmsnorm-rope-fusion installs, for one call), the first
+    call whose q and k that layer accepts (:meth:`~mmsdk.plugins.quantizers.static_kv.PackedStaticLayer.take_rope`)
+    returns them unrotated: the decode kernel rotates them as it loads them. Every other call rotates with ``fused``.
+    """
+
+    def __init__(self, fused: FusedRoPE) -> None:
+        self.fused = fused
+        self.cache_layer: Any = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 unsqueeze_dim: int = 1, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, self.cache_layer = self.cache_layer, None
+        if layer is not None and unsqueeze_dim == 1 and not args and not kwargs and layer.take_rope(q, k, cos, sin):
+            return q, k
+        return self.fused(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
 
 
 class DeferredRMSNorm(nn.Module):

@@ -23,6 +23,7 @@ Triton kernel (mmsdk/kernels/norm_rope_gpu.py), equal to the reference up to rou
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Any, Callable
@@ -46,6 +47,7 @@ from mmsdk.plugins.attention.fused_norm_rope import (
     FusedMRoPEEmbedding,
     FusedRMSNormRoPE,
     FusedRoPE,
+    RoPEInAttention,
 )
 
 __all__ = [
@@ -72,6 +74,10 @@ class RMSNormRoPEFusionConfig(PassConfig):
     rope: bool = Field(True, description="Rotate q and k in one op in every self-attention.")
     qk_norm: bool = Field(True, description="Fold per-head q/k RMSNorms into the RoPE op where adjacent (Qwen3).")
     mrope_tables: bool = Field(True, description="M-RoPE models: build sectioned cos/sin in one pass.")
+    rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
+                                    "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
+                                    "separate RoPE launch (the same numbers in bf16; in fp16 a rotated value "
+                                    "may differ in its last bit).")
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -235,11 +241,43 @@ def _fuse_attention_rope(attention: nn.Module, adapter: ModelAdapter, config: RM
     if not _same(expected, fused.reference(q, k, cos, sin)):  # type: ignore[operator]
         return "none", f"its {name} differs from the reference rotate-half RoPE"
     attention.fused_rope = fused
-    set_forward_body(attention, types.MethodType(rebind_global(function, name, fused), attention))
+    if kind == "rope" and config.rope_in_attention:
+        set_forward_body(attention, types.MethodType(_rope_in_attention_body(function, name, fused), attention))
+    else:
+        set_forward_body(attention, types.MethodType(rebind_global(function, name, fused), attention))
     if norms is not None:
         for attr, module in zip(norms, deferred, strict=True):
             setattr(attention, attr, module)
     return kind, None
+
+
+def _rope_in_attention_body(function: Callable[..., Any], name: str, fused: FusedRoPE) -> Callable[..., Any]:
+    """``function`` (an attention forward) calling a :class:`RoPEInAttention` as ``name``, pointed at the call's
+    packed KV cache layer, so a decode step's RoPE can run inside the attention kernel."""
+    deferral = RoPEInAttention(fused)
+    rebound = rebind_global(function, name, deferral)
+
+    @functools.wraps(rebound)  # other passes may rebind globals of the inner function through __wrapped__
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        layer = deferral.cache_layer = _packed_cache_layer(self, kwargs)
+        try:
+            return rebound(self, *args, **kwargs)
+        finally:
+            deferral.cache_layer = None
+            if layer is not None:
+                layer.settle_rope()  # a RoPE left to a kernel that did not run (an error on the way) runs now
+
+    return forward
+
+
+def _packed_cache_layer(attention: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """The cache layer of this attention call that can rotate its decode step's q and k itself, or None."""
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None), None)
+    layers, index = getattr(cache, "layers", None), getattr(attention, "layer_idx", None)
+    if not isinstance(layers, list) or not isinstance(index, int) or not 0 <= index < len(layers):
+        return None
+    layer = layers[index]
+    return layer if callable(getattr(layer, "take_rope", None)) else None
 
 
 def _replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> str:

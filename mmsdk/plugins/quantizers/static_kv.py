@@ -10,11 +10,17 @@ function (:func:`mmsdk.kernels.kv_decode.attention_implementation`) runs
 reallocated between steps, so a CUDA graph can replay the decode step. Prefill reads the stored codes
 back dequantized (what the dynamic layer does, so both layers compute the same numbers), a group of
 heads at a time, so the dequantized prefix never exists for all heads at once.
+
+A decode step's RoPE may also move into the attention kernel: an attention whose rotary op
+``rmsnorm-rope-fusion`` installed offers the step's unrotated q and k through :meth:`take_rope`; when the
+layer accepts, ``update`` and ``attend`` must receive exactly those tensors, the kernel rotates them as it
+loads them, and every other path (another reader of the cache, a fallback attention) rotates them first.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +49,21 @@ def packed_layer(tensor: Any) -> PackedStaticLayer | None:
     return ref() if ref is not None else None
 
 
+@dataclass
+class _StepRoPE:
+    """A decode step's RoPE left to the attention kernel: cos / sin and the unrotated q and k it applies to."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    query: torch.Tensor
+    key: torch.Tensor
+
+    def rotated(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from mmsdk.kernels.norm_rope_gpu import rope_qk
+
+        return rope_qk(query, key, self.cos, self.sin)
+
+
 class PackedStaticLayer(QuantizedKVLayer):
     """Packed K/V for up to ``max_cache_len`` tokens in fixed buffers; decode steps return markers."""
 
@@ -61,6 +82,8 @@ class PackedStaticLayer(QuantizedKVLayer):
         # and advances the length (one launch and one increment less per layer); anything else that reads the
         # cache writes them first (_flush)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a decode step whose q and k the attention kernel rotates (take_rope); cleared by attend / settle_rope
+        self._rope: _StepRoPE | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -120,10 +143,52 @@ class PackedStaticLayer(QuantizedKVLayer):
             raise RuntimeError("PackedStaticLayer.dequantized_heads: the layer holds no tokens yet (call update first)")
         return keys, values
 
+    def take_rope(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether this decode step's attention kernel will rotate ``query`` / ``key`` ([B, H, 1, D], unrotated)
+        by ``cos`` / ``sin`` ([B, 1, D] or [1, 1, D]); if so the caller hands them on unrotated."""
+        from mmsdk.kernels import triton_ready
+
+        self.settle_rope()
+        batch, dim = query.shape[0], query.shape[-1]
+        rows = (cos.dim() == 3 and cos.shape[1:] == (1, dim) and cos.shape[0] in (1, batch)
+                and sin.shape == cos.shape and cos.dtype == sin.dtype == query.dtype == key.dtype)
+        ok = (rows and self.is_initialized and self.fused and dim == self.head_dim and query.dim() == key.dim() == 4
+              and query.shape[-2] == key.shape[-2] == 1 and key.shape[0] == batch
+              and triton_ready(query, key, cos, sin, self.key_codes))
+        if ok:
+            self._rope = _StepRoPE(cos, sin, query, key)
+        return ok
+
+    def settle_rope(self) -> None:
+        """Rotate what a step left to the attention kernel that never ran (no-op after ``attend``)."""
+        if self._rope is not None:
+            self._flush()  # rotates a kept token first
+            self._rope = None
+
+    def rotated_query(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` as the model meant it for attention code other than the packed kernel: rotated if this step's
+        RoPE was left to the kernel (the kept token is then rotated and written too)."""
+        rope = self._rope
+        if rope is None:
+            return query
+        self._check_rope(query, rope.query, "query")
+        self.settle_rope()
+        return rope.rotated(query, rope.key)[0]
+
+    def _check_rope(self, got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+        if got is not expected:
+            self._rope = None
+            raise RuntimeError(
+                f"the attention forward passed another {what} tensor than the one whose RoPE the packed KV kernel "
+                "was to apply (it changed q or k between RoPE and the cache / attention call); run "
+                "rmsnorm-rope-fusion with rope_in_attention=False for this model")
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._rope is not None:
+            self._check_rope(key_states, self._rope.key, "key")
         self._flush()
         count = key_states.shape[-2]
         if self.cumulative_length + count > self.max_cache_len:
@@ -132,8 +197,10 @@ class PackedStaticLayer(QuantizedKVLayer):
                 "written: generate() sizes it from max_length / max_new_tokens; pass a larger one."
             )
         if self._attention_appends(key_states, count):
-            self._pending = (key_states, value_states)
+            self._pending = (key_states, value_states)  # unrotated while self._rope is set: attend rotates it
         else:
+            if self._rope is not None:
+                key_states = self._rope.rotated(self._rope.query, key_states)[1]
             self._append(key_states, value_states)
         self.cumulative_length += count
         if self.fused:  # the registered attention reads the codes: one token by the kernel, a prompt by heads
@@ -149,8 +216,10 @@ class PackedStaticLayer(QuantizedKVLayer):
     def _flush(self) -> None:
         """Write a token kept for :meth:`attend` now (something else reads the cache first)."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._append(*pending)
+            (key, value), self._pending = self._pending, None
+            if self._rope is not None:  # kept unrotated for the kernel: rotate it for everyone else
+                key = self._rope.rotated(self._rope.query, key)[1]
+            self._append(key, value)
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         assert self.length is not None and self.key_codes is not None and self.value_codes is not None
@@ -172,9 +241,13 @@ class PackedStaticLayer(QuantizedKVLayer):
         """Decode attention of ``query`` [B, Hq, 1, D] over the stored tokens: ``[B, 1, Hq, D]``."""
         from mmsdk.kernels.kv_decode import decode_attention
 
+        if self._rope is not None:
+            self._check_rope(query, self._rope.query, "query")
         pending, self._pending = self._pending, None  # the kernel writes it and advances the length
+        rope, self._rope = self._rope, None  # the kernel rotates q (and the kept token) as it loads them
         return decode_attention(query, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
-                                self.length, self.fmt, scaling, mask, append=pending)
+                                self.length, self.fmt, scaling, mask, append=pending,
+                                rope=(rope.cos, rope.sin) if rope is not None else None)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -188,6 +261,7 @@ class PackedStaticLayer(QuantizedKVLayer):
 
     def reset(self) -> None:
         self._pending = None
+        self._rope = None
         self.cumulative_length = 0
         if self.length is not None:
             self.length.zero_()
