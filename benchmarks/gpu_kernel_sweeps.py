@@ -98,84 +98,84 @@ MMA_BASELINES = {1: [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (
                  16: [(64, 256, 4, 3), (32, 1, 4, 16, "dot")]}
 
 
-def mma() -> list[dict[str, Any]]:
-    """The tensor-core GEMV ("mma": nibbles made bf16 by lop3, weights as the dot's left operand) at 1, 4 and 16 rows,
-    groups of 128 and 32, against the kinds it may replace (MMA_BASELINES), bf16 cuBLAS and the tuner's pick over every candidate."""
-    from mmsdk.kernels.w4a16 import _MMA_CANDIDATES, w4a16_gemv
-    from mmsdk.kernels.w4a16_tuning import tuning
+def _problems(row_counts: tuple[int, ...]) -> Any:
+    """Per shape of SHAPES, group size (128, 32) and row count: (shape name, N, K, group, packed random weight, a bf16
+    weight of the same shape for cuBLAS, rows, bf16 activations, their fp32 product with the dequantized weight)."""
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
-    rows = []
     for name, (n, k) in SHAPES.items():
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for group in (128, 32):
             p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
             weight = dequantize_int4(p, torch.float32)
-            packed_bytes = p.qweight.numel() + p.scales.numel() * 2
-            for m in (1, 4, 16):
+            for m in row_counts:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                expected = x.float() @ weight.T
-                out = w4a16_gemv(x, p.qweight, p.scales, None, group)
-                bucket = 1 if m == 1 else (4 if m <= 4 else 16)
-                row: dict[str, Any] = {
-                    "shape": name, "group": group, "M": m,
-                    "bf16_us": gtime(cold(lambda w, x=x: torch.nn.functional.linear(x, w), dense)),
-                    "tuned": {"us": gtime(cold(lambda q, s, x=x, g=group: w4a16_gemv(x, q, s, None, g), p.qweight,
-                                                   p.scales)),
-                              "rel_err": rel(out, expected),
-                              "cfg": tuning().chosen.get(("gemv", bucket, n, k // group, group, torch.bfloat16, False,
-                                                           False))}}
-                measured = []
-                for cfg in (*MMA_BASELINES[bucket], *_MMA_CANDIDATES):
-                    try:
-                        out = w4a16_gemv(x, p.qweight, p.scales, None, group, config=cfg)
-                        t = gtime(cold(lambda q, s, c=cfg, x=x, g=group: w4a16_gemv(x, q, s, None, g, config=c),
-                                       p.qweight, p.scales))
-                    except Exception as error:
-                        measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
-                        continue
-                    measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected),
-                                     "TBps": packed_bytes / t / 1e6})
-                row["configs"] = measured
-                good = [c for c in measured if "us" in c]
-                for kind, label in (("mma", "best_mma"), (None, "best_other")):
-                    pick = [c for c in good if (len(c["cfg"]) > 4 and c["cfg"][4] == "mma") == (kind == "mma")]
-                    row[label] = min(pick, key=lambda c: c["us"]) if pick else None
-                print({key: v for key, v in row.items() if key != "configs"}, flush=True)
-                rows.append(row)
+                yield name, n, k, group, p, dense, m, x, x.float() @ weight.T
+
+
+def mma() -> list[dict[str, Any]]:
+    """The tensor-core GEMV ("mma": nibbles made bf16 by lop3, weights as the dot's left operand) at 1, 4 and 16 rows,
+    groups of 128 and 32, against the kinds it may replace (MMA_BASELINES), bf16 cuBLAS and the tuner's pick over every
+    candidate."""
+    from mmsdk.kernels.w4a16 import _MMA_CANDIDATES, w4a16_gemv
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    rows = []
+    for name, n, k, group, p, dense, m, x, expected in _problems((1, 4, 16)):
+        packed_bytes = p.qweight.numel() + p.scales.numel() * 2
+        out = w4a16_gemv(x, p.qweight, p.scales, None, group)
+        bucket = 1 if m == 1 else (4 if m <= 4 else 16)
+        row: dict[str, Any] = {
+            "shape": name, "group": group, "M": m,
+            "bf16_us": gtime(cold(lambda w, x=x: torch.nn.functional.linear(x, w), dense)),
+            "tuned": {"us": gtime(cold(lambda q, s, x=x, g=group: w4a16_gemv(x, q, s, None, g), p.qweight,
+                                           p.scales)),
+                      "rel_err": rel(out, expected),
+                      "cfg": tuning().chosen.get(("gemv", bucket, n, k // group, group, torch.bfloat16, False,
+                                                   False))}}
+        measured = []
+        for cfg in (*MMA_BASELINES[bucket], *_MMA_CANDIDATES):
+            try:
+                out = w4a16_gemv(x, p.qweight, p.scales, None, group, config=cfg)
+                t = gtime(cold(lambda q, s, c=cfg, x=x, g=group: w4a16_gemv(x, q, s, None, g, config=c),
+                               p.qweight, p.scales))
+            except Exception as error:
+                measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
+                continue
+            measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected),
+                             "TBps": packed_bytes / t / 1e6})
+        row["configs"] = measured
+        good = [c for c in measured if "us" in c]
+        for kind, label in (("mma", "best_mma"), (None, "best_other")):
+            pick = [c for c in good if (len(c["cfg"]) > 4 and c["cfg"][4] == "mma") == (kind == "mma")]
+            row[label] = min(pick, key=lambda c: c["us"]) if pick else None
+        print({key: v for key, v in row.items() if key != "configs"}, flush=True)
+        rows.append(row)
     return rows
 
 
 def many_rows() -> list[dict[str, Any]]:
     """w4a16_matmul at 32 and 64 rows: every fused and tensor-core config, the tuner's pick and bf16 cuBLAS."""
     from mmsdk.kernels.w4a16 import _CANDIDATES, _MMA_MANY_ROWS, w4a16_matmul
-    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
-    for name, (n, k) in SHAPES.items():
-        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for group in (128, 32):
-            p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
-            weight = dequantize_int4(p, torch.float32)
-            for m in (32, 64):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                expected = x.float() @ weight.T
-                row: dict[str, Any] = {
-                    "shape": name, "group": group, "M": m,
-                    "bf16_us": gtime(cold(lambda w, x=x: torch.nn.functional.linear(x, w), dense))}
-                measured = []
-                for cfg in (None, *_CANDIDATES[m], *_MMA_MANY_ROWS):
-                    out = w4a16_matmul(x, p.qweight, p.scales, None, group, config=cfg)
-                    t = gtime(cold(lambda q, s, c=cfg, x=x, g=group: w4a16_matmul(x, q, s, None, g, config=c),
-                                   p.qweight, p.scales))
-                    measured.append({"cfg": cfg or "tuned", "us": t, "rel_err": rel(out, expected)})
-                row["configs"] = measured
-                for kind, label in ((True, "best_mma"), (False, "best_fused")):
-                    pick = [c for c in measured if c["cfg"] != "tuned" and (len(c["cfg"]) > 4) == kind]
-                    row[label] = min(pick, key=lambda c: c["us"])
-                row["tuned"] = measured[0]
-                print({key: v for key, v in row.items() if key != "configs"}, flush=True)
-                rows.append(row)
+    for name, _, _, group, p, dense, m, x, expected in _problems((32, 64)):
+        row: dict[str, Any] = {
+            "shape": name, "group": group, "M": m,
+            "bf16_us": gtime(cold(lambda w, x=x: torch.nn.functional.linear(x, w), dense))}
+        measured = []
+        for cfg in (None, *_CANDIDATES[m], *_MMA_MANY_ROWS):
+            out = w4a16_matmul(x, p.qweight, p.scales, None, group, config=cfg)
+            t = gtime(cold(lambda q, s, c=cfg, x=x, g=group: w4a16_matmul(x, q, s, None, g, config=c),
+                           p.qweight, p.scales))
+            measured.append({"cfg": cfg or "tuned", "us": t, "rel_err": rel(out, expected)})
+        row["configs"] = measured
+        for kind, label in ((True, "best_mma"), (False, "best_fused")):
+            pick = [c for c in measured if c["cfg"] != "tuned" and (len(c["cfg"]) > 4) == kind]
+            row[label] = min(pick, key=lambda c: c["us"])
+        row["tuned"] = measured[0]
+        print({key: v for key, v in row.items() if key != "configs"}, flush=True)
+        rows.append(row)
     return rows
 
 
