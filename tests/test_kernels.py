@@ -225,6 +225,20 @@ def test_paired_gemv_configs_the_tuner_times_and_bad_ones():
         w4a16_gemv(x, *parts, 32, config=(8, 2, 2, 1, "gated"))
 
 
+def test_tuning_off_takes_the_first_candidate_untimed(monkeypatch):
+    """MMSDK_TUNE=0: the tuner neither launches nor times candidates, takes the first and keeps nothing, so turning
+    timing on again later still times the problem."""
+    from mmsdk.kernels import TUNE_ENV
+    from mmsdk.kernels.w4a16_tuning import tuned_config, tuning
+
+    launched = []
+    key = ("test", "tuning off")
+    monkeypatch.setenv(TUNE_ENV, "0")
+    picked = tuned_config(key, lambda cfg, w: launched.append(cfg), ((8, 2, 2, 1, "quad"), (16, 2, 2, 1, "quad")), 32,
+                          (torch.zeros(4),))
+    assert picked == (8, 2, 2, 1, "quad") and launched == [] and key not in tuning().chosen
+
+
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
 def test_cuda_every_paired_candidate_compiles_and_matches():
     """Every configuration the tuner times for the paired GEMV builds on this GPU and is right (the tuner itself

@@ -27,12 +27,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "PDL_ENV", "captured_calls", "graph_time_ms", "l2_spill_copies", "note_fallback",
-           "pdl_preload_ready", "pdl_ready", "triton_available", "triton_ready"]
+__all__ = ["INTERPRET_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms", "l2_spill_copies",
+           "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
 PDL_ENV = "MMSDK_PDL"  # "0" turns programmatic dependent launch off (to measure what it buys)
+# "0" makes kernel tuners take their first candidate instead of timing them all: correctness runs (tests) then compile
+# one configuration per problem, not every candidate (minutes on a fresh machine)
+TUNE_ENV = "MMSDK_TUNE"
 
 
 @cache
@@ -48,6 +51,11 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """True when Triton's interpreter runs kernels on CPU tensors (``TRITON_INTERPRET=1``, for tests)."""
     return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
+
+
+def timing_enabled() -> bool:
+    """False when tuners must take their first candidate untimed: under the interpreter or with ``MMSDK_TUNE=0``."""
+    return not interpreting() and os.environ.get(TUNE_ENV, "1") != "0"
 
 
 def triton_ready(*tensors: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import graph_time_ms, interpreting, l2_spill_copies, note_fallback
+from mmsdk.kernels import graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
 
 __all__ = ["Tuning", "fit_config", "tuned_config", "tuning"]
 
@@ -39,7 +39,8 @@ def tuning() -> Tuning:
 
 def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int,
                  weights: tuple[torch.Tensor | None, ...]) -> Any:
-    """The fastest candidate for ``key`` (timed once on CUDA; the first one under the interpreter or a capture).
+    """The fastest candidate for ``key`` (timed once on CUDA; the first one, not kept, under the interpreter, a
+    capture or ``MMSDK_TUNE=0``).
 
     ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
     timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
@@ -49,7 +50,7 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     table = tuning().chosen
     if key in table:
         return table[key]
-    if interpreting() or torch.cuda.is_current_stream_capturing():
+    if not timing_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     copies = l2_spill_copies(weights)
     timings = []
