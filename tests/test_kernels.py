@@ -331,6 +331,11 @@ def test_fused_norm_and_rope_kernels(target):
     for a, b in zip(gpu.mrope_cos_sin(positions, inv_freq, streams, 1.0, dtype),
                     ref.mrope_cos_sin(positions, inv_freq, streams, 1.0, dtype), strict=True):
         assert _rel(a, b) < tol
+    # plain RoPE (FusedRoPEEmbedding): one stream, [1, B, L] positions, a device slot map, attention scaling
+    one, zeros = positions[:1], torch.zeros(8, dtype=torch.int32, device=device)
+    for a, b in zip(gpu.mrope_cos_sin(one, inv_freq, zeros, 0.7, dtype),
+                    ref.mrope_cos_sin(one, inv_freq, zeros, 0.7, dtype), strict=True):
+        assert _rel(a, b) < tol
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")

@@ -16,13 +16,14 @@ from mmsdk.plugins.attention.rmsnorm_rope import (
     FusedMRoPEEmbedding,
     FusedRMSNormRoPE,
     FusedRoPE,
+    FusedRoPEEmbedding,
     RMSNormRoPEFusionConfig,
 )
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from mmsdk.testing import TINY_MODELS, tiny_inputs
 
 QUESTIONS = ("what digit is this ?", "is it even odd yes no how many strokes ?")
-FUSED_TYPES = (FusedAddRMSNorm, FusedRoPE, FusedRMSNormRoPE, FusedMRoPEEmbedding)
+FUSED_TYPES = (FusedAddRMSNorm, FusedRoPE, FusedRMSNormRoPE, FusedMRoPEEmbedding, FusedRoPEEmbedding)
 
 
 def _count_calls(model: nn.Module) -> dict[str, int]:
@@ -57,6 +58,8 @@ def test_fusion_is_bit_exact_and_the_fused_modules_run(name, session, tiny):
     assert calls.get("FusedRoPE", 0) + calls.get("FusedRMSNormRoPE", 0) > 0
     if records["mrope_section"]:
         assert calls["FusedMRoPEEmbedding"] > 0
+    else:  # plain RoPE: cos/sin in one op too
+        assert records["rope_tables"] and calls["FusedRoPEEmbedding"] > 0
 
 
 def test_qwen3_gets_the_true_rmsnorm_rope_fusion(session, tiny):
@@ -104,6 +107,11 @@ def test_lowerings_for_onnxruntime_and_tensorrt_llm(session, tiny):
     trt = session.lower(layer.post_attention_layernorm, LowerTarget("tensorrt_llm"))
     assert isinstance(trt, TrtLlmLowering) and torch.equal(trt.tensors["weight"], layer.post_attention_layernorm.weight)
     assert session.lower(layer.mlp, LowerTarget("onnxruntime")) is None  # not ours: another plugin may answer
+    llava = Optimizer(tiny("tiny:llava").model, session=session).apply("rmsnorm-rope-fusion").model
+    tables = llava.model.language_model.rotary_emb
+    assert isinstance(tables, FusedRoPEEmbedding)
+    assert "RotaryEmbedding," in session.lower(tables, LowerTarget("onnxruntime")).note
+    assert session.lower(tables, LowerTarget("tensorrt_llm")).config["position_embedding_type"] == "rope_gpt_neox"
 
 
 @pytest.mark.parametrize("order", ["fusion-first", "prune-first"])

@@ -161,7 +161,10 @@ def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: l
     Pass ``streams`` as a device tensor where the call may be captured in a CUDA graph: a list is copied
     to the device on every call, and a capture refuses host-to-device copies.
     """
-    reason = _reason(position_ids.float(), inv_freq)
+    # positions are integers: checked for the device only (a cast to float would be a kernel launch per call)
+    reason = "not CUDA tensors on one device, or no Triton"
+    if triton_ready(position_ids, inv_freq):
+        reason = _reason(inv_freq)
     if reason is None and (dtype not in DTYPES or inv_freq.numel() != len(streams)):
         reason = f"dtype {dtype} or {inv_freq.numel()} frequencies for {len(streams)} stream slots"
     if reason is not None:

@@ -17,7 +17,7 @@ from mmsdk.kernels import norm_rope as reference_ops
 from mmsdk.kernels import norm_rope_gpu as fast_ops
 
 __all__ = ["DeferredRMSNorm", "FusedAddRMSNorm", "FusedMRoPEEmbedding", "FusedRMSNormRoPE", "FusedRoPE",
-           "RoPEInAttention"]
+           "FusedRoPEEmbedding", "RoPEInAttention"]
 
 
 class FusedAddRMSNorm(nn.Module):
@@ -141,3 +141,16 @@ class FusedMRoPEEmbedding(nn.Module):
     def reference(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch reference ops' result."""
         return self.forward(x, position_ids, reference_ops)  # type: ignore[return-value]
+
+
+class FusedRoPEEmbedding(FusedMRoPEEmbedding):
+    """Plain RoPE cos/sin for [B, L] positions in one kernel (every frequency slot reads the one position stream);
+    transformers' rotary module launches about seven small kernels per call (a matmul, cat, cos, sin, scaling, casts),
+    each a launch of its own in a decode step."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__(original, [0] * original.inv_freq.shape[0])
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ops: Any = fast_ops) -> tuple[torch.Tensor, ...]:
+        # one stream: [1, B, L] is a view, where expanding to three streams would be copied by the kernel's wrapper
+        return ops.mrope_cos_sin(position_ids[None], self.inv_freq, self.stream_index, self.attention_scaling, x.dtype)

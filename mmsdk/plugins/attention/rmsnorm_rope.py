@@ -10,7 +10,9 @@
 * RoPE on q and k together: the module-level rotary function each self-attention calls is bound,
   for that module only, to a :class:`FusedRoPE` (ORT ``RotaryEmbedding``; ``MRotaryEmbedding``
   for M-RoPE). M-RoPE models also get :class:`FusedMRoPEEmbedding`, which picks each frequency
-  slot's T/H/W position before the trigonometry instead of computing all three streams.
+  slot's T/H/W position before the trigonometry instead of computing all three streams; plain-RoPE
+  models get :class:`FusedRoPEEmbedding`, the same kernel with one stream (one launch per call for
+  cos/sin where transformers' rotary module makes about seven).
 * RMSNorm + RoPE where they are adjacent (per-head q/k norms, Qwen3-VL): the norms become
   :class:`DeferredRMSNorm` (same weights, identity in place) and :class:`FusedRMSNormRoPE`
   normalizes and rotates q and k in one op.
@@ -47,6 +49,7 @@ from mmsdk.plugins.attention.fused_norm_rope import (
     FusedMRoPEEmbedding,
     FusedRMSNormRoPE,
     FusedRoPE,
+    FusedRoPEEmbedding,
     RoPEInAttention,
 )
 
@@ -57,6 +60,7 @@ __all__ = [
     "DeferredRMSNorm",
     "FusedRMSNormRoPE",
     "FusedMRoPEEmbedding",
+    "FusedRoPEEmbedding",
     "apply_rmsnorm_rope_fusion",
 ]
 
@@ -74,6 +78,8 @@ class RMSNormRoPEFusionConfig(PassConfig):
     rope: bool = Field(True, description="Rotate q and k in one op in every self-attention.")
     qk_norm: bool = Field(True, description="Fold per-head q/k RMSNorms into the RoPE op where adjacent (Qwen3).")
     mrope_tables: bool = Field(True, description="M-RoPE models: build sectioned cos/sin in one pass.")
+    rope_tables: bool = Field(True, description="Plain-RoPE models: build each call's cos/sin in one kernel "
+                              "(transformers launches about seven small ones, each a launch in every decode step).")
     rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
                                     "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
                                     "separate RoPE launch (bitwise the same numbers in bf16 on an H200).")
@@ -288,19 +294,26 @@ def _replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> str:
     raise LookupError("module not found in the model")
 
 
-def _fuse_mrope_tables(model: nn.Module, adapter: ModelAdapter,
-                       streams: list[int] | None) -> tuple[str | None, str | None]:
+def _fuse_rope_tables(model: nn.Module, adapter: ModelAdapter,
+                      streams: list[int] | None) -> tuple[str | None, str | None]:
+    """Replace the rotary module by :class:`FusedMRoPEEmbedding` (M-RoPE: ``streams`` given) or
+    :class:`FusedRoPEEmbedding` (plain RoPE); (replaced module's name or None, reason it was skipped or None)."""
     rotary = adapter.rotary_embedding(model)
-    if streams is None or rotary is None:
+    mrope = streams is not None
+    label = "M-RoPE tables" if mrope else "RoPE tables"
+    if rotary is None or (not mrope and adapter.rotary_kind(model) == "mrope"):
         return None, None
+    if not mrope and not (isinstance(getattr(rotary, "inv_freq", None), torch.Tensor)
+                          and isinstance(getattr(rotary, "attention_scaling", None), (int, float))):
+        return None, f"{label}: the model's rotary module keeps no inv_freq / attention_scaling mmsdk recognises"
     if getattr(rotary, "rope_type", "default") != "default":
-        return None, "M-RoPE tables: only the default rope type is fused (scaled variants update inv_freq)"
-    fused = FusedMRoPEEmbedding(rotary, streams)
+        return None, f"{label}: only the default rope type is fused (scaled variants update inv_freq)"
+    fused = FusedMRoPEEmbedding(rotary, streams) if mrope else FusedRoPEEmbedding(rotary)
     generator = torch.Generator().manual_seed(4)
-    positions = torch.randint(0, 64, (3, 2, 5), generator=generator).to(rotary.inv_freq.device)
+    positions = torch.randint(0, 64, (3, 2, 5) if mrope else (2, 5), generator=generator).to(rotary.inv_freq.device)
     x = torch.zeros(1, dtype=next(model.parameters()).dtype, device=rotary.inv_freq.device)
     if not _same(rotary(x, positions), fused.reference(x, positions)):
-        return None, "M-RoPE tables: the model's rotary module computes something else"
+        return None, f"{label}: the model's rotary module computes something else"
     return _replace_module(model, rotary, fused), None
 
 
@@ -311,7 +324,7 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
     names = {id(m): n for n, m in model.named_modules()}
     skipped: list[str] = []
     records: dict[str, Any] = {"residual_norm": [], "plain_norms": [], "rope": [], "rmsnorm_rope": [],
-                               "mrope_tables": None}
+                               "mrope_tables": None, "rope_tables": None}
     if config.residual_norm:
         records["residual_norm"] = _fuse_residual_norms(model, adapter, skipped)
     if config.plain_norms:
@@ -330,8 +343,12 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
                 skipped.append(f"{names[id(attention)]}: {reason}")
             else:
                 records["rope" if kind == "rope" else "rmsnorm_rope"].append(names[id(attention)])
-    if config.mrope_tables:
-        records["mrope_tables"], reason = _fuse_mrope_tables(model, adapter, streams)
+    if streams is not None and config.mrope_tables:
+        records["mrope_tables"], reason = _fuse_rope_tables(model, adapter, streams)
+        if reason:
+            skipped.append(reason)
+    if streams is None and config.rope_tables:
+        records["rope_tables"], reason = _fuse_rope_tables(model, adapter, None)
         if reason:
             skipped.append(reason)
     records["skipped"] = skipped
@@ -358,6 +375,8 @@ def _lower_onnx(module: nn.Module) -> OnnxLowering | None:
         norm = [OnnxNode("SimplifiedLayerNormalization", "", {"epsilon": n.eps, "axis": -1, "stash_type": 1},
                          ("X", "scale"), ("Y",), {"scale": n.weight.detach()}) for n in (qn, kn)]
         return OnnxLowering((norm[0], norm[1], rope), note="q: nodes 0 then 2; k: nodes 1 then 2")
+    if isinstance(module, FusedRoPEEmbedding):
+        return OnnxLowering((), note="folded into RotaryEmbedding, which takes the position_ids itself")
     if isinstance(module, FusedMRoPEEmbedding):
         return OnnxLowering((), note="folded into MRotaryEmbedding, which takes the 3-D position_ids itself")
     return None
