@@ -13,6 +13,7 @@ Modules:
   quantize-and-append of new K/V tokens.
 * ``norm_rope_triton``: residual-add + RMSNorm, RoPE on q and k, M-RoPE tables, q/k RMSNorm + RoPE.
 * ``flex_masks``: FlexAttention block masks built from a block layout (sparse-xattn).
+* ``greedy``: the argmax over each row of logits (the decode step's token choice), one kernel.
 * ``fast_generate``: static cache + CUDA-graph decode loop behind ``model.generate``; ``decode_state``
   keeps the cache and the captured step on the model for the next call (``fast_generate.release`` frees them).
 """

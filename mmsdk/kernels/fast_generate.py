@@ -48,6 +48,7 @@ from mmsdk.kernels.decode_state import (
     signature,
     watched_objects,
 )
+from mmsdk.kernels.greedy import argmax_rows
 
 __all__ = ["CHECK_EVERY", "PREFILL_TOKENS", "install", "release", "unsupported_reason"]
 
@@ -162,7 +163,7 @@ def _step_objects(model: nn.Module, adapter: Any) -> list[Any]:
 
 def pick(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int) -> torch.Tensor:
     """Greedy token per row (pad where finished); marks rows that produced an end token."""
-    token = logits.argmax(-1)
+    token = argmax_rows(logits)
     token = torch.where(finished, torch.full_like(token, pad), token)
     if eos.numel():
         finished |= torch.isin(token, eos)
