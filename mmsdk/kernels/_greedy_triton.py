@@ -16,14 +16,13 @@ def first_max(v1, i1, v2, i2):
 
 
 @triton.jit
-def argmax_rows(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
-    """Index of row ``program_id(0)``'s first maximum over ``V`` values (int64), in one program per row.
+def row_argmax(x_ptr, row, V, stride, BLOCK: tl.constexpr):
+    """Index of row ``row``'s first maximum over ``V`` values (int32 scalar).
 
     Each lane keeps the best (value, index) of its columns, tile after tile (a later tile's indices are higher, so
     ties keep the earlier one), and one reduction over the lanes ends it. Padding lanes read -inf with indices past
     ``V``, so they never win, not even against a row of -inf.
     """
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK], 2147483647, tl.int32)
@@ -32,4 +31,30 @@ def argmax_rows(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
         v = tl.load(x_ptr + row * stride + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         best_v, best_i = first_max(best_v, best_i, v, idx)
     _, index = tl.reduce((best_v, best_i), 0, first_max)
-    tl.store(out_ptr + row, index.to(tl.int64))
+    return index
+
+
+@triton.jit
+def argmax_rows(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+    """Index of row ``program_id(0)``'s first maximum (int64), one program per row."""
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr + row, row_argmax(x_ptr, row, V, stride, BLOCK).to(tl.int64))
+
+
+@triton.jit
+def greedy_step(x_ptr, finished_ptr, eos_ptr, token_ptr, tokens_ptr, column_ptr, V, stride, n_eos, pad,
+                stride_tokens, BLOCK: tl.constexpr, BLOCK_EOS: tl.constexpr, HAS_COLUMN: tl.constexpr):
+    """One row of a greedy decode step: the argmax token, ``pad`` if the row had finished, the row marked finished
+    if the token is an end token (one of ``n_eos`` at ``eos``), the token stored at ``token`` and, with
+    ``HAS_COLUMN``, at column ``*column`` of ``tokens``."""
+    row = tl.program_id(0).to(tl.int64)
+    token = row_argmax(x_ptr, row, V, stride, BLOCK).to(tl.int64)
+    done = tl.load(finished_ptr + row) != 0
+    token = tl.where(done, pad, token)
+    re = tl.arange(0, BLOCK_EOS)
+    ends = tl.load(eos_ptr + re, mask=re < n_eos, other=-1)
+    hit = tl.sum(((ends == token) & (re < n_eos)).to(tl.int32), 0) > 0
+    tl.store(finished_ptr + row, (done | hit).to(finished_ptr.dtype.element_ty))
+    tl.store(token_ptr + row, token)
+    if HAS_COLUMN:
+        tl.store(tokens_ptr + row * stride_tokens + tl.load(column_ptr), token)

@@ -48,7 +48,7 @@ from mmsdk.kernels.decode_state import (
     signature,
     watched_objects,
 )
-from mmsdk.kernels.greedy import argmax_rows
+from mmsdk.kernels.greedy import greedy_step
 
 __all__ = ["CHECK_EVERY", "PREFILL_TOKENS", "install", "release", "unsupported_reason"]
 
@@ -163,10 +163,8 @@ def _step_objects(model: nn.Module, adapter: Any) -> list[Any]:
 
 def pick(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int) -> torch.Tensor:
     """Greedy token per row (pad where finished); marks rows that produced an end token."""
-    token = argmax_rows(logits)
-    token = torch.where(finished, torch.full_like(token, pad), token)
-    if eos.numel():
-        finished |= torch.isin(token, eos)
+    token = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy_step(logits, finished, eos, pad, token)
     return token
 
 
@@ -341,9 +339,7 @@ class _Generator:
         def run() -> None:  # refers to no Step / state / model: nothing here forms a reference cycle
             hidden = language(inputs_embeds=embed(token[:, None]), attention_mask=None, position_ids=positions, **fixed)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden.last_hidden_state
-            new = pick(head(hidden[:, -1]), finished, eos, pad)
-            tokens.index_copy_(1, index, new[:, None])
-            token.copy_(new)
+            greedy_step(head(hidden[:, -1]), finished, eos, pad, token, tokens, index)  # token, finished, tokens
             index.add_(1)
             positions.add_(1)
 
