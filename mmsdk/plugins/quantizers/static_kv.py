@@ -172,8 +172,12 @@ class PackedStaticLayer(QuantizedKVLayer):
         if rope is None:
             return query
         self._check_rope(query, rope.query, "query")
-        self.settle_rope()
-        return rope.rotated(query, rope.key)[0]
+        query, key = rope.rotated(query, rope.key)  # one RoPE launch for both
+        self._rope = None
+        if self._pending is not None:  # the kept token is this step's key (update checked it): write it rotated
+            self._pending = (key, self._pending[1])
+        self._flush()
+        return query
 
     def _check_rope(self, got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         if got is not expected:
