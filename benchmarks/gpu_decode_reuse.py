@@ -13,8 +13,9 @@ before they wait; ``step_ms_without_pdl`` is the same step captured with ``MMSDK
 
 ``--stacks`` picks stacks by key (default ``g32,g128``; ``g32_rope_outside`` / ``g128_rope_outside`` are the same
 with each step's RoPE in a launch of its own, rmsnorm-rope-fusion's ``rope_in_attention=False``; ``qwen_g128`` and
-``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes); ``--step-only`` measures ``step_ms`` alone (one
-call to tune and capture, then the replays).
+``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes; the keys of ``_PINNED`` pin some GEMVs to given
+configs, against the tuner's picks in one process); ``--step-only`` measures ``step_ms`` alone (one call to tune
+and capture, then the replays).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
@@ -109,6 +110,9 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     outside = RMSNormRoPEFusionConfig(rope_in_attention=False)
     g128 = Int4WeightConfig(group_size=128)
     return {
+        **{key: (f"{'g32' if model == 'llava' else 'Qwen2-VL-7B shapes, g128'}, pinned: {pins}", model,
+                 ("qkv-fuse", "int4-weight" if model == "llava" else g128, "rmsnorm-rope-fusion"))
+           for key, (model, pins) in _PINNED.items()},
         "g32": ("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv", "llava",
                 ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
         "g128": ("same with int4-weight g128", "llava", ("qkv-fuse", g128, "rmsnorm-rope-fusion")),
@@ -121,6 +125,38 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
         "qwen_g128_rope_outside": ("Qwen2-VL-7B shapes, g128, RoPE in its own launch", "qwen2-vl",
                                    ("qkv-fuse", g128, outside)),
     }
+
+
+# The tuner's key of each decode-step GEMV: ("gemv", rows bucket, N, K groups, group, bias) or ("gated", N, K groups,
+# group), dtype bf16 and no zero points added by pinned_configs.
+_SHAPE_KEYS = {
+    "llava": {"qkv": ("gemv", 1, 12288, 128, 32, False), "o_proj": ("gemv", 1, 4096, 128, 32, False),
+              "down": ("gemv", 1, 4096, 344, 32, False), "gated": ("gated", 11008, 128, 32)},
+    "qwen2-vl": {"qkv": ("gemv", 1, 4608, 28, 128, True), "o_proj": ("gemv", 1, 3584, 28, 128, False),
+                 "down": ("gemv", 1, 3584, 148, 128, False), "gated": ("gated", 18944, 28, 128)},
+}
+# stack key -> (model, {projection: pinned config}). The one-slice configs (264 target programs) are what the tuner
+# picked on the H200 when a trial candidate list led with them (benchmarks/results/h200_decode_reuse_one_slice_ab.json);
+# the list was not kept: in the step they gained LLaVA-1.5-7B g32 about 30 µs and cost Qwen2-VL-7B g128 about 25.
+_PINNED = {
+    "g32_one_slice": ("llava", {"o_proj": (8, 128, 2, 1, "quad", 264), "down": (8, 128, 4, 1, "quad", 264)}),
+    "g32_down_one_slice": ("llava", {"down": (8, 128, 4, 1, "quad", 264)}),
+    "g32_down_wide_two_slices": ("llava", {"down": (8, 128, 4, 1, "quad", 528)}),
+    "qwen_g128_one_slice": ("qwen2-vl", {"qkv": (8, 128, 2, 1, "quad", 264), "down": (8, 128, 4, 1, "quad", 264)}),
+    "qwen_g128_one_slice_qkv": ("qwen2-vl", {"qkv": (8, 128, 2, 1, "quad", 264)}),
+    "qwen_g128_one_slice_down": ("qwen2-vl", {"down": (8, 128, 4, 1, "quad", 264)}),
+}
+
+
+def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """The tuner's table entries (key -> config) a stack pins; empty for the stacks that let the tuner pick."""
+    model, pins = _PINNED.get(stack, ("llava", {}))
+    entries = {}
+    for projection, cfg in pins.items():
+        shape = _SHAPE_KEYS[model][projection]
+        key = (*shape[:5], torch.bfloat16, False, shape[5]) if shape[0] == "gemv" else (*shape, torch.bfloat16, False)
+        entries[key] = cfg
+    return entries
 
 
 def _model_and_inputs(name: str, passes: tuple[Any, ...]) -> tuple[Any, dict[str, torch.Tensor], float]:
@@ -146,10 +182,14 @@ def main() -> None:
     command = f"python benchmarks/gpu_decode_reuse.py --reps {args.reps} --stacks {args.stacks}"
     results: dict[str, Any] = {"command": command + (" --step-only" if args.step_only else ""),
                                "env": suite.section_env(), "rows": []}
-    for name, model_name, passes in chosen.values():
+    for key, (name, model_name, passes) in chosen.items():
         model, inputs, kv_bytes = _model_and_inputs(model_name, passes)
         floor_ms = suite.lm_bytes(model, kv_bytes, 1024 + 128) / suite.COPY_BW * 1e3
+        pins = pinned_configs(key)
+        for shape in pins:  # a pinned stack and the stacks after it tune these shapes afresh
+            tuning().chosen.pop(shape, None)
         before = set(tuning().chosen)
+        tuning().chosen.update(pins)
         if args.step_only:
             call_ms(model, inputs, 128, 1)  # tune, compile and capture
             measured = {"step_ms": statistics.median(_replay_after_call(model, inputs) for _ in range(5))}
@@ -157,7 +197,9 @@ def main() -> None:
             measured = measure(model, inputs, args.reps)
         row = {"stack": name, "floor_ms": floor_ms, **measured}
         row["step_over_floor"] = row["step_ms"] / floor_ms
-        row["gemv_configs"] = {str(key): cfg for key, cfg in tuning().chosen.items() if key not in before}
+        row["gemv_configs"] = {str(shape): cfg for shape, cfg in tuning().chosen.items() if shape not in before}
+        for shape in pins:
+            tuning().chosen.pop(shape, None)
         results["rows"].append(row)
         print(row, flush=True)
         with open(args.out, "w") as f:

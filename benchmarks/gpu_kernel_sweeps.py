@@ -8,6 +8,9 @@
   over a K loop software-pipelined 2-4 deep through shared memory, weights by cp.async or TMA, and the gated
   kernel pipelined 2-3 deep, read 1.3-2x slower than the unpipelined tiles on every shape, so that code was removed
   too: benchmarks/results/h200_kernel_sweeps_tiles_staged.json, made at commit 703eff2.)
+* ``step_gemvs``: the decode step's own batch-1 GEMVs (LLaVA-1.5-7B at g32, Qwen2-VL-7B at g128, with their bias
+  and residual, and the gated MLP) over tiles x K-slice targets: what the tuner picks against the best config.
+* ``step_norms``: two down projections' configs timed alone and each call followed by an add + RMSNorm.
 * ``mma``: the tensor-core GEMV (kind "mma") at 1, 4 and 16 rows and groups of 128 and 32, against the "quad"
   tiles, the fused kernel and bf16 cuBLAS on the same shapes.
 * ``many_rows``: 17-64 activation rows (w4a16_matmul): the fused kernel's configs against the tensor-core GEMV over
@@ -31,6 +34,8 @@ errors are relative to the fp32 product of the dequantized weights (or the fp64 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -88,6 +93,192 @@ def tiles() -> list[dict[str, Any]]:
         rows.append(row)
     rows.append(_gated_rows())
     return rows
+
+
+# The decode step's batch-1 GEMVs as the step runs them: (group size, per-weight shapes (N, K, bias, residual), the
+# gated MLP's N x K) for the two measured stacks, LLaVA-1.5-7B at g32 and Qwen2-VL-7B at g128.
+STEP_GEMVS = {
+    "llava g32": (32, {"qkv": (12288, 4096, False, False), "o_proj": (4096, 4096, False, True),
+                       "down": (4096, 11008, False, True)}, (11008, 4096)),
+    "qwen2-vl g128": (128, {"qkv": (4608, 3584, True, False), "o_proj": (3584, 3584, False, True),
+                            "down": (3584, 18944, False, True)}, (18944, 3584)),
+}
+# (rows, quads, warps, kind) per-weight tiles: the tile sweeps' leaders (g128) and their neighbours
+STEP_TILES = ((8, 128, 4, "quad"), (16, 64, 2, "quad"), (8, 64, 2, "quad"), (8, 32, 1, "quad"), (4, 64, 1, "quad"),
+              (8, 128, 2, "quad"), (16, 32, 2, "quad"), (16, 64, 4, "quad"), (8, 64, 2, "quadp"),
+              (8, 32, 1, "quadp"), (4, 64, 1, "quadp"))
+STEP_TARGETS = (264, 528, 1056, 2112)
+
+
+def step_gemvs() -> list[dict[str, Any]]:
+    """Every decode-step GEMV of STEP_GEMVS (with its bias and residual) over STEP_TILES x STEP_TARGETS, and the gated
+    MLP over its tiles x targets: the tuner's pick, the best config and each config's time and K slices.
+
+    A target program count only matters through the K slices it gives (``k_slices``), so configs that launch the
+    same slices are timed once. For groups above 32 the shapes run a second time with K slices rounded to whole
+    steps (``_step_slices``) instead of whole multiples of BLOCK_C groups, which for the quad kinds is 4x coarser
+    than a step at g128 (rows marked "step slices").
+    """
+    from mmsdk.plugins.quantizers.packing import quantize_int4
+
+    rows = []
+    for stack, (group, shapes, (gated_n, gated_k)) in STEP_GEMVS.items():
+        weights = {name: quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+                   for name, (n, k, _, _) in shapes.items()}
+        gated = [quantize_int4(torch.randn(gated_n, gated_k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+                 for _ in range(2)]
+        for step_slices in (False, True) if group > 32 else (False,):
+            with _step_slices(group, step_slices):
+                label = f"{stack}{' step slices' if step_slices else ''}"
+                for name, (n, k, has_bias, has_residual) in shapes.items():
+                    rows.append(_step_gemv_row(f"{label} {name} {n}x{k}", weights[name], group, n, k, has_bias,
+                                               has_residual))
+                rows.append(_step_gated_row(f"{label} gated {gated_n}x{gated_k}", gated, group, gated_n, gated_k))
+    return rows
+
+
+# (label, N, K, group, configs) for step_norms: the down projections whose one-slice config won in one stack's step and
+# lost in the other's (benchmarks/results/h200_decode_reuse_down_slices.json, h200_decode_reuse_one_slice_pinned.json)
+STEP_NORM_CASES = (("llava g32 down", 4096, 11008, 32, ((8, 128, 4, 1, "quad", 264), (8, 128, 4, 1, "quad", 528),
+                                                        (8, 64, 2, 1, "quad", 528))),
+                   ("qwen2-vl g128 down", 3584, 18944, 128, ((8, 128, 4, 1, "quad", 264),
+                                                             (8, 128, 4, 1, "quad", 528))))
+
+
+def step_norms() -> list[dict[str, Any]]:
+    """The down projections of STEP_NORM_CASES timed alone (back-to-back calls, as the tuner times) and with an add +
+    RMSNorm of the output after every call (as in a decoder layer, where a norm follows the down projection and
+    precedes the next GEMV): does the second order of the configs follow the step's?"""
+    from mmsdk.kernels.norm_rope_gpu import add_rms_norm
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.plugins.quantizers.packing import quantize_int4
+
+    rows = []
+    for label, n, k, group, configs in STEP_NORM_CASES:
+        p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+        norm_weight = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+        row: dict[str, Any] = {"shape": label}
+        for cfg in configs:
+            def alone(q: Any, s: Any, c: Any = cfg, x: Any = x, group: int = group, residual: Any = residual) -> Any:
+                return w4a16_gemv(x, q, s, None, group, config=c, residual=residual)
+
+            def then_norm(q: Any, s: Any, c: Any = cfg, residual: Any = residual, norm_weight: Any = norm_weight,
+                          alone: Any = alone) -> Any:
+                return add_rms_norm(alone(q, s, c), residual, norm_weight, 1e-6)
+
+            row[str(cfg)] = {"alone_us": gtime(cold(alone, p.qweight, p.scales)),
+                             "with_norm_us": gtime(cold(then_norm, p.qweight, p.scales))}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+@contextmanager
+def _step_slices(group: int, on: bool) -> Iterator[None]:
+    """With ``on``, K slices of the quad kinds rounded to whole steps (BLOCK_C quads = BLOCK_C * 32 / group groups)
+    for the length of the block: this process only, for the sweep to compare the two roundings."""
+    import mmsdk.kernels.w4a16 as w4a16
+    import mmsdk.kernels.w4a16_gated as w4a16_gated
+
+    original = w4a16.k_slices
+    if on:
+        def by_steps(rows: int, k_blocks: int, block_n: int, block_g: int, target: int,
+                     splits: int | None) -> tuple[int, int]:
+            return original(rows, k_blocks, block_n, max(1, block_g * 32 // group), target, splits)
+
+        w4a16.k_slices = w4a16_gated.k_slices = by_steps
+    try:
+        yield
+    finally:
+        w4a16.k_slices = w4a16_gated.k_slices = original
+
+
+def _step_gemv_row(label: str, p: Any, group: int, n: int, k: int, has_bias: bool,
+                   has_residual: bool) -> dict[str, Any]:
+    """One per-weight GEMV of the step over STEP_TILES x STEP_TARGETS (configs giving the same K slices once)."""
+    import mmsdk.kernels.w4a16 as w4a16
+    from mmsdk.kernels.w4a16_tuning import tuning
+    from mmsdk.plugins.quantizers.packing import dequantize_int4
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
+    residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) if has_residual else None
+    expected = x.float() @ dequantize_int4(p, torch.float32).T
+    expected = expected + (bias.float() if has_bias else 0) + (residual.float() if has_residual else 0)
+
+    def run(q: Any, s: Any, cfg: Any = None) -> Any:
+        return w4a16.w4a16_gemv(x, q, s, None, group, bias=bias, config=cfg, residual=residual)
+
+    configs: list[Any] = [None]
+    seen = set()
+    for block_n, block_c, warps, kind in STEP_TILES:
+        for target in STEP_TARGETS:
+            slices = w4a16.k_slices(n, k // group, block_n, block_c, target, None)
+            if (block_n, block_c, warps, kind, slices) not in seen:
+                seen.add((block_n, block_c, warps, kind, slices))
+                configs.append((block_n, block_c, warps, 1, kind, target))
+    key = ("gemv", 1, n, k // group, group, torch.bfloat16, False, has_bias)
+    tuning().chosen.pop(key, None)  # the tuner chooses again (the slices may have changed)
+    return _step_row(label, configs, run, (p.qweight, p.scales), expected, p.qweight.numel() + p.scales.numel() * 2,
+                     lambda: tuning().chosen.get(key), lambda cfg: w4a16.k_slices(n, k // group, cfg[0], cfg[1],
+                                                                                  cfg[5], None))
+
+
+def _step_gated_row(label: str, weights: list[Any], group: int, n: int, k: int) -> dict[str, Any]:
+    """The step's gated MLP (gate and up) over its "gated" tiles x STEP_TARGETS and two per-weight tiles."""
+    import mmsdk.kernels.w4a16_gated as w4a16_gated
+    from mmsdk.kernels.w4a16_tuning import tuning
+    from mmsdk.plugins.quantizers.packing import dequantize_int4
+
+    gate, up = weights
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    expected = torch.nn.functional.silu(x.float() @ dequantize_int4(gate, torch.float32).T) * (
+        x.float() @ dequantize_int4(up, torch.float32).T)
+    configs: list[Any] = [None]
+    seen = set()
+    for block_n, block_c, warps in w4a16_gated._GATED_TILES:
+        for target in STEP_TARGETS:
+            slices = w4a16_gated.k_slices(n, k // group, block_n, block_c, target, None)
+            if (block_n, block_c, warps, slices) not in seen:
+                seen.add((block_n, block_c, warps, slices))
+                configs.append((block_n, block_c, warps, 1, "gated", target))
+    configs += [(8, 64, 2, 1, "quad", 528), (8, 32, 1, 1, "quadp", 528)]
+
+    def run(gq: Any, gs: Any, uq: Any, us: Any, cfg: Any = None) -> Any:
+        return w4a16_gated.w4a16_gated_silu(x, (gq, gs, None), (uq, us, None), k, group, config=cfg)
+
+    key = ("gated", n, k // group, group, torch.bfloat16, False)
+    tuning().chosen.pop(key, None)
+    return _step_row(label, configs, run, (gate.qweight, gate.scales, up.qweight, up.scales), expected,
+                     2 * (gate.qweight.numel() + gate.scales.numel() * 2), lambda: tuning().chosen.get(key),
+                     lambda cfg: w4a16_gated.k_slices(n if cfg[4] == "gated" else 2 * n, k // group, cfg[0], cfg[1],
+                                                      cfg[5], None))
+
+
+def _step_row(label: str, configs: list[Any], run: Any, tensors: tuple[Any, ...], expected: torch.Tensor,
+              packed_bytes: int, chosen: Any, slices: Any) -> dict[str, Any]:
+    """One step_gemvs row: each config's time (cold weights), error, packed bytes per second and K slices
+    (groups per slice, slices); the tuner's pick (config None, timed first so the tuner has chosen) and the fastest
+    config."""
+    measured = []
+    for cfg in configs:
+        try:
+            out = run(*tensors, cfg=cfg)
+            t = gtime(cold(lambda *w, c=cfg: run(*w, cfg=c), *tensors))
+        except Exception as error:
+            measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
+            continue
+        picked = cfg or chosen()
+        measured.append({"cfg": cfg or ["tuned", picked], "us": t, "rel_err": rel(out, expected),
+                         "TBps": packed_bytes / t / 1e6,
+                         "slices": slices(picked) if picked and len(picked) > 5 else None})
+    good = [c for c in measured[1:] if "us" in c]
+    row = {"shape": label, "tuned": measured[0], "best": min(good, key=lambda c: c["us"]) if good else None}
+    print(row, flush=True)
+    row["configs"] = measured
+    return row
 
 
 # the best "quad" tiles of the ninth pass and the fused kernel / "dot" GEMV the tuner chose for 4 and 16 rows before
@@ -325,10 +516,12 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, mma, many_rows, pdl, gqa, mha")
+    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, mma, "
+                        "many_rows, pdl, gqa, mha")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    sections = {"tiles": tiles, "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha}
+    sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa,
+                "mha": mha}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 
