@@ -80,8 +80,12 @@ QUAD_KINDS = ("quad", "quadp")
 _MMA_CANDIDATES = ((256, 128, 4, 16, "mma", 528, 2), (64, 128, 1, 16, "mma", 1056, 2), (128, 128, 2, 16, "mma", 528, 2),
                    (128, 256, 2, 16, "mma", 528, 2), (64, 256, 1, 16, "mma", 1056, 2), (512, 128, 8, 16, "mma", 264, 2),
                    (128, 128, 2, 16, "mma", 1056, 2))
+# One row: the 264-program tiles keep a 7B shape's K in one slice (8-row tiles); timed as the step runs them (each call
+# followed by a norm: followed_by_norm), one slice won for LLaVA-1.5-7B's g32 down projection and lost for Qwen2-VL-7B's
+# g128 one (benchmarks/gpu_kernel_sweeps.py step_norms).
 _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
     1: ((8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
+        (8, 128, 4, 1, "quad", 264), (8, 128, 2, 1, "quad", 264),
         (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
         (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
     # the fused kernel and "fma" / "dot" stay for groups of 16, which "mma" cannot take
@@ -258,8 +262,33 @@ def w4a16_gemv(
             launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual)
 
     weight = (qweight, scales, zero_points)
-    launch(config or tuned_config(key, launch, gemv_candidates(bucket, block_size), block_size, weight), weight)
+    timed = followed_by_norm(launch, out) if bucket == 1 else launch
+    launch(config or tuned_config(key, timed, gemv_candidates(bucket, block_size), block_size, weight), weight)
     return out
+
+
+def followed_by_norm(launch: Any, out: torch.Tensor) -> Any:
+    """``launch`` as the tuner times a one-row GEMV: each call followed by an add + RMSNorm of ``out``.
+
+    In a decoder layer's decode step a norm follows the o_proj and down GEMVs and precedes the qkv and gate/up ones, and
+    timed that way the configs rank as in the step; timed back to back they did not. On an H200
+    (benchmarks/gpu_kernel_sweeps.py step_norms) LLaVA-1.5-7B's g32 down projection took 10.3 µs in one K slice
+    against 13.5 in two alone, 13.3 against 14.6 with the norm; Qwen2-VL-7B's g128 one 15.5 against 16.9 alone, but
+    19.0 against 18.0 with the norm, and in the replayed step one slice cost that stack 22-27 µs
+    (benchmarks/gpu_decode_reuse.py, stacks qwen_g128 and qwen_g128_one_slice_down). The norm's buffers are made on
+    the first timed call only.
+    """
+    from mmsdk.kernels.norm_rope_gpu import add_rms_norm
+
+    buffers: list[torch.Tensor] = []
+
+    def timed(cfg: GemvConfig, weights: PackedWeight) -> None:
+        launch(cfg, weights)
+        if not buffers:
+            buffers.extend((torch.zeros_like(out), torch.ones(out.shape[-1], device=out.device, dtype=out.dtype)))
+        add_rms_norm(out, buffers[0], buffers[1], 1e-6)
+
+    return timed
 
 
 @cache
