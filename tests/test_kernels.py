@@ -285,6 +285,28 @@ def test_tuning_off_takes_the_first_candidate_untimed(monkeypatch):
     assert picked == (8, 2, 2, 1, "quad") and launched == [] and key not in tuning().chosen
 
 
+def test_one_row_tuner_times_each_candidate_followed_by_a_norm(monkeypatch):
+    """The one-row GEMV's timed launch runs the candidate, then an add + RMSNorm of its output (buffers made once),
+    as a decoder layer's step runs a GEMV between norms."""
+    import mmsdk.kernels.norm_rope_gpu as norm_rope_gpu
+    from mmsdk.kernels.w4a16 import followed_by_norm
+
+    order, residuals = [], []
+    out = torch.zeros(1, 8, dtype=torch.bfloat16)
+
+    def norm(x, residual, weight, eps):
+        order.append("norm")
+        residuals.append(residual)
+        assert x is out and residual.shape == out.shape and weight.shape == (8,) and bool((weight == 1).all())
+        return x, x
+
+    monkeypatch.setattr(norm_rope_gpu, "add_rms_norm", norm)
+    timed = followed_by_norm(lambda cfg, weights: order.append((cfg, weights)), out)
+    timed("a", ("w",))
+    timed("b", ("w",))
+    assert order == [("a", ("w",)), "norm", ("b", ("w",)), "norm"] and residuals[0] is residuals[1]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
 def test_cuda_every_paired_candidate_compiles_and_matches():
     """Every configuration the tuner times for the paired GEMV builds on this GPU and is right (the tuner itself
