@@ -287,9 +287,9 @@ def test_tuning_off_takes_the_first_candidate_untimed(monkeypatch):
 
 def test_one_row_tuner_times_each_candidate_followed_by_a_norm(monkeypatch):
     """The one-row GEMV's timed launch runs the candidate, then an add + RMSNorm of its output (buffers made once),
-    as a decoder layer's step runs a GEMV between norms."""
+    as a decoder layer's step runs a GEMV between norms; an output wider than NORMED_MAX_N is timed alone."""
     import mmsdk.kernels.norm_rope_gpu as norm_rope_gpu
-    from mmsdk.kernels.w4a16 import followed_by_norm
+    from mmsdk.kernels.w4a16 import NORMED_MAX_N, followed_by_norm
 
     order, residuals = [], []
     out = torch.zeros(1, 8, dtype=torch.bfloat16)
@@ -305,6 +305,8 @@ def test_one_row_tuner_times_each_candidate_followed_by_a_norm(monkeypatch):
     timed("a", ("w",))
     timed("b", ("w",))
     assert order == [("a", ("w",)), "norm", ("b", ("w",)), "norm"] and residuals[0] is residuals[1]
+    head = torch.zeros(1, NORMED_MAX_N + 1, dtype=torch.bfloat16)  # a vocabulary head: no norm follows it
+    assert followed_by_norm(timed, head) is timed
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")

@@ -52,6 +52,7 @@ __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvCo
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
+NORMED_MAX_N = 32768  # the widest one-row GEMV output the tuner times followed by a norm (followed_by_norm)
 TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
@@ -276,10 +277,13 @@ def followed_by_norm(launch: Any, out: torch.Tensor) -> Any:
     against 13.5 in two alone, 13.3 against 14.6 with the norm; Qwen2-VL-7B's g128 one 15.5 against 16.9 alone, but
     19.0 against 18.0 with the norm, and in the replayed step one slice cost that stack 22-27 µs
     (benchmarks/gpu_decode_reuse.py, stacks qwen_g128 and qwen_g128_one_slice_down). The norm's buffers are made on
-    the first timed call only.
+    the first timed call only. Outputs wider than ``NORMED_MAX_N`` (a vocabulary head, which the token choice follows,
+    not a norm) are timed back to back: the norm kernel holds a whole row in one program.
     """
     from mmsdk.kernels.norm_rope_gpu import add_rms_norm
 
+    if out.shape[-1] > NORMED_MAX_N:
+        return launch
     buffers: list[torch.Tensor] = []
 
     def timed(cfg: GemvConfig, weights: PackedWeight) -> None:
