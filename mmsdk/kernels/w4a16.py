@@ -31,8 +31,9 @@ first step's weights while the kernel before it still runs (mmsdk/kernels/_pdl_t
 
 Block configurations are chosen per shape by timing the candidates on first use (mmsdk.kernels.w4a16_tuning), each
 replayed from a CUDA graph (a decode-sized kernel is shorter than its Python launch) over copies of the weights that
-together overflow L2 (a model reads each layer's weights from HBM); CUDA only, and during CUDA-graph capture or under
-the interpreter the first candidate is taken.
+together overflow L2 (a model reads each layer's weights from HBM), one-row GEMVs each followed by an add + RMSNorm as
+in a decoder layer (:func:`followed_by_norm`); CUDA only, and during CUDA-graph capture or under the interpreter the
+first candidate is taken.
 """
 
 from __future__ import annotations
