@@ -289,7 +289,7 @@ def test_one_row_tuner_times_each_candidate_followed_by_a_norm(monkeypatch):
     """The one-row GEMV's timed launch runs the candidate, then an add + RMSNorm of its output (buffers made once),
     as a decoder layer's step runs a GEMV between norms; an output wider than NORMED_MAX_N is timed alone."""
     import mmsdk.kernels.norm_rope_gpu as norm_rope_gpu
-    from mmsdk.kernels.w4a16 import NORMED_MAX_N, followed_by_norm
+    from mmsdk.kernels.w4a16_tuning import NORMED_MAX_N, followed_by_norm
 
     order, residuals = [], []
     out = torch.zeros(1, 8, dtype=torch.bfloat16)

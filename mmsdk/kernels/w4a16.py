@@ -32,8 +32,8 @@ first step's weights while the kernel before it still runs (mmsdk/kernels/_pdl_t
 Block configurations are chosen per shape by timing the candidates on first use (mmsdk.kernels.w4a16_tuning), each
 replayed from a CUDA graph (a decode-sized kernel is shorter than its Python launch) over copies of the weights that
 together overflow L2 (a model reads each layer's weights from HBM), one-row GEMVs each followed by an add + RMSNorm as
-in a decoder layer (:func:`followed_by_norm`); CUDA only, and during CUDA-graph capture or under the interpreter the
-first candidate is taken.
+in a decoder layer (``w4a16_tuning.followed_by_norm``); CUDA only, and during CUDA-graph capture or under the
+interpreter the first candidate is taken.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
-from mmsdk.kernels.w4a16_tuning import fit_config, tuned_config
+from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
            "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
@@ -53,7 +53,6 @@ __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvCo
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
-NORMED_MAX_N = 32768  # the widest one-row GEMV output the tuner times followed by a norm (followed_by_norm)
 TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
@@ -267,33 +266,6 @@ def w4a16_gemv(
     timed = followed_by_norm(launch, out) if bucket == 1 else launch
     launch(config or tuned_config(key, timed, gemv_candidates(bucket, block_size), block_size, weight), weight)
     return out
-
-
-def followed_by_norm(launch: Any, out: torch.Tensor) -> Any:
-    """``launch`` as the tuner times a one-row GEMV: each call followed by an add + RMSNorm of ``out``.
-
-    In a decoder layer's decode step a norm follows the o_proj and down GEMVs and precedes the qkv and gate/up ones, and
-    timed that way the configs rank as in the step; timed back to back they did not. On an H200
-    (benchmarks/gpu_kernel_sweeps.py step_norms) LLaVA-1.5-7B's g32 down projection took 10.3 µs in one K slice
-    against 13.5 in two alone, 13.3 against 14.6 with the norm; Qwen2-VL-7B's g128 one 15.5 against 16.9 alone, but
-    19.0 against 18.0 with the norm, and in the replayed step one slice cost that stack 22-27 µs
-    (benchmarks/gpu_decode_reuse.py, stacks qwen_g128 and qwen_g128_one_slice_down). The norm's buffers are made on
-    the first timed call only. Outputs wider than ``NORMED_MAX_N`` (a vocabulary head, which the token choice follows,
-    not a norm) are timed back to back: the norm kernel holds a whole row in one program.
-    """
-    from mmsdk.kernels.norm_rope_gpu import add_rms_norm
-
-    if out.shape[-1] > NORMED_MAX_N:
-        return launch
-    buffers: list[torch.Tensor] = []
-
-    def timed(cfg: GemvConfig, weights: PackedWeight) -> None:
-        launch(cfg, weights)
-        if not buffers:
-            buffers.extend((torch.zeros_like(out), torch.ones(out.shape[-1], device=out.device, dtype=out.dtype)))
-        add_rms_norm(out, buffers[0], buffers[1], 1e-6)
-
-    return timed
 
 
 @cache
