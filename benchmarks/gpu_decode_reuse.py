@@ -14,7 +14,9 @@ before they wait; ``step_ms_without_pdl`` is the same step captured with ``MMSDK
 ``--stacks`` picks stacks by key (default ``g32,g128``; ``g32_rope_outside`` / ``g128_rope_outside`` are the same
 with each step's RoPE in a launch of its own, rmsnorm-rope-fusion's ``rope_in_attention=False``; ``qwen_g128`` and
 ``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes; the keys of ``_PINNED`` pin some GEMVs to given
-configs, against the tuner's picks in one process); ``--step-only`` measures ``step_ms`` alone (one call to tune
+configs, against the tuner's picks in one process; ``g32_norms_free`` / ``g32_combine_free`` time the g32 step with
+its norms or its attention combines replaced by nothing, ``_FREE``: wrong outputs, a bound on what fusing them away
+could gain); ``--step-only`` measures ``step_ms`` alone (one call to tune
 and capture, then the replays).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
@@ -27,6 +29,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -110,6 +114,8 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     outside = RMSNormRoPEFusionConfig(rope_in_attention=False)
     g128 = Int4WeightConfig(group_size=128)
     return {
+        **{key: (f"g32, timing only: the {kind} replaced by nothing", "llava",
+                 ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")) for key, kind in _FREE.items()},
         **{key: (f"{'g32' if model == 'llava' else 'Qwen2-VL-7B shapes, g128'}, pinned: {pins}", model,
                  ("qkv-fuse", "int4-weight" if model == "llava" else g128, "rmsnorm-rope-fusion"))
            for key, (model, pins) in _PINNED.items()},
@@ -159,6 +165,41 @@ def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     return entries
 
 
+# Timing-only stacks (their outputs are wrong): the g32 stack with a kind of kernel replaced by nothing, to bound what
+# removing or fusing it away could gain. "norms": every RMSNorm of the step (65: two per layer and the last) returns
+# its input; "combine": the attention's split merge (one per layer) is not launched, so its output is left unwritten
+# and the cache length does not advance (each replay attends over the same tokens).
+_FREE = {"g32_norms_free": "norms", "g32_combine_free": "combine"}
+
+
+@contextmanager
+def kernels_made_free(stack: str) -> Iterator[None]:
+    """For a key of ``_FREE``, that kind of kernel replaced by nothing while the block runs; otherwise nothing."""
+    import mmsdk.kernels._kv_triton as kv_triton
+    import mmsdk.kernels.norm_rope_gpu as norm_ops
+
+    kind = _FREE.get(stack)
+    saved = {"rms_norm": norm_ops.rms_norm, "add_rms_norm": norm_ops.add_rms_norm,
+             "decode_combine_natural": kv_triton.decode_combine_natural}
+    if kind == "norms":
+        norm_ops.rms_norm = lambda x, weight, eps: x
+        norm_ops.add_rms_norm = lambda x, residual, weight, eps: (x, x)
+    elif kind == "combine":
+        kv_triton.decode_combine_natural = _NoLaunch()
+    try:
+        yield
+    finally:
+        norm_ops.rms_norm, norm_ops.add_rms_norm = saved["rms_norm"], saved["add_rms_norm"]
+        kv_triton.decode_combine_natural = saved["decode_combine_natural"]
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda *args, **kwargs: None
+
+
 def _model_and_inputs(name: str, passes: tuple[Any, ...]) -> tuple[Any, dict[str, torch.Tensor], float]:
     """(optimized model with int4-kv, a 1k-token text prompt, K/V bytes per token of its int4 cache)."""
     if name == "llava":
@@ -190,11 +231,12 @@ def main() -> None:
             tuning().chosen.pop(shape, None)
         before = set(tuning().chosen)
         tuning().chosen.update(pins)
-        if args.step_only:
-            call_ms(model, inputs, 128, 1)  # tune, compile and capture
-            measured = {"step_ms": statistics.median(_replay_after_call(model, inputs) for _ in range(5))}
-        else:
-            measured = measure(model, inputs, args.reps)
+        with kernels_made_free(key):
+            if args.step_only:
+                call_ms(model, inputs, 128, 1)  # tune, compile and capture
+                measured = {"step_ms": statistics.median(_replay_after_call(model, inputs) for _ in range(5))}
+            else:
+                measured = measure(model, inputs, args.reps)
         row = {"stack": name, "floor_ms": floor_ms, **measured}
         row["step_over_floor"] = row["step_ms"] / floor_ms
         row["gemv_configs"] = {str(shape): cfg for shape, cfg in tuning().chosen.items() if shape not in before}
