@@ -45,6 +45,16 @@ class _XattnPlugin:
                           summary="test pass needing cross-attention", requires=frozenset({CROSS_ATTENTION})))
 
 
+def test_optimizer_takes_what_load_model_returns(session):
+    """``Optimizer(load_model(...))`` unwraps the model and its processor, as ``Optimizer("tiny:llava")`` does; a
+    plain object that is no model still gets the adapter error with its fix."""
+    loaded = mmsdk.load_model("tiny:llava", session=session)
+    opt = Optimizer(loaded, session=session)
+    assert opt.model is loaded.model and opt.processor is loaded.processor and opt.source.name == loaded.name
+    with pytest.raises(NoAdapterError, match="Fix: pass adapter="):
+        Optimizer(object(), session=session)
+
+
 def test_unknown_pass_suggests_close_names_and_lists_known(session, tiny):
     loaded = tiny("tiny:llava")
     before = _state(loaded.model)

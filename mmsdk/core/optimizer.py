@@ -17,6 +17,7 @@ from mmsdk.core.passes import PassContext, PassResult
 from mmsdk.core.planning import PlannedPass, plan_passes
 from mmsdk.core.recipes import RECIPE_PREFIX, Recipe, RecipeStep
 from mmsdk.core.session import Session
+from mmsdk.core.sources import LoadedModel
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,15 +37,22 @@ class Optimizer:
     """
 
     def __init__(
-        self, model: nn.Module | str, processor: Any = None, adapter: str | None = None, *, session: Session | None = None
+        self,
+        model: nn.Module | str | LoadedModel,
+        processor: Any = None,
+        adapter: str | None = None,
+        *,
+        session: Session | None = None,
     ) -> None:
         self.session = session or Session.create()
         name = model if isinstance(model, str) else None
         if isinstance(model, str):
             from mmsdk.core.sources import load_model
 
-            loaded = load_model(model, session=self.session)
-            model, processor = loaded.model, processor if processor is not None else loaded.processor
+            model = load_model(model, session=self.session)
+        if isinstance(model, LoadedModel):  # what load_model and mmsdk.models.tiny return: the model and its processor
+            name = name or model.name
+            model, processor = model.model, processor if processor is not None else model.processor
         self._model = model
         self.processor = processor
         self.adapter = self.session.adapt(model, adapter)
@@ -65,7 +73,8 @@ class Optimizer:
         items = [item for entry in passes for item in self._expand(entry)]
         earlier = [r.name for r in self.results] + [p.name for p in self._pending]
         planned = plan_passes(
-            self.session, self._model, self.adapter, items, earlier=earlier, has_calibration=self.calibration is not None
+            self.session, self._model, self.adapter, items, earlier=earlier,
+            has_calibration=self.calibration is not None,
         )
         self._pending.extend(planned)
         return self
