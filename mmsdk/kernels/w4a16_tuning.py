@@ -68,8 +68,10 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
 def followed_by_norm(launch: Any, out: torch.Tensor) -> Any:
     """``launch`` as the tuner times a one-row GEMV: each call followed by an add + RMSNorm of ``out``.
 
-    In a decoder layer's decode step a norm follows the o_proj and down GEMVs and precedes the qkv and gate/up ones, and
-    timed that way the configs rank as in the step; timed back to back they did not. On an H200
+    In a decoder layer's decode step a norm follows the o_proj and down GEMVs and the attention's small kernels follow
+    the qkv GEMV, so none is followed by another GEMV whose programs could fill the multiprocessors during its last
+    ones (the paired gate/up GEMV, which the down GEMV follows, is still timed back to back). Timed followed by a norm
+    the configs rank as in the step; timed back to back they did not. On an H200
     (benchmarks/gpu_kernel_sweeps.py step_norms) LLaVA-1.5-7B's g32 down projection took 10.3 µs in one K slice
     against 13.5 in two alone, 13.3 against 14.6 with the norm; Qwen2-VL-7B's g128 one 15.5 against 16.9 alone, but
     19.0 against 18.0 with the norm, and in the replayed step one slice cost that stack 22-27 µs
