@@ -22,8 +22,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (16, 64, 2), (8, 64, 2), (4, 64, 1), (8, 32, 1),
-         (4, 128, 1), (8, 64, 1), (2, 128, 1)]  # (rows, quads of 4 words, warps)
+TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (8, 128, 2), (16, 64, 2), (8, 64, 2), (4, 64, 1),
+         (8, 32, 1), (4, 128, 1), (8, 64, 1), (2, 128, 1)]  # (rows, quads of 4 words, warps)
 GATED_TILES = [(8, 64, 2), (8, 128, 4), (16, 64, 2), (4, 64, 1), (4, 128, 1), (8, 32, 1)]
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32",
             "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16"}
