@@ -32,7 +32,11 @@ def add_residual(product, r_ptrs, ok, dtype: tl.constexpr, HAS_RESIDUAL: tl.cons
 
 @triton.jit
 def nibble_factor(P: tl.constexpr):
-    """2**(85 - P): turns a nibble left at bit position ``P`` of a subnormal float into ``code * 2**-64``."""
+    """2**(85 - P): turns a nibble left at bit position ``P`` of a float's bit pattern into ``code * 2**-64``.
+
+    Any bit pattern below 2**24 read as fp32 is that integer times 2**-149 (the subnormals and the floats of the
+    lowest exponent continue one another), so a nibble at bits 20..23 needs no shift either.
+    """
     if P == 0:
         return 3.8685626227668134e+25  # 2**85
     elif P == 4:
@@ -41,8 +45,10 @@ def nibble_factor(P: tl.constexpr):
         return 1.5111572745182865e+23  # 2**77
     elif P == 12:
         return 9.44473296573929e+21  # 2**73
-    else:
+    elif P == 16:
         return 5.902958103587057e+20  # 2**69
+    else:
+        return 3.6893488147419103e+19  # 2**65
 
 
 @triton.jit
@@ -76,9 +82,9 @@ def step_activations(x_row, cw, c_ok, K_in):
     x0, x1, x2, x3 = a0.to(tl.float32), a1.to(tl.float32), a2.to(tl.float32), a3.to(tl.float32)
     x4, x5, x6, x7 = a4.to(tl.float32), a5.to(tl.float32), a6.to(tl.float32), a7.to(tl.float32)
     xs = tl.sum((x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * 5.421010862427522e-20, 1)  # 2**-64 * sum x
-    # nibbles 5..7 are read from the word shifted right by 20, so they sit at bits 0, 4 and 8
+    # nibble 5 is masked in place (bits 20..23); 6 and 7 are read from the word shifted right by 20 and 28 (bits 4, 0)
     return (xs, x0 * nibble_factor(0), x1 * nibble_factor(4), x2 * nibble_factor(8), x3 * nibble_factor(12),
-            x4 * nibble_factor(16), x5 * nibble_factor(0), x6 * nibble_factor(4), x7 * nibble_factor(8))
+            x4 * nibble_factor(16), x5 * nibble_factor(20), x6 * nibble_factor(4), x7 * nibble_factor(0))
 
 
 @triton.jit
@@ -96,15 +102,15 @@ def quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5,
     each quad's group, ``xs`` and ``y*`` come from :func:`step_activations`. A nibble masked in place is a
     subnormal: one AND and one FMA per nibble.
     """
-    high = words >> 20  # nibbles 5..7 at bits 0..11 (the sign extension is masked off below)
+    unsigned = words.to(tl.uint32, bitcast=True)  # logical shifts: nibble 7 needs no mask after >> 28
     t = (words & 15).to(tl.float32, bitcast=True) * y0[None, :, :]
     t += (words & 0xF0).to(tl.float32, bitcast=True) * y1[None, :, :]
     t += (words & 0xF00).to(tl.float32, bitcast=True) * y2[None, :, :]
     t += (words & 0xF000).to(tl.float32, bitcast=True) * y3[None, :, :]
     t += (words & 0xF0000).to(tl.float32, bitcast=True) * y4[None, :, :]
-    t += (high & 15).to(tl.float32, bitcast=True) * y5[None, :, :]
-    t += (high & 0xF0).to(tl.float32, bitcast=True) * y6[None, :, :]
-    t += (high & 0xF00).to(tl.float32, bitcast=True) * y7[None, :, :]
+    t += (words & 0xF00000).to(tl.float32, bitcast=True) * y5[None, :, :]
+    t += ((unsigned >> 20) & 0xF0).to(tl.float32, bitcast=True) * y6[None, :, :]
+    t += (unsigned >> 28).to(tl.float32, bitcast=True) * y7[None, :, :]
     if HAS_ZP:
         zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok, other=0)
         z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
@@ -144,9 +150,13 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
       the load path (1.0-1.2 TB/s whatever else changed). Here a word's 8 activations are one
       16-byte load, split by nibble position in registers.
     * Subnormal nibbles. A nibble masked in place, ``w & (15 << 4j)``, read as an fp32 bit pattern
-      is the exact subnormal ``code * 2**(4j - 149)`` (nibble in mantissa bits 0..19); times
-      ``x * 2**(85 - 4j)`` it gives ``code * x * 2**-64`` in one FMA, so a nibble costs one AND
-      instead of a shift, an AND, an OR and a subtraction (nibbles 5..7 come from one shift by 20).
+      is exactly ``code * 2**(4j - 149)`` (a subnormal, or for nibble 5 at bits 20..23 possibly a float
+      of the lowest exponent, which continues the subnormals linearly); times ``x * 2**(85 - 4j)`` it
+      gives ``code * x * 2**-64`` in one FMA, so a nibble costs one AND instead of a shift, an AND, an
+      OR and a subtraction. Nibbles 6 and 7 come from logical shifts by 20 (then an AND) and by 28 (no
+      AND): 26.3 SASS instructions per weight word in the K loop of the 8 x 128 x 4 tile against 27.3
+      when nibbles 5..7 came from one arithmetic shift by 20 (offline sm_90 builds,
+      benchmarks/sm90_gemv_builds.py), the same products in the same order.
       The zero point folds out (``s * (sum c x - z sum x)``), the 2**-64 is undone at the end (exact;
       activations up to 2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without
       ``.ftz``, Triton's default); the GPU tests compare against the reference and catch a flush.
