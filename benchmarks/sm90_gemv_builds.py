@@ -1,7 +1,8 @@
 """Offline sm_90 builds of the batch-1 "quad" GEMVs per tile: registers, spills, barriers, weight bytes per thread.
 
 Triton compiles for an H100/H200 target on any machine (no GPU); the build shows what a tile costs before device time is
-spent on it. ``loop_instructions_per_word`` counts the SASS instructions of the K loop per weight word a thread handles
+spent on it. ``loop_instructions_per_word`` counts the SASS instructions of the first K loop (for the quad kernels the
+whole steps, without K masks; ``every_loop_instructions_per_word`` lists each loop) per weight word a thread handles
 (the kernel's issue cost per byte: an H200 issues about 33e12 thread instructions per second, 132 multiprocessors x 4
 schedulers x 32 lanes x 1.98 GHz). Barriers (``bar.sync`` in the PTX) count the shared-memory round trips the compiler
 inserts to split the activations by nibble position; registers and the stack (spills) come from
@@ -34,7 +35,8 @@ def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, o
     from mmsdk.kernels import _w4a16_triton as kernels
 
     kernel = kernels.gemv_quad_gated if gated else kernels.gemv_quad
-    constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads, PDL=False)
+    constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads, PDL=False,
+                                        ROW_MASK=False)  # the 7B shapes' rows are whole multiples of every tile's
     if not gated:
         constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
     pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS
@@ -76,26 +78,28 @@ def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, 
         usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True).stdout
     fields = dict(part.split(":", 1) for part in usage.split() if part.count(":") == 1 and part[0].isupper())
-    loop = loop_body(sass)
+    loops = loop_bodies(sass)
+    loop = loops[0] if loops else []
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "spill_stores": sass.count(" STL"),
             "barriers": compiled.asm["ptx"].count("bar.sync"),
             "weight_bytes_per_thread_and_step": int(words * 4),
             "loop_instructions_per_word": round(len(loop) / words, 1),
+            "every_loop_instructions_per_word": [round(len(body) / words, 1) for body in loops],
             "loop_top_opcodes": dict(Counter(_opcode(line) for line in loop).most_common(6))}
 
 
-def loop_body(sass: str) -> list[str]:
-    """The SASS instructions of the longest backward branch's span (the K loop)."""
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The SASS instructions of each K loop (a backward branch's span, the outermost where spans nest), in address
+    order. The quad kernels' first loop runs the whole steps (loads without K masks), the second the slice's last,
+    partial step."""
     lines = [line for line in sass.splitlines() if _ADDRESS.match(line)]
     spans = []
     for line in lines:
         target = re.search(r"BRA\s+`?\(?\.?L?_?x?_?(?:0x)?([0-9a-f]+)", line)
         if target and int(target.group(1), 16) < _address(line):
             spans.append((int(target.group(1), 16), _address(line)))
-    if not spans:
-        return []
-    first, last = max(spans, key=lambda span: span[1] - span[0])
-    return [line for line in lines if first <= _address(line) <= last]
+    outer = [s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)]
+    return [[line for line in lines if first <= _address(line) <= last] for first, last in sorted(outer)]
 
 
 _ADDRESS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")

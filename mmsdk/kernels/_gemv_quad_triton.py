@@ -52,15 +52,19 @@ def nibble_factor(P: tl.constexpr):
 
 
 @triton.jit
-def activations_by_nibble(x_row, cw, c_ok, K_in):
+def activations_by_nibble(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True):
     """The 8 activations of every word of a step, ``[C, 4]`` each, from one 16-byte vector per word.
 
     ``x[8w .. 8w+7]`` is loaded as ``[C, 4, 8]`` (contiguous per word) and split by nibble position
-    with three in-register splits (``j = 4 i0 + 2 i1 + i2``).
+    with three in-register splits (``j = 4 i0 + 2 i1 + i2``). Without ``MASK_K`` the caller knows the
+    step's words lie inside K: the load takes no mask.
     """
     rq, rj = tl.arange(0, 4), tl.arange(0, 8)
     k = (cw[:, None, None] + rq[None, :, None]) * 8 + rj[None, None, :]
-    x = tl.load(x_row + k, mask=c_ok[:, None, None] & (k < K_in), other=0.0)
+    if MASK_K:
+        x = tl.load(x_row + k, mask=c_ok[:, None, None] & (k < K_in), other=0.0)
+    else:
+        x = tl.load(x_row + k)
     even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2, 2, 2)))
     e0, e1 = tl.split(even)
     o0, o1 = tl.split(odd)
@@ -72,13 +76,13 @@ def activations_by_nibble(x_row, cw, c_ok, K_in):
 
 
 @triton.jit
-def step_activations(x_row, cw, c_ok, K_in):
+def step_activations(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True):
     """A step's activations for :func:`quad_step`, loaded and split by nibble once (shared by every weight).
 
     Returns ``2**-64 * sum x`` per quad (``[C]``) and the activations of nibble positions 0..7 (``[C, 4]``
     each), fp32, each times the factor that turns its masked nibble's subnormal into ``code * 2**-64``.
     """
-    a0, a1, a2, a3, a4, a5, a6, a7 = activations_by_nibble(x_row, cw, c_ok, K_in)
+    a0, a1, a2, a3, a4, a5, a6, a7 = activations_by_nibble(x_row, cw, c_ok, K_in, MASK_K)
     x0, x1, x2, x3 = a0.to(tl.float32), a1.to(tl.float32), a2.to(tl.float32), a3.to(tl.float32)
     x4, x5, x6, x7 = a4.to(tl.float32), a5.to(tl.float32), a6.to(tl.float32), a7.to(tl.float32)
     xs = tl.sum((x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * 5.421010862427522e-20, 1)  # 2**-64 * sum x
@@ -88,9 +92,12 @@ def step_activations(x_row, cw, c_ok, K_in):
 
 
 @triton.jit
-def quad_scales(s_ptr, rn, g, ok, k_blocks):
-    """The fp32 scale of every row and quad of a step, ``[BLOCK_N, BLOCK_C]`` (loaded before the activations)."""
-    return tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok, other=0.0).to(tl.float32)
+def quad_scales(s_ptr, rn, g, ok, k_blocks, MASK: tl.constexpr = True):
+    """The fp32 scale of every row and quad of a step, ``[BLOCK_N, BLOCK_C]`` (loaded before the activations);
+    without ``MASK`` every row and quad is known to exist."""
+    if MASK:
+        return tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :], mask=ok, other=0.0).to(tl.float32)
+    return tl.load(s_ptr + rn[:, None] * k_blocks + g[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -121,11 +128,45 @@ def quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5,
 
 @triton.jit
 def quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr = True):
     """One weight's step, :func:`quad_step`, with the step's activations loaded here."""
-    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in, MASK_K)
     return quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BLOCK_N,
                      BLOCK_C)
+
+
+@triton.jit
+def whole_steps_end(w_loop, w_end, K_in, STEP: tl.constexpr):
+    """Where the steps from ``w_loop`` stop lying wholly inside both the slice (``w_end``) and K (``K_in``
+    activations: padded layers have packed words past it)."""
+    return w_loop + tl.maximum(tl.minimum(w_end, K_in // 8) - w_loop, 0) // STEP * STEP
+
+
+@triton.jit
+def quad_step_at(w_rows, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
+                 WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                 MASK_K: tl.constexpr, MASK_N: tl.constexpr):
+    """One weight's step at word ``w0``: its words, scales and activations loaded, :func:`quad_step` run.
+
+    ``MASK_K`` masks loads past the slice or K; ``MASK_N`` rows past N. A step known to lie inside both needs
+    neither: about 1.5 fewer instructions per weight word in the K loop (offline sm_90 builds).
+    """
+    cw = w0 + 4 * rc  # first word of each quad
+    c_ok = cw < w_end
+    ok = n_ok[:, None] & c_ok[None, :]
+    if MASK_K:
+        flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
+    elif MASK_N:
+        flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None], other=0)
+    else:
+        flat = tl.load(w_rows + w0 + rw[None, :])
+    g = cw // WPG
+    if MASK_K:
+        s = quad_scales(s_ptr, rn, g, ok, k_blocks)
+    else:
+        s = quad_scales(s_ptr, rn, g, n_ok[:, None] & (rc >= 0)[None, :], k_blocks, MASK_N)
+    return quad_accumulate(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok,
+                           stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, MASK_K)
 
 
 @triton.jit
@@ -133,7 +174,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
               stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-              HAS_RESIDUAL: tl.constexpr = False):
+              HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -154,9 +195,13 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
       of the lowest exponent, which continues the subnormals linearly); times ``x * 2**(85 - 4j)`` it
       gives ``code * x * 2**-64`` in one FMA, so a nibble costs one AND instead of a shift, an AND, an
       OR and a subtraction. Nibbles 6 and 7 come from logical shifts by 20 (then an AND) and by 28 (no
-      AND): 26.3 SASS instructions per weight word in the K loop of the 8 x 128 x 4 tile against 27.3
-      when nibbles 5..7 came from one arithmetic shift by 20 (offline sm_90 builds,
-      benchmarks/sm90_gemv_builds.py), the same products in the same order.
+      AND).
+    * Whole steps without masks. The steps that lie wholly inside the K slice and K load their words,
+      scales and activations without K masks (rows are masked only where N is not a multiple of
+      BLOCK_N: ``ROW_MASK``); the slice's last, partial step runs with them. Offline sm_90 builds
+      (benchmarks/sm90_gemv_builds.py) of the 8 x 128 x 4 tile: 24.8 SASS instructions per weight
+      word in the whole steps and 26.3 in the last one, against 27.3 when every step was masked and
+      nibbles 5..7 came from one arithmetic shift by 20; the same products in the same order.
       The zero point folds out (``s * (sum c x - z sum x)``), the 2**-64 is undone at the end (exact;
       activations up to 2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without
       ``.ftz``, Triton's default); the GPU tests compare against the reference and catch a flush.
@@ -214,20 +259,26 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             acc += quad_accumulate(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, x_row, cw, c_ok, K_in, z_ptr, rn, g,
                                    ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
             w_loop = w_begin + 4 * BLOCK_C
-    for w0 in range(w_loop, w_end, 4 * BLOCK_C):
-        cw = w0 + 4 * rc  # first word of each quad
-        c_ok = cw < w_end
-        ok = n_ok[:, None] & c_ok[None, :]
-        if PREFETCH:
+    if PREFETCH:
+        for w0 in range(w_loop, w_end, 4 * BLOCK_C):
+            cw = w0 + 4 * rc  # first word of each quad
+            c_ok = cw < w_end
+            ok = n_ok[:, None] & c_ok[None, :]
             words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
             at = w0 + 4 * BLOCK_C + rw
             flat = tl.load(w_rows + at[None, :], mask=n_ok[:, None] & (at < w_end)[None, :], other=0)
-        else:
-            flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
-            words = tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
-        g = cw // WPG
-        s = quad_scales(s_ptr, rn, g, ok, k_blocks)
-        acc += quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
+            g = cw // WPG
+            s = quad_scales(s_ptr, rn, g, ok, k_blocks)
+            acc += quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N,
+                                   BLOCK_C)
+    else:
+        full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
+        for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
+            acc += quad_step_at(w_rows, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
+                                WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK)
+        for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
+            acc += quad_step_at(w_rows, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
+                                WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True)
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
     dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
@@ -241,24 +292,37 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
 
 @triton.jit
 def gated_weights(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A step's word tiles and scales of both weights, with its quads' first words, masks and groups."""
+                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr = True,
+                  MASK_N: tl.constexpr = True):
+    """A step's word tiles and scales of both weights, with its quads' first words, masks and groups
+    (``MASK_K`` / ``MASK_N`` as in :func:`quad_step_at`)."""
     cw = w0 + 4 * rc  # first word of each quad
     c_ok = cw < w_end
     ok = n_ok[:, None] & c_ok[None, :]
-    w_ok = n_ok[:, None] & (w0 + rw < w_end)[None, :]
-    gate_words = tl.reshape(tl.load(w_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
-    up_words = tl.reshape(tl.load(w2_ptr + at + w0, mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
+    if MASK_K:
+        w_ok = n_ok[:, None] & (w0 + rw < w_end)[None, :]
+        gate_flat = tl.load(w_ptr + at + w0, mask=w_ok, other=0)
+        up_flat = tl.load(w2_ptr + at + w0, mask=w_ok, other=0)
+    elif MASK_N:
+        gate_flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None], other=0)
+        up_flat = tl.load(w2_ptr + at + w0, mask=n_ok[:, None], other=0)
+    else:
+        gate_flat = tl.load(w_ptr + at + w0)
+        up_flat = tl.load(w2_ptr + at + w0)
     g = cw // WPG
-    return (gate_words, up_words, quad_scales(s_ptr, rn, g, ok, k_blocks), quad_scales(s2_ptr, rn, g, ok, k_blocks),
-            cw, c_ok, ok, g)
+    scale_ok = ok if MASK_K else n_ok[:, None] & (rc >= 0)[None, :]
+    scale_mask: tl.constexpr = MASK_K or MASK_N
+    return (tl.reshape(gate_flat, (BLOCK_N, BLOCK_C, 4)), tl.reshape(up_flat, (BLOCK_N, BLOCK_C, 4)),
+            quad_scales(s_ptr, rn, g, scale_ok, k_blocks, scale_mask),
+            quad_scales(s2_ptr, rn, g, scale_ok, k_blocks, scale_mask), cw, c_ok, ok, g)
 
 
 @triton.jit
 def gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr, rn, g, ok, stride_zn,
-                     HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                     HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                     MASK_K: tl.constexpr = True):
     """Both weights' steps (:func:`quad_step`) over one load and split of the step's activations."""
-    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in)
+    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in, MASK_K)
     return (quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP,
                       BLOCK_N, BLOCK_C),
             quad_step(up_words, up_s, z2_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP,
@@ -268,7 +332,8 @@ def gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, 
 @triton.jit
 def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, M, N, K_in, KW, groups_per_split,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
+                    ROW_MASK: tl.constexpr = True):
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row per program: each program the same rows of both.
 
     Gate (``w/s/z``) and up (``w2/s2/z2``, same shape) rows ``rn`` are two accumulators over the same
@@ -302,7 +367,16 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
         gate += gate_step
         up += up_step
         w_loop = w_begin + 4 * BLOCK_C
-    for w0 in range(w_loop, w_end, 4 * BLOCK_C):
+    full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
+    for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
+        gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
+            w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C, False,
+            ROW_MASK)
+        gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,
+                                              rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, False)
+        gate += gate_step
+        up += up_step
+    for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
         gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
             w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
         gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,

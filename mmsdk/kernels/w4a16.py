@@ -318,7 +318,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
             residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
-            PDL=pdl, HAS_RESIDUAL=residual is not None and direct, launch_pdl=pdl, **flags)
+            PDL=pdl, HAS_RESIDUAL=residual is not None and direct, ROW_MASK=n % block_n != 0, launch_pdl=pdl, **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
