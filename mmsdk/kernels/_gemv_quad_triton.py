@@ -143,30 +143,47 @@ def whole_steps_end(w_loop, w_end, K_in, STEP: tl.constexpr):
 
 
 @triton.jit
-def quad_step_at(w_rows, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
+def step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr,
+               MASK_N: tl.constexpr):
+    """One weight's words of the step at word ``w0``, ``[BLOCK_N, BLOCK_C, 4]`` (``at``: the offsets of the first
+    step's words, row * KW + column).
+
+    ``MASK_K`` masks words past the slice, ``MASK_N`` rows past N. A step known to lie inside both needs neither:
+    about 1.5 fewer instructions per weight word in the K loop with the scales and activations unmasked too
+    (offline sm_90 builds).
+    """
+    if MASK_K:
+        flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
+    elif MASK_N:
+        flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None], other=0)
+    else:
+        flat = tl.load(w_ptr + at + w0)
+    return tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
+
+
+@triton.jit
+def step_scales(s_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                MASK_K: tl.constexpr, MASK_N: tl.constexpr):
+    """:func:`quad_scales` masked as :func:`step_words` masks the words (``ok``: rows and quads that exist)."""
+    if MASK_K:
+        return quad_scales(s_ptr, rn, g, ok, k_blocks)
+    return quad_scales(s_ptr, rn, g, tl.broadcast_to(n_ok[:, None], (BLOCK_N, BLOCK_C)), k_blocks, MASK_N)
+
+
+@triton.jit
+def quad_step_at(w_ptr, at, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
                  WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                  MASK_K: tl.constexpr, MASK_N: tl.constexpr):
-    """One weight's step at word ``w0``: its words, scales and activations loaded, :func:`quad_step` run.
-
-    ``MASK_K`` masks loads past the slice or K; ``MASK_N`` rows past N. A step known to lie inside both needs
-    neither: about 1.5 fewer instructions per weight word in the K loop (offline sm_90 builds).
-    """
+    """One weight's step at word ``w0``: its words, scales and activations loaded (masked as in
+    :func:`step_words`), :func:`quad_step` run."""
     cw = w0 + 4 * rc  # first word of each quad
     c_ok = cw < w_end
     ok = n_ok[:, None] & c_ok[None, :]
-    if MASK_K:
-        flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
-    elif MASK_N:
-        flat = tl.load(w_rows + w0 + rw[None, :], mask=n_ok[:, None], other=0)
-    else:
-        flat = tl.load(w_rows + w0 + rw[None, :])
+    words = step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N, BLOCK_C, MASK_K, MASK_N)
     g = cw // WPG
-    if MASK_K:
-        s = quad_scales(s_ptr, rn, g, ok, k_blocks)
-    else:
-        s = quad_scales(s_ptr, rn, g, n_ok[:, None] & (rc >= 0)[None, :], k_blocks, MASK_N)
-    return quad_accumulate(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok,
-                           stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, MASK_K)
+    s = step_scales(s_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N, BLOCK_C, MASK_K, MASK_N)
+    return quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C,
+                           MASK_K)
 
 
 @triton.jit
@@ -273,12 +290,13 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
                                    BLOCK_C)
     else:
         full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
+        row_words = rn[:, None].to(tl.int64) * KW + rw[None, :]
         for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
-            acc += quad_step_at(w_rows, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
-                                WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK)
+            acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
+                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK)
         for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
-            acc += quad_step_at(w_rows, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
-                                WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True)
+            acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
+                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True)
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
     dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
@@ -294,27 +312,16 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
 def gated_weights(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr = True,
                   MASK_N: tl.constexpr = True):
-    """A step's word tiles and scales of both weights, with its quads' first words, masks and groups
-    (``MASK_K`` / ``MASK_N`` as in :func:`quad_step_at`)."""
+    """A step's word tiles and scales of both weights (``at`` as :func:`step_words` takes it), with its quads' first
+    words, masks and groups (masked as in :func:`step_words`)."""
     cw = w0 + 4 * rc  # first word of each quad
     c_ok = cw < w_end
     ok = n_ok[:, None] & c_ok[None, :]
-    if MASK_K:
-        w_ok = n_ok[:, None] & (w0 + rw < w_end)[None, :]
-        gate_flat = tl.load(w_ptr + at + w0, mask=w_ok, other=0)
-        up_flat = tl.load(w2_ptr + at + w0, mask=w_ok, other=0)
-    elif MASK_N:
-        gate_flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None], other=0)
-        up_flat = tl.load(w2_ptr + at + w0, mask=n_ok[:, None], other=0)
-    else:
-        gate_flat = tl.load(w_ptr + at + w0)
-        up_flat = tl.load(w2_ptr + at + w0)
     g = cw // WPG
-    scale_ok = ok if MASK_K else n_ok[:, None] & (rc >= 0)[None, :]
-    scale_mask: tl.constexpr = MASK_K or MASK_N
-    return (tl.reshape(gate_flat, (BLOCK_N, BLOCK_C, 4)), tl.reshape(up_flat, (BLOCK_N, BLOCK_C, 4)),
-            quad_scales(s_ptr, rn, g, scale_ok, k_blocks, scale_mask),
-            quad_scales(s2_ptr, rn, g, scale_ok, k_blocks, scale_mask), cw, c_ok, ok, g)
+    return (step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N, BLOCK_C, MASK_K, MASK_N),
+            step_words(w2_ptr, at, w0, rw, n_ok, w_end, BLOCK_N, BLOCK_C, MASK_K, MASK_N),
+            step_scales(s_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N, BLOCK_C, MASK_K, MASK_N),
+            step_scales(s2_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N, BLOCK_C, MASK_K, MASK_N), cw, c_ok, ok, g)
 
 
 @triton.jit
