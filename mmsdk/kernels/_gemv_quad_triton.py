@@ -107,23 +107,56 @@ def quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5,
 
     ``words`` is the step's ``[BLOCK_N, BLOCK_C, 4]`` word tile, ``s`` its scales (:func:`quad_scales`), ``g``
     each quad's group, ``xs`` and ``y*`` come from :func:`step_activations`. A nibble masked in place is a
-    subnormal: one AND and one FMA per nibble.
+    subnormal: one AND and one FMA per nibble. The 32 nibbles of a quad run as one chain of FMAs (word by word,
+    :func:`word_terms`): no sum over the quad's words afterwards, and one accumulator per quad instead of four
+    (offline sm_90 builds of the 8 x 128 x 4 tile: 24.0 instructions per weight word and 96 registers, against
+    24.8 and 126 with a sum of four word products).
     """
-    unsigned = words.to(tl.uint32, bitcast=True)  # logical shifts: nibble 7 needs no mask after >> 28
-    t = (words & 15).to(tl.float32, bitcast=True) * y0[None, :, :]
-    t += (words & 0xF0).to(tl.float32, bitcast=True) * y1[None, :, :]
-    t += (words & 0xF00).to(tl.float32, bitcast=True) * y2[None, :, :]
-    t += (words & 0xF000).to(tl.float32, bitcast=True) * y3[None, :, :]
-    t += (words & 0xF0000).to(tl.float32, bitcast=True) * y4[None, :, :]
-    t += (words & 0xF00000).to(tl.float32, bitcast=True) * y5[None, :, :]
-    t += ((unsigned >> 20) & 0xF0).to(tl.float32, bitcast=True) * y6[None, :, :]
-    t += (unsigned >> 28).to(tl.float32, bitcast=True) * y7[None, :, :]
+    a, b = tl.split(tl.reshape(words, (BLOCK_N, BLOCK_C, 2, 2)))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    t = word_terms(w0, y0, y1, y2, y3, y4, y5, y6, y7, 0, tl.zeros((BLOCK_N, BLOCK_C), tl.float32))
+    t = word_terms(w1, y0, y1, y2, y3, y4, y5, y6, y7, 1, t)
+    t = word_terms(w2, y0, y1, y2, y3, y4, y5, y6, y7, 2, t)
+    t = word_terms(w3, y0, y1, y2, y3, y4, y5, y6, y7, 3, t)
     if HAS_ZP:
         zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok, other=0)
         z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
     else:
         z = tl.full((BLOCK_N, BLOCK_C), 8.0, tl.float32)
-    return s * (tl.sum(t, 2) - z * xs[None, :])
+    return s * (t - z * xs[None, :])
+
+
+@triton.jit
+def pick(y, Q: tl.constexpr):
+    """Column ``Q`` of a ``[C, 4]`` tile (register splits: each thread holds a quad's four columns)."""
+    a, b = tl.split(tl.reshape(y, (y.shape[0], 2, 2)))
+    if Q == 0:
+        return tl.split(a)[0]
+    elif Q == 1:
+        return tl.split(b)[0]
+    elif Q == 2:
+        return tl.split(a)[1]
+    return tl.split(b)[1]
+
+
+@triton.jit
+def word_terms(w, y0, y1, y2, y3, y4, y5, y6, y7, Q: tl.constexpr, t):
+    """``t`` plus the 8 nibble products of word ``Q`` of every quad (``w``: ``[BLOCK_N, BLOCK_C]``), in nibble order.
+
+    Nibble 5 is masked in place (a bit pattern below 2**24 read as fp32 is that integer times 2**-149); nibbles 6
+    and 7 come from logical shifts by 20 (then an AND) and 28 (no AND).
+    """
+    unsigned = w.to(tl.uint32, bitcast=True)
+    t += (w & 15).to(tl.float32, bitcast=True) * pick(y0, Q)[None, :]
+    t += (w & 0xF0).to(tl.float32, bitcast=True) * pick(y1, Q)[None, :]
+    t += (w & 0xF00).to(tl.float32, bitcast=True) * pick(y2, Q)[None, :]
+    t += (w & 0xF000).to(tl.float32, bitcast=True) * pick(y3, Q)[None, :]
+    t += (w & 0xF0000).to(tl.float32, bitcast=True) * pick(y4, Q)[None, :]
+    t += (w & 0xF00000).to(tl.float32, bitcast=True) * pick(y5, Q)[None, :]
+    t += ((unsigned >> 20) & 0xF0).to(tl.float32, bitcast=True) * pick(y6, Q)[None, :]
+    t += (unsigned >> 28).to(tl.float32, bitcast=True) * pick(y7, Q)[None, :]
+    return t
 
 
 @triton.jit
@@ -212,16 +245,15 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
       of the lowest exponent, which continues the subnormals linearly); times ``x * 2**(85 - 4j)`` it
       gives ``code * x * 2**-64`` in one FMA, so a nibble costs one AND instead of a shift, an AND, an
       OR and a subtraction. Nibbles 6 and 7 come from logical shifts by 20 (then an AND) and by 28 (no
-      AND).
+      AND). The zero point folds out (``s * (sum c x - z sum x)``), the 2**-64 is undone at the end
+      (exact; activations up to 2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without
+      ``.ftz``, Triton's default); the GPU tests compare against the reference and catch a flush.
     * Whole steps without masks. The steps that lie wholly inside the K slice and K load their words,
       scales and activations without K masks (rows are masked only where N is not a multiple of
       BLOCK_N: ``ROW_MASK``); the slice's last, partial step runs with them. Offline sm_90 builds
-      (benchmarks/sm90_gemv_builds.py) of the 8 x 128 x 4 tile: 24.8 SASS instructions per weight
-      word in the whole steps and 26.3 in the last one, against 27.3 when every step was masked and
-      nibbles 5..7 came from one arithmetic shift by 20; the same products in the same order.
-      The zero point folds out (``s * (sum c x - z sum x)``), the 2**-64 is undone at the end (exact;
-      activations up to 2**42 stay finite). Needs subnormals kept (PTX ``fma.rn.f32`` without
-      ``.ftz``, Triton's default); the GPU tests compare against the reference and catch a flush.
+      (benchmarks/sm90_gemv_builds.py) of the 8 x 128 x 4 tile: 24.0 SASS instructions per weight
+      word in the whole steps and 25.6 in the last one, against 27.3 when every step was masked,
+      nibbles 5..7 came from one arithmetic shift by 20 and each word's products were summed apart.
     * Quads. The last tile axis is one 16-byte weight load of 4 words of one group, so a thread
       loads one scale per row and quad and sums its 4 words before scaling; the weights are loaded
       as one contiguous run per row (lanes along K) and viewed as quads; rows run over warps, so an
