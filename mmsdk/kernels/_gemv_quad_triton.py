@@ -255,12 +255,12 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
       word in the whole steps and 25.6 in the last one, against 27.3 when every step was masked,
       nibbles 5..7 came from one arithmetic shift by 20 and each word's products were summed apart.
     * Quads. The last tile axis is one 16-byte weight load of 4 words of one group, so a thread
-      loads one scale per row and quad and sums its 4 words before scaling; the weights are loaded
+      loads one scale per row and quad and runs its 4 words as one FMA chain before scaling; the weights are loaded
       as one contiguous run per row (lanes along K) and viewed as quads; rows run over warps, so an
       activation a thread loads serves ``BLOCK_N / num_warps`` rows. The fastest tiles measured carry
       128-256 weight bytes per thread and step, and at 8 rows or fewer the activations' split by
-      nibble position needs at most 5 shared-memory barriers per program (23-24 for wider tiles;
-      benchmarks/sm90_gemv_builds.py).
+      nibble position needs 2-11 shared-memory barriers per program over both K loops (43-45 for the
+      16- and 32-row tiles of 4 warps; benchmarks/sm90_gemv_builds.py).
 
     With ``PREFETCH`` (kind "quadp") each step issues the next step's weight loads before its own
     arithmetic (registers for two word tiles), so a program keeps loads in flight while it computes.

@@ -51,10 +51,10 @@ PAIRED_KINDS = ("gated", *QUAD_KINDS)
 # "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 and a one-warp tile, here
 # with twice their weight bytes per thread and step, in the order they measured on the 7B MLPs (H200: 8x64x2 within
 # 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
-# benchmarks/sm90_gemv_builds.py): 8x128x4, 8x64x2 and 8x32x1 167 registers, 16x64x2 254, none spill (4x128x1 spills,
-# 4x64x1 needs 189 registers for 8x32x1's bytes: left out); 4 barriers per step against the per-weight kernel's 2
-# (one accumulator layout conversion per weight: the same per weight byte). The 528-program target leaves the 7B MLPs
-# one K slice (direct store). The per-weight "quad" candidates follow (see the module docstring).
+# benchmarks/sm90_gemv_builds.py, with each quad's nibbles as one FMA chain): 8x128x4, 8x64x2 and 8x32x1 166-168
+# registers, 16x64x2 255, none spill (4x128x1 spills; 4x64x1, 168 registers for 8x32x1's bytes, left out untimed).
+# The 528-program target leaves the 7B MLPs one K slice (direct store). The per-weight "quad" candidates follow (see
+# the module docstring).
 _GATED_TILES = ((8, 64, 2), (8, 32, 1), (8, 128, 4), (16, 64, 2))
 
 
