@@ -178,8 +178,8 @@ def whole_steps_end(w_loop, w_end, K_in, STEP: tl.constexpr):
 @triton.jit
 def step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr,
                MASK_N: tl.constexpr):
-    """One weight's words of the step at word ``w0``, ``[BLOCK_N, BLOCK_C, 4]`` (``at``: the offsets of the first
-    step's words, row * KW + column).
+    """One weight's words of the step at word ``w0``, ``[BLOCK_N, BLOCK_C, 4]`` (``at``: ``row * KW + i`` for each row
+    and each word ``i`` of a step, 0 .. 4 BLOCK_C - 1).
 
     ``MASK_K`` masks words past the slice, ``MASK_N`` rows past N. A step known to lie inside both needs neither:
     about 1.5 fewer instructions per weight word in the K loop with the scales and activations unmasked too
