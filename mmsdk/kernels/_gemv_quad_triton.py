@@ -369,6 +369,18 @@ def gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, 
 
 
 @triton.jit
+def gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, x_row, K_in, z_ptr,
+                  z2_ptr, stride_zn, WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_C: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr):
+    """Both weights' step at word ``w0`` (:func:`gated_weights`, then :func:`gated_accumulate`), masked as in
+    :func:`step_words`: the gated kernel's :func:`quad_step_at`."""
+    gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
+        w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C, MASK_K, MASK_N)
+    return gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr, rn, g, ok,
+                            stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, MASK_K)
+
+
+@triton.jit
 def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, M, N, K_in, KW, groups_per_split,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
@@ -408,18 +420,15 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
         w_loop = w_begin + 4 * BLOCK_C
     full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
     for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
-        gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
-            w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C, False,
-            ROW_MASK)
-        gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,
-                                              rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, False)
+        gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
+                                           x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
+                                           False, ROW_MASK)
         gate += gate_step
         up += up_step
     for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
-        gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
-            w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
-        gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,
-                                              rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
+        gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
+                                           x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
+                                           True, True)
         gate += gate_step
         up += up_step
     gate_out = tl.sum(gate, 1) * 1.8446744073709552e+19  # undo 2**-64
