@@ -77,15 +77,16 @@ def followed_by_norm(launch: Any, out: torch.Tensor) -> Any:
     19.0 against 18.0 with the norm, and in the replayed step one slice cost that stack 22-27 µs
     (benchmarks/gpu_decode_reuse.py, stacks qwen_g128 and qwen_g128_one_slice_down). The norm's buffers are made on
     the first timed call only. Outputs wider than ``NORMED_MAX_N`` (a vocabulary head, which the token choice follows,
-    not a norm) are timed back to back: the norm kernel holds a whole row in one program.
+    not a norm) are timed back to back: the norm kernel holds a whole row in one program. Every GEMV call wraps its
+    launch so; the wrapper does nothing until the tuner times it.
     """
-    from mmsdk.kernels.norm_rope_gpu import add_rms_norm
-
     if out.shape[-1] > NORMED_MAX_N:
         return launch
     buffers: list[torch.Tensor] = []
 
     def timed(cfg: tuple[Any, ...], weights: tuple[torch.Tensor | None, ...]) -> None:
+        from mmsdk.kernels.norm_rope_gpu import add_rms_norm
+
         launch(cfg, weights)
         if not buffers:
             buffers.extend((torch.zeros_like(out), torch.ones(out.shape[-1], device=out.device, dtype=out.dtype)))
