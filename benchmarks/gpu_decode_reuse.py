@@ -16,8 +16,7 @@ with each step's RoPE in a launch of its own, rmsnorm-rope-fusion's ``rope_in_at
 ``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes; the keys of ``_PINNED`` pin some GEMVs to given
 configs, against the tuner's picks in one process; ``g32_norms_free`` / ``g32_combine_free`` time the g32 step with
 its norms or its attention combines replaced by nothing, ``_FREE``: wrong outputs, a bound on what fusing them away
-could gain); ``--step-only`` measures ``step_ms`` alone (one call to tune
-and capture, then the replays).
+could gain); ``--step-only`` measures ``step_ms`` alone (one call to tune and capture, then the replays).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
@@ -142,8 +141,10 @@ _SHAPE_KEYS = {
                  "down": ("gemv", 1, 3584, 148, 128, False), "gated": ("gated", 18944, 28, 128)},
 }
 # stack key -> (model, {projection: pinned config}). The one-slice configs (264 target programs) are what the tuner
-# picked on the H200 when a trial candidate list led with them (benchmarks/results/h200_decode_reuse_one_slice_ab.json);
-# the list was not kept: in the step they gained LLaVA-1.5-7B g32 about 30 µs and cost Qwen2-VL-7B g128 about 25.
+# picked on the H200 when a trial candidate list led with them and was timed back to back
+# (benchmarks/results/h200_decode_reuse_one_slice_ab.json): in the step they gained LLaVA-1.5-7B g32 about 30 µs and
+# cost Qwen2-VL-7B g128 about 25. The tuner now times each candidate before a norm and picks one slice for LLaVA's down
+# projection only.
 _PINNED = {
     "g32_one_slice": ("llava", {"o_proj": (8, 128, 2, 1, "quad", 264), "down": (8, 128, 4, 1, "quad", 264)}),
     "g32_down_one_slice": ("llava", {"down": (8, 128, 4, 1, "quad", 264)}),
