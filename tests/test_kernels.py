@@ -143,6 +143,66 @@ def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
                        residual.to(dtype) + plain)
 
 
+def _rms_normalized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2) + eps)`` in fp32, unrounded (what a GEMV with the norm folded in multiplies)."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_gemvs_fold_an_rmsnorm_into_their_input(target, symmetric):
+    """With an InputNorm the GEMVs take the norm's input and multiply its normalized rows: the quad kinds inside their
+    programs (one K slice or several, one row or two, K padded past in_features, prefetching, bias, an AWQ pre-scale),
+    the other kinds after the norm kernel; the gated MLP's paired GEMV likewise (both products scaled)."""
+    from mmsdk.kernels.norm_fold import InputNorm, quad_factors
+    from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
+
+    device, dtype, tol = target
+    eps = 1e-5
+    for m, n, k, group, config, splits in ((1, 40, 512, 64, (16, 4, 4, 1, "quad"), 1),
+                                           (1, 40, 512, 64, (8, 2, 2, 1, "quad"), 3),
+                                           (2, 33, 296, 128, (16, 8, 4, 1, "quad", 64), None),
+                                           (1, 40, 512, 32, (16, 2, 4, 1, "quadp"), 2),
+                                           (2, 40, 512, 64, (16, 2, 4, 4, "fma"), 2),
+                                           (3, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None)):
+        packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+        x = (torch.randn(m, k, device=device) * 3 + 1).to(dtype)  # un-normalized: rms ~3, not 1
+        weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+        bias = torch.randn(n, device=device).to(dtype)
+        norm = InputNorm(weight, eps, quad_factors(weight))
+        expected = _rms_normalized(x, weight, eps) @ dequantize_int4(packed, torch.float32).T + bias.float()
+        out = w4a16_gemv(x, packed.qweight, packed.scales, packed.zero_points, group, bias, config=config,
+                         splits=splits, norm=norm)
+        assert _rel(out, expected) < tol, (config, splits)  # interpreter fp16 ~3e-4
+    # int4_linear with an AWQ pre-scale (folded into the factors; the norm kernel's path multiplies after it)
+    prequant = (torch.rand(k, device=device) + 0.5).to(dtype)
+    norm = InputNorm(weight, eps, quad_factors(weight, prequant), prequant)
+    x = (torch.randn(1, 1, k, device=device) * 3).to(dtype)
+    expected = (_rms_normalized(x, weight, eps) * prequant.float()) @ dequantize_int4(packed, torch.float32).T
+    for rows in (x, x.expand(20, 1, k)):  # one row (the folded GEMV) and 20 (the fused kernel after the norm kernel)
+        out = int4_linear(rows, packed.qweight, packed.scales, packed.zero_points, k, group, input_norm=norm)
+        assert out.shape == (*rows.shape[:-1], n) and _rel(out, expected.expand(*out.shape)) < tol
+    with pytest.raises(ValueError, match="factors must be fp32"):
+        w4a16_gemv(x[0], packed.qweight, packed.scales, packed.zero_points, group, config=(16, 8, 4, 1, "quad"),
+                   norm=InputNorm(weight, eps, weight))
+    # the gated MLP's paired GEMV: the "gated" kind with one K slice and with three, and the per-weight "quad" kind
+    for n, k, group, config, splits in ((40, 512, 64, (16, 4, 4, 1, "gated"), 1),
+                                        (33, 296, 32, (8, 2, 2, 1, "gated"), 3),
+                                        (40, 512, 64, (16, 4, 4, 1, "quad"), 2)):
+        gate, up = (quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+                    for _ in range(2))
+        x = (torch.randn(1, 1, k, device=device) * 3 + 1).to(dtype)
+        weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+        h = _rms_normalized(x, weight, eps)
+        expected = (torch.nn.functional.silu(h @ dequantize_int4(gate, torch.float32).T)
+                    * (h @ dequantize_int4(up, torch.float32).T))
+        out = w4a16_gated_silu(x, (gate.qweight, gate.scales, gate.zero_points), (up.qweight, up.scales,
+                               up.zero_points), k, group, config=config, splits=splits,
+                               norm=InputNorm(weight, eps, quad_factors(weight)))
+        assert _rel(out, expected) < tol, (config, splits)
+
+
 def _gated_problem(n: int, k: int, group: int, symmetric: bool, device: str, dtype: torch.dtype) -> tuple:
     """(x [1, 1, k], gate and up as (qweight, scales, zero_points), silu(x Wg^T) * (x Wu^T) from the dequantized
     weights in fp32)."""
@@ -426,7 +486,7 @@ def test_kernels_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "16 passed" in result.stdout, result.stdout[-2000:]
+    assert " passed" in result.stdout and "18 passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):

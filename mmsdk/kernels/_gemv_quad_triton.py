@@ -52,20 +52,22 @@ def nibble_factor(P: tl.constexpr):
 
 
 @triton.jit
-def activations_by_nibble(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True):
-    """The 8 activations of every word of a step, ``[C, 4]`` each, from one 16-byte vector per word.
-
-    ``x[8w .. 8w+7]`` is loaded as ``[C, 4, 8]`` (contiguous per word) and split by nibble position
-    with three in-register splits (``j = 4 i0 + 2 i1 + i2``). Without ``MASK_K`` the caller knows the
-    step's words lie inside K: the load takes no mask.
-    """
+def step_vectors(row, cw, c_ok, K_in, MASK_K: tl.constexpr = True):
+    """The 8 values of every word of a step from one row (activations, or a folded norm's factors), ``[C, 4, 8]``:
+    ``row[8w .. 8w+7]`` for each word ``w`` of each quad, contiguous per word (one or two 16-byte loads). Without
+    ``MASK_K`` the caller knows the step's words lie inside K: the load takes no mask."""
     rq, rj = tl.arange(0, 4), tl.arange(0, 8)
     k = (cw[:, None, None] + rq[None, :, None]) * 8 + rj[None, None, :]
     if MASK_K:
-        x = tl.load(x_row + k, mask=c_ok[:, None, None] & (k < K_in), other=0.0)
-    else:
-        x = tl.load(x_row + k)
-    even, odd = tl.split(tl.reshape(x, (x.shape[0], 4, 2, 2, 2)))
+        return tl.load(row + k, mask=c_ok[:, None, None] & (k < K_in), other=0.0)
+    return tl.load(row + k)
+
+
+@triton.jit
+def by_nibble(v):
+    """``[C, 4, 8]`` values split by nibble position into eight ``[C, 4]`` tiles (three in-register splits,
+    ``j = 4 i0 + 2 i1 + i2``)."""
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], 4, 2, 2, 2)))
     e0, e1 = tl.split(even)
     o0, o1 = tl.split(odd)
     x0, x4 = tl.split(e0)
@@ -76,19 +78,47 @@ def activations_by_nibble(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True):
 
 
 @triton.jit
-def step_activations(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True):
+def step_activations(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True, f_row=None, NORM: tl.constexpr = False):
     """A step's activations for :func:`quad_step`, loaded and split by nibble once (shared by every weight).
 
     Returns ``2**-64 * sum x`` per quad (``[C]``) and the activations of nibble positions 0..7 (``[C, 4]``
     each), fp32, each times the factor that turns its masked nibble's subnormal into ``code * 2**-64``.
+
+    With ``NORM`` (an RMSNorm folded into the GEMV) ``f_row`` holds, per channel, the norm's weight times that
+    factor (mmsdk.kernels.norm_fold): the activations become ``x * weight`` (exact in fp32: the product of a
+    16-bit float and a product of two) and the sum ``2**-64 * sum x * weight``; the row's ``1 / rms`` scales the
+    finished output (:func:`inverse_rms`).
     """
-    a0, a1, a2, a3, a4, a5, a6, a7 = activations_by_nibble(x_row, cw, c_ok, K_in, MASK_K)
+    if NORM:
+        v = step_vectors(x_row, cw, c_ok, K_in, MASK_K).to(tl.float32) * step_vectors(f_row, cw, c_ok, K_in, MASK_K)
+        y0, y1, y2, y3, y4, y5, y6, y7 = by_nibble(v)
+        # each y_j over its factor is x_j * weight_j exactly (powers of two); then 2**-64 as in the plain sum
+        plain = (y0 * 2.5849394142282115e-26 + y1 * 4.1359030627651384e-25 + y2 * 6.617444900424222e-24
+                 + y3 * 1.0587911840678754e-22 + y4 * 1.6940658945086007e-21 + y5 * 2.710505431213761e-20
+                 + y6 * 4.1359030627651384e-25 + y7 * 2.5849394142282115e-26)
+        return tl.sum(plain, 1) * 5.421010862427522e-20, y0, y1, y2, y3, y4, y5, y6, y7
+    a0, a1, a2, a3, a4, a5, a6, a7 = by_nibble(step_vectors(x_row, cw, c_ok, K_in, MASK_K))
     x0, x1, x2, x3 = a0.to(tl.float32), a1.to(tl.float32), a2.to(tl.float32), a3.to(tl.float32)
     x4, x5, x6, x7 = a4.to(tl.float32), a5.to(tl.float32), a6.to(tl.float32), a7.to(tl.float32)
     xs = tl.sum((x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7) * 5.421010862427522e-20, 1)  # 2**-64 * sum x
     # nibble 5 is masked in place (bits 20..23); 6 and 7 are read from the word shifted right by 20 and 28 (bits 4, 0)
     return (xs, x0 * nibble_factor(0), x1 * nibble_factor(4), x2 * nibble_factor(8), x3 * nibble_factor(12),
             x4 * nibble_factor(16), x5 * nibble_factor(20), x6 * nibble_factor(4), x7 * nibble_factor(0))
+
+
+@triton.jit
+def inverse_rms(x_row, K_in, eps, BLOCK: tl.constexpr):
+    """``1 / sqrt(mean(x**2) + eps)`` over the row's ``K_in`` activations, fp32 (a folded RMSNorm's scale).
+
+    Run after the K loop, when a one-slice program has just read the whole row (L1 hits). ``BLOCK`` covers K
+    in one or a few passes: the loads of one pass are in flight together.
+    """
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K_in, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_row + k, mask=k < K_in, other=0.0).to(tl.float32)
+        acc += v * v
+    return tl.math.rsqrt(tl.sum(acc, 0) / K_in + eps)
 
 
 @triton.jit
@@ -161,9 +191,11 @@ def word_terms(w, y0, y1, y2, y3, y4, y5, y6, y7, Q: tl.constexpr, t):
 
 @triton.jit
 def quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr = True):
-    """One weight's step, :func:`quad_step`, with the step's activations loaded here."""
-    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in, MASK_K)
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr = True, f_row=None,
+                    NORM: tl.constexpr = False):
+    """One weight's step, :func:`quad_step`, with the step's activations loaded here (``NORM``: as
+    :func:`step_activations` takes it)."""
+    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in, MASK_K, f_row, NORM)
     return quad_step(words, s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP, BLOCK_N,
                      BLOCK_C)
 
@@ -206,7 +238,7 @@ def step_scales(s_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N: tl.constexpr, BLOCK_C
 @triton.jit
 def quad_step_at(w_ptr, at, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
                  WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                 MASK_K: tl.constexpr, MASK_N: tl.constexpr):
+                 MASK_K: tl.constexpr, MASK_N: tl.constexpr, f_row=None, NORM: tl.constexpr = False):
     """One weight's step at word ``w0``: its words, scales and activations loaded (masked as in
     :func:`step_words`), :func:`quad_step` run."""
     cw = w0 + 4 * rc  # first word of each quad
@@ -216,7 +248,7 @@ def quad_step_at(w_ptr, at, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row,
     g = cw // WPG
     s = step_scales(s_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N, BLOCK_C, MASK_K, MASK_N)
     return quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C,
-                           MASK_K)
+                           MASK_K, f_row, NORM)
 
 
 @triton.jit
@@ -224,7 +256,8 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
               stride_zn, w2_ptr, s2_ptr, z2_ptr, n_blocks, r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-              HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True):
+              HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0,
+              NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -271,6 +304,11 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
 
     With ``HAS_RESIDUAL`` and ``DIRECT`` the store is ``residual + x @ W.T`` (``r_ptr``: ``[M, N]``, out's
     dtype), rounded as torch rounds the two steps (:func:`add_residual`): a decoder layer's last residual add.
+
+    With ``NORM`` the GEMV reads an RMSNorm's input, not its output: the product is ``rms_norm(x) @ W.T``
+    (mmsdk.kernels.norm_fold). The K loop multiplies by ``x * weight`` (``f_ptr``: the norm's weight times each
+    channel's nibble factor, fp32), and the row's ``1 / rms`` (:func:`inverse_rms`, ``eps``, ``NORM_BLOCK``
+    channels per pass) scales the sum before the bias: the norm's own launch is gone from a decode step.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -287,6 +325,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     rc = tl.arange(0, BLOCK_C)
     n_ok = rn < N
     x_row = x_ptr + row * stride_xm
+    f_row = f_ptr if NORM else x_row
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     w_begin = split * groups_per_split * WPG
     w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
@@ -306,7 +345,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             s = quad_scales(s_ptr, rn, g, ok, k_blocks)
             wait_for_inputs(PDL)
             acc += quad_accumulate(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, x_row, cw, c_ok, K_in, z_ptr, rn, g,
-                                   ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
+                                   ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, True, f_row, NORM)
             w_loop = w_begin + 4 * BLOCK_C
     if PREFETCH:
         for w0 in range(w_loop, w_end, 4 * BLOCK_C):
@@ -319,17 +358,19 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             g = cw // WPG
             s = quad_scales(s_ptr, rn, g, ok, k_blocks)
             acc += quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N,
-                                   BLOCK_C)
+                                   BLOCK_C, True, f_row, NORM)
     else:
         full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
         row_words = rn[:, None].to(tl.int64) * KW + rw[None, :]
         for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
             acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
-                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK)
+                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK, f_row, NORM)
         for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
             acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
-                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True)
+                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True, f_row, NORM)
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
+    if NORM:  # every K slice's partial: the sum of them is linear in the row's scale
+        out *= inverse_rms(x_row, K_in, eps, NORM_BLOCK)
     dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
         if HAS_BIAS:
@@ -359,9 +400,9 @@ def gated_weights(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok,
 @triton.jit
 def gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr, rn, g, ok, stride_zn,
                      HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                     MASK_K: tl.constexpr = True):
+                     MASK_K: tl.constexpr = True, f_row=None, NORM: tl.constexpr = False):
     """Both weights' steps (:func:`quad_step`) over one load and split of the step's activations."""
-    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in, MASK_K)
+    xs, y0, y1, y2, y3, y4, y5, y6, y7 = step_activations(x_row, cw, c_ok, K_in, MASK_K, f_row, NORM)
     return (quad_step(gate_words, gate_s, z_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP,
                       BLOCK_N, BLOCK_C),
             quad_step(up_words, up_s, z2_ptr, rn, g, ok, stride_zn, xs, y0, y1, y2, y3, y4, y5, y6, y7, HAS_ZP,
@@ -371,20 +412,22 @@ def gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, 
 @triton.jit
 def gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, x_row, K_in, z_ptr,
                   z2_ptr, stride_zn, WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_C: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr):
+                  BLOCK_C: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr, f_row=None,
+                  NORM: tl.constexpr = False):
     """Both weights' step at word ``w0`` (:func:`gated_weights`, then :func:`gated_accumulate`), masked as in
     :func:`step_words`: the gated kernel's :func:`quad_step_at`."""
     gate_words, up_words, gate_s, up_s, cw, c_ok, ok, g = gated_weights(
         w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C, MASK_K, MASK_N)
     return gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr, rn, g, ok,
-                            stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, MASK_K)
+                            stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, MASK_K, f_row, NORM)
 
 
 @triton.jit
 def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, M, N, K_in, KW, groups_per_split,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
-                    ROW_MASK: tl.constexpr = True):
+                    ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                    NORM_BLOCK: tl.constexpr = 1024):
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row per program: each program the same rows of both.
 
     Gate (``w/s/z``) and up (``w2/s2/z2``, same shape) rows ``rn`` are two accumulators over the same
@@ -394,7 +437,8 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     dtype: no partials and no second kernel. Otherwise it stores fp32 partials at ``out[split]``
     (rows ``2N`` wide, up at columns ``N ..``) for ``split_gated``. The arithmetic is
     :func:`gemv_quad`'s; a tile carries twice its weight bytes per thread and step. ``PDL`` as in
-    :func:`gemv_quad`: the first step's words and scales of both weights load before the wait.
+    :func:`gemv_quad`: the first step's words and scales of both weights load before the wait. ``NORM``
+    as in :func:`gemv_quad` (a decoder layer's post-attention RMSNorm read by its MLP): both products scaled.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -403,6 +447,7 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     rc, rw = tl.arange(0, BLOCK_C), tl.arange(0, 4 * BLOCK_C)
     n_ok = rn < N
     x_row = x_ptr + row * stride_xm
+    f_row = f_ptr if NORM else x_row
     gate = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     w_begin = split * groups_per_split * WPG
@@ -414,7 +459,7 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
             w_ptr, s_ptr, w2_ptr, s2_ptr, at, w_begin, w_end, rn, rc, rw, n_ok, k_blocks, WPG, BLOCK_N, BLOCK_C)
         wait_for_inputs(PDL)
         gate_step, up_step = gated_accumulate(gate_words, up_words, gate_s, up_s, x_row, cw, c_ok, K_in, z_ptr, z2_ptr,
-                                              rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C)
+                                              rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, True, f_row, NORM)
         gate += gate_step
         up += up_step
         w_loop = w_begin + 4 * BLOCK_C
@@ -422,17 +467,21 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
         gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
                                            x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
-                                           False, ROW_MASK)
+                                           False, ROW_MASK, f_row, NORM)
         gate += gate_step
         up += up_step
     for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
         gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
                                            x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
-                                           True, True)
+                                           True, True, f_row, NORM)
         gate += gate_step
         up += up_step
     gate_out = tl.sum(gate, 1) * 1.8446744073709552e+19  # undo 2**-64
     up_out = tl.sum(up, 1) * 1.8446744073709552e+19
+    if NORM:
+        scale = inverse_rms(x_row, K_in, eps, NORM_BLOCK)
+        gate_out *= scale
+        up_out *= scale
     if DIRECT:
         tl.store(out_ptr + row.to(tl.int64) * N + rn, silu_times(gate_out, up_out).to(out_ptr.dtype.element_ty),
                  mask=n_ok)

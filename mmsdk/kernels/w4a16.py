@@ -44,11 +44,12 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
+from mmsdk.kernels.norm_fold import InputNorm
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
            "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
-           "k_slices", "launch_gemv", "triton_kernels", "tuned_config", "unsupported_reason", "w4a16_gemv",
+           "k_slices", "launch_gemv", "norm_arguments", "triton_kernels", "tuned_config", "unsupported_reason", "w4a16_gemv",
            "w4a16_matmul"]
 
 FUSED_MAX_M = 64
@@ -129,11 +130,14 @@ def int4_linear(
     block_size: int,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    input_norm: InputNorm | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back).
 
     With ``residual`` (the output's shape): ``residual + (x @ W.T + bias)``, bitwise what torch gives for the
-    two steps; the batch-1 GEMVs add it in their last store instead of a separate kernel.
+    two steps; the batch-1 GEMVs add it in their last store instead of a separate kernel. With ``input_norm``
+    ``x`` is that norm's input: the product is ``input_norm.normalize(x) @ W.T + bias``, the norm folded into the
+    batch-1 GEMV (mmsdk.kernels.norm_fold) and run as its own kernel before the others.
     """
     reason = unsupported_reason(x, qweight, scales, block_size)
     if reason is not None:
@@ -146,12 +150,14 @@ def int4_linear(
     foldable = residual is not None and residual.shape == shape and residual.dtype == x.dtype
     if flat.shape[0] <= GEMV_MAX_M and gemv_ready(qweight):
         rows = residual.reshape(flat.shape[0], -1).contiguous() if foldable else None  # type: ignore[union-attr]
-        out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows)
+        out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows, norm=input_norm)
         if rows is not None:
             return out.reshape(shape)
     elif flat.shape[0] <= FUSED_MAX_M:
+        flat = flat if input_norm is None else input_norm.normalize(flat)
         out = w4a16_matmul(flat, qweight, scales, zero_points, block_size, bias)
     else:
+        flat = flat if input_norm is None else input_norm.normalize(flat)
         weight = dequantize_packed(qweight, scales, zero_points, in_features, block_size, x.dtype)
         out = torch.nn.functional.linear(flat, weight, None if bias is None else bias.to(x.dtype))
     out = out.reshape(shape)
@@ -239,28 +245,30 @@ def w4a16_gemv(
     config: GemvConfig | None = None,
     splits: int | None = None,
     residual: torch.Tensor | None = None,
+    norm: InputNorm | None = None,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
-    shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product as
-    :func:`int4_linear` describes.
+    shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product and ``norm``
+    applied to ``x`` first, as :func:`int4_linear` describes.
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     check_columns(k_in, k_blocks * block_size)
     bucket = 1 if m == 1 else (4 if m <= 4 else 16)
-    key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None)
+    key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None,
+           norm is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
     def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
         if len(cfg) == 4:  # a fused-kernel candidate
-            _launch_fused(x, *weight, bias, out, block_size, 16, cfg)
+            _launch_fused(x if norm is None else norm.normalize(x), *weight, bias, out, block_size, 16, cfg)
             if residual is not None:
                 out.add_(residual)  # bf16 + bf16 in fp32, rounded once: the same as residual + out
         else:
-            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual)
+            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm)
 
     weight = (qweight, scales, zero_points)
     timed = followed_by_norm(launch, out) if bucket == 1 else launch
@@ -277,11 +285,13 @@ def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
-                splits: int | None, second: PackedWeight | None = None, residual: torch.Tensor | None = None) -> None:
+                splits: int | None, second: PackedWeight | None = None, residual: torch.Tensor | None = None,
+                norm: InputNorm | None = None) -> None:
     """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
     from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
     shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
-    slices' sum)."""
+    slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
+    (mmsdk.kernels.norm_fold), by the norm kernel for the others."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -289,6 +299,8 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if residual is not None and (paired or residual.shape != out.shape or not residual.is_contiguous()):
         raise ValueError("a GEMV's residual must be a contiguous tensor of the output's shape, and a paired (gated) "
                          "GEMV takes none: add it after the launch.")
+    if norm is not None and kind not in QUAD_KINDS:
+        x, norm = norm.normalize(x), None
     if kind == "mma":
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
         return
@@ -318,7 +330,8 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
             residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
-            PDL=pdl, HAS_RESIDUAL=residual is not None and direct, ROW_MASK=n % block_n != 0, launch_pdl=pdl, **flags)
+            PDL=pdl, HAS_RESIDUAL=residual is not None and direct, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
+            **norm_arguments(norm, x, warps), **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
@@ -326,6 +339,21 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             out.add_(residual)
     if not direct:
         finish_splits(target, out, bias, n_splits, paired, residual)
+
+
+def norm_arguments(norm: InputNorm | None, x: torch.Tensor, warps: int) -> dict[str, Any]:
+    """The quad kernels' arguments for a folded norm (none without one): its factors and epsilon, and how many
+    channels :func:`inverse_rms` reads per pass (at most 32 per thread, so K = 4096 takes one pass at 4 warps)."""
+    if norm is None:
+        return {}
+    if norm.factors.shape[0] != x.shape[1] or norm.factors.dtype != torch.float32 or norm.factors.device != x.device:
+        raise ValueError(f"a folded norm's factors must be fp32 [{x.shape[1]}] on {x.device}, one per input channel "
+                         f"(got {norm.factors.dtype} {tuple(norm.factors.shape)} on {norm.factors.device}): build "
+                         "them with mmsdk.kernels.norm_fold.quad_factors.")
+    import triton
+
+    return dict(f_ptr=norm.factors, eps=float(norm.eps), NORM=True,
+                NORM_BLOCK=min(triton.next_power_of_2(x.shape[1]), 1024 * warps))
 
 
 def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,

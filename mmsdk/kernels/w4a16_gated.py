@@ -29,6 +29,7 @@ from functools import cache
 import torch
 
 from mmsdk.kernels import note_fallback, pdl_preload_ready
+from mmsdk.kernels.norm_fold import InputNorm
 from mmsdk.kernels.w4a16 import (
     QUAD_KINDS,
     TARGET_PROGRAMS,
@@ -40,6 +41,7 @@ from mmsdk.kernels.w4a16 import (
     gemv_ready,
     k_slices,
     launch_gemv,
+    norm_arguments,
     triton_kernels,
     tuned_config,
     unsupported_reason,
@@ -77,13 +79,15 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
 
 
 def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
-                     config: GemvConfig | None = None, splits: int | None = None) -> torch.Tensor | None:
+                     config: GemvConfig | None = None, splits: int | None = None,
+                     norm: InputNorm | None = None) -> torch.Tensor | None:
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, or None (the caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
     MLP). One launch when the chosen configuration needs no K split (kind "gated"), else a GEMV launch and
     a small epilogue, where transformers runs two GEMVs, two split sums, a SiLU and a multiply. ``config``
-    picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner; ``splits`` the K slices.
+    picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner; ``splits`` the K slices. With
+    ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs (mmsdk.kernels.norm_fold).
     """
     reason = gated_silu_reason(x, gate, up, block_size)
     if reason is not None:
@@ -95,10 +99,10 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     n, k_blocks, _ = gate[0].shape
     check_columns(in_features, k_blocks * block_size)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None)
+    key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None, norm is not None)
 
     def launch(cfg: GemvConfig, weights: tuple[torch.Tensor | None, ...]) -> None:
-        _launch_paired(flat, weights[:3], weights[3:], out, block_size, cfg, splits)  # type: ignore[arg-type]
+        _launch_paired(flat, weights[:3], weights[3:], out, block_size, cfg, splits, norm)  # type: ignore[arg-type]
 
     weights = (*gate, *up)
     launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size, weights), weights)
@@ -114,13 +118,14 @@ def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
 
 
 def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
-                   cfg: GemvConfig, splits: int | None) -> None:
-    """Launch one paired configuration: ``out = silu(x @ Wg.T) * (x @ Wu.T)``."""
+                   cfg: GemvConfig, splits: int | None, norm: InputNorm | None = None) -> None:
+    """Launch one paired configuration: ``out = silu(x @ Wg.T) * (x @ Wu.T)`` (``norm`` as
+    :func:`w4a16_gated_silu` takes it)."""
     if len(cfg) < 5 or cfg[4] not in PAIRED_KINDS:
         raise ValueError(f"paired GEMV config {cfg!r}: use (BLOCK_N, BLOCK_C, warps, 1, KIND[, target programs]) "
                          f"with KIND one of {PAIRED_KINDS}.")
     if cfg[4] != "gated":
-        launch_gemv(x, *gate, None, out, group, cfg, splits, second=up)
+        launch_gemv(x, *gate, None, out, group, cfg, splits, second=up, norm=norm)
         return
     import triton
 
@@ -139,6 +144,7 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
         x, qweight.view(torch.int32), scales, zero_points if has_zp else scales, qweight2.view(torch.int32), scales2,
         zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
         zero_points.stride(0) if has_zp else 0, GROUP=group, HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n,
-        BLOCK_C=block_c, PDL=pdl, ROW_MASK=n % block_n != 0, launch_pdl=pdl, num_warps=warps)
+        BLOCK_C=block_c, PDL=pdl, ROW_MASK=n % block_n != 0, launch_pdl=pdl, num_warps=warps,
+        **norm_arguments(norm, x, warps))
     if not direct:
         finish_splits(target, out, None, n_splits, True)

@@ -1,0 +1,59 @@
+"""An RMSNorm folded into the W4A16 GEMV that reads its output: ``rms_norm(x) @ W.T`` in one launch.
+
+A decode step's RMSNorm is a launch of its own between two GEMVs, about 2.9 µs of an H200 step each (65 of them in a
+Llama-7B step: 186 µs of 1.97 ms, benchmarks/results/h200_decode_reuse_quad_loop.json), nearly all of it launch gap
+and one dependent round trip. The product is linear in the norm's scale, so the GEMV can read the norm's input
+instead: ``W @ (w * x * r) = r * (W @ (w * x))`` with ``r = 1 / sqrt(mean(x**2) + eps)`` a scalar per row. The
+batch-1 "quad" kernels multiply each activation by ``w`` in the K loop (folded into the per-channel factor they
+multiply by anyway, :func:`quad_factors`) and scale the finished sums by ``r``, which they compute from the row
+after the loop. Every other kernel (several rows, prefill) gets the normalized input from the norm kernel first
+(:meth:`InputNorm.normalize`): the same launches as without the fold.
+
+Rounding: the reference rounds ``x * r`` and then ``w * that`` to the model dtype before the GEMV; the folded kernel
+does not round there (its products are exact in fp32), so outputs differ from the unfolded path by about one
+rounding of the activations, averaged over K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NIBBLE_FACTORS", "InputNorm", "quad_factors"]
+
+# The factor the quad kernels multiply channel k's activation by, per k % 8: 2**(85 - P) for the bit position P at
+# which they read that nibble (mmsdk/kernels/_gemv_quad_triton.py, nibble_factor; nibbles 6 and 7 are shifted down).
+NIBBLE_FACTORS = (2.0**85, 2.0**81, 2.0**77, 2.0**73, 2.0**69, 2.0**65, 2.0**81, 2.0**85)
+
+
+def quad_factors(weight: torch.Tensor, prequant: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``[K]``: the norm's ``weight`` (times an AWQ ``prequant``, which multiplies the normalized input) times
+    each channel's nibble factor. Exact: a product of two 16-bit floats has at most 16 significant bits, and the
+    factors are powers of two."""
+    factors = weight.detach().float()
+    if prequant is not None:
+        factors = factors * prequant.detach().float()
+    pattern = torch.tensor(NIBBLE_FACTORS, dtype=torch.float32, device=weight.device)
+    return (factors * pattern.repeat(-(-factors.shape[0] // 8))[: factors.shape[0]]).contiguous()
+
+
+@dataclass(frozen=True)
+class InputNorm:
+    """The RMSNorm a GEMV applies to its own input: ``(weight * rms_norm(x)) * prequant``, then the product.
+
+    ``factors`` is :func:`quad_factors` of ``weight`` and ``prequant``, kept by the module that owns the GEMV.
+    """
+
+    weight: torch.Tensor
+    eps: float
+    factors: torch.Tensor
+    prequant: torch.Tensor | None = None
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalized input, for kernels that do not fold the norm (one norm kernel on CUDA; rounded as the
+        unfolded model rounds it)."""
+        from mmsdk.kernels.norm_rope_gpu import rms_norm
+
+        out = rms_norm(x, self.weight, self.eps)
+        return out if self.prequant is None else out * self.prequant.to(out.dtype)
