@@ -9,9 +9,10 @@ inserts to split the activations by nibble position; registers and the stack (sp
 ``cuobjdump -res-usage``, spill stores are the ``STL`` instructions of the SASS. ``gemv_quad`` is built as the tuner
 launches it with split K (fp32 partials); ``gemv_quad_gated`` (a gated MLP's gate and up rows in one program) with one K
 slice, storing ``silu(gate) * up``. ``gemv_mma`` (the tensor-core kind) is built per group size, activation rows
-(the accumulator's columns) and candidate tile of ``mmsdk.kernels.w4a16._MMA_CANDIDATES``.
+(the accumulator's columns) and candidate tile of ``mmsdk.kernels.w4a16._MMA_CANDIDATES``. ``--norm`` builds the quad
+kernels with an RMSNorm folded in (``NORM``: the GEMV reads the norm's input, mmsdk/kernels/norm_fold.py).
 
-    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma]
+    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma] [--norm]
 """
 
 from __future__ import annotations
@@ -27,22 +28,23 @@ TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (8, 128, 2), (16, 6
          (8, 32, 1), (4, 128, 1), (8, 64, 1), (2, 128, 1)]  # (rows, quads of 4 words, warps)
 GATED_TILES = [(8, 64, 2), (8, 128, 4), (16, 64, 2), (4, 64, 1), (4, 128, 1), (8, 32, 1)]
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32",
-            "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16"}
+            "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16", "f_ptr": "*fp32", "eps": "fp32"}
 
 
-def build(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, object]:
-    """One g128 tile without zero points, bf16 activations and scales."""
+def build(rows: int, quads: int, warps: int, gated: bool = False, norm: bool = False) -> dict[str, object]:
+    """One g128 tile without zero points, bf16 activations and scales (``norm``: an RMSNorm folded in, K = 4096)."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     kernel = kernels.gemv_quad_gated if gated else kernels.gemv_quad
     constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads, PDL=False,
-                                        ROW_MASK=False)  # the 7B shapes' rows are whole multiples of every tile's
+                                        ROW_MASK=False,  # the 7B shapes' rows are whole multiples of every tile's
+                                        NORM=norm, NORM_BLOCK=min(4096, 1024 * warps))
     if not gated:
         constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
     pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS
     words = rows * quads * 4 * (2 if gated else 1) / (32 * warps)  # weight words per thread and step
-    return {"kernel": kernel.__name__, "tile": (rows, quads, warps), **_compiled(kernel, constants, pointers,
-                                                                                {"num_warps": warps}, words)}
+    return {"kernel": kernel.__name__ + (" + norm" if norm else ""), "tile": (rows, quads, warps),
+            **_compiled(kernel, constants, pointers, {"num_warps": warps}, words)}
 
 
 def build_mma(block_n: int, step_k: int, warps: int, block_m: int, group: int, stages: int) -> dict[str, object]:
@@ -68,7 +70,8 @@ def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, 
     names = kernel.arg_names  # type: ignore[attr-defined]
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n not in constants and (n.endswith("_ptr") or n in ("KW", "K_in", "N", "stride_xm"))}
+               if n not in constants and (n.endswith("_ptr") or n in ("KW", "K_in", "N", "stride_xm"))
+               and pointers.get(n) != "fp32"}
     compiled = triton.compile(ASTSource(kernel, signature, constants, aligned),
                               target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as folder:
@@ -116,13 +119,15 @@ def _opcode(line: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", default="quad,gated,mma", help="comma-separated: quad, gated, mma")
-    chosen = parser.parse_args().kernels.split(",")
+    parser.add_argument("--norm", action="store_true", help="quad kernels with an RMSNorm folded in")
+    args = parser.parse_args()
+    chosen = args.kernels.split(",")
     if "quad" in chosen:
         for tile in TILES:
-            print(build(*tile), flush=True)
+            print(build(*tile, norm=args.norm), flush=True)
     if "gated" in chosen:
         for tile in GATED_TILES:
-            print(build(*tile, gated=True), flush=True)
+            print(build(*tile, gated=True, norm=args.norm), flush=True)
     if "mma" in chosen:
         from mmsdk.kernels.w4a16 import _MMA_CANDIDATES
 

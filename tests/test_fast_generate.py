@@ -162,6 +162,32 @@ def test_rope_inside_the_attention_kernel_changes_no_token(name, session, tiny, 
     assert torch.equal(answers[0], answers[1])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_norms_inside_the_gemvs_keep_the_answers(name, session, tiny, monkeypatch):
+    """With each decode step's RMSNorms inside the INT4 GEMVs (rmsnorm-rope-fusion's norm_in_gemv), the captured
+    step answers as the unfolded one (bf16: not bitwise, the folded kernels skip a rounding of the activations)."""
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.quantizers.int4_linear import Int4Linear
+
+    folded = []
+    original = Int4Linear.input_norm
+    monkeypatch.setattr(Int4Linear, "input_norm", lambda self, norm: folded.append(1) or original(self, norm))
+    answers = []
+    for fold in (True, False):
+        loaded = tiny(name)
+        opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+        opt.apply("qkv-fuse", Int4WeightConfig(indivisible="pad"), RMSNormRoPEFusionConfig(norm_in_gemv=fold),
+                  "int4-kv")
+        # one row: the quad GEMVs fold the norms in their programs (several rows run the norm kernel first)
+        inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS[:1]).items()}
+        answers.append(_Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 24}).run())
+        assert bool(folded) == fold
+        folded.clear()
+    _assert_agrees(answers[0], answers[1])
+
+
 def _assert_agrees(got, expected):
     """bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie."""
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()

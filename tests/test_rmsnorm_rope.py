@@ -180,3 +180,82 @@ def test_torch_export_round_trip(session, tiny, tmp_path):
     assert isinstance(reloaded.model.language_model.layers[0].self_attn.fused_rope, FusedRMSNormRoPE)
     with torch.no_grad():
         assert torch.equal(reloaded(**inputs).logits, fused)
+
+
+def _fold_counter(monkeypatch) -> list[str]:
+    """Records each norm handed to an INT4 q/k/v layer (Int4Linear.input_norm, "qkv") or to a gated MLP's paired
+    GEMV ("mlp"; on CPU that kernel declines and the MLP runs the norm first), and each hand-off a layer's call
+    left untaken ("left": o_proj's residual, a q/k/v norm)."""
+    from mmsdk.plugins.quantizers import int4_mlp
+    from mmsdk.plugins.quantizers.int4_linear import Int4Linear
+
+    seen: list[str] = []
+    norm_of, gated_silu = Int4Linear.input_norm, int4_mlp._gated_silu
+
+    def input_norm(self, norm):
+        seen.append("qkv")
+        return norm_of(self, norm)
+
+    def paired(x, gate, up, norm=None):
+        seen.extend(["mlp"] if norm is not None else [])
+        return gated_silu(x, gate, up, norm)
+
+    def clear_next(self):
+        left = clear(self)
+        seen.extend(["left"] if any(left) else [])  # a norm or residual its call did not take
+        return left
+
+    clear = Int4Linear.clear_next
+    monkeypatch.setattr(Int4Linear, "input_norm", input_norm)
+    monkeypatch.setattr(Int4Linear, "clear_next", clear_next)
+    monkeypatch.setattr(int4_mlp, "_gated_silu", paired)
+    return seen
+
+
+@pytest.mark.parametrize("name, order", [("tiny:llava", "int4-first"), ("tiny:qwen2-vl", "int4-first"),
+                                         ("tiny:llava", "fusion-first")])
+def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, session, tiny, monkeypatch):
+    """With INT4 projections, each decode step's input norm runs inside the q/k/v projection, the attention's residual
+    add inside o_proj and the post-attention norm inside the gated MLP: on CPU (reference norm first) the tokens and
+    logits are bitwise those of the unfolded layers; the prompt (many positions) is not folded. int4-weight may come
+    before or after the fusion (the recipes apply it after)."""
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    int4 = Int4WeightConfig(indivisible="pad")
+    inputs = tiny_inputs(tiny(name).processor, QUESTIONS[:1])
+    greedy = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    outputs, records = {}, {}
+    for fold in (False, True):
+        fusion = RMSNormRoPEFusionConfig(norm_in_gemv=fold)
+        passes = ("qkv-fuse", int4, fusion) if order == "int4-first" else ("qkv-fuse", fusion, int4)
+        opt = Optimizer(tiny(name).model, session=session).apply(*passes)
+        seen = _fold_counter(monkeypatch)
+        with torch.no_grad():
+            outputs[fold] = opt.model.generate(**inputs, **greedy)
+        records[fold] = next(r.records for r in opt.results if r.name == "rmsnorm-rope-fusion")
+        layers = len(records[fold]["residual_norm"])
+        # both norms of every layer in each of the two decode steps after the prompt; none without the fold
+        assert seen == (["qkv", "mlp"] * layers * 2 if fold else []), seen
+        monkeypatch.undo()
+    assert torch.equal(outputs[True].sequences, outputs[False].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[True].scores, outputs[False].scores, strict=True))
+    expected_now = records[True]["residual_norm"] if order == "int4-first" else []
+    assert records[True]["norm_in_gemv"] == expected_now and records[False]["norm_in_gemv"] == []
+
+
+def test_a_folded_norm_an_attention_did_not_pass_on_is_an_error(session, tiny):
+    """An attention that hands its q/k/v projections something other than its input (here a copy) would have them
+    multiply an un-normalized input: the step raises, naming the switch."""
+    from mmsdk.plugins._forward import module_body, set_forward_body
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    loaded = tiny("tiny:llava")
+    inputs = tiny_inputs(loaded.processor, QUESTIONS[:1])
+    opt = Optimizer(loaded.model, session=session).apply("qkv-fuse", Int4WeightConfig(indivisible="pad"),
+                                                         "rmsnorm-rope-fusion")
+    attention = opt.model.model.language_model.layers[0].self_attn
+    body = module_body(attention)
+    set_forward_body(attention, lambda hidden_states, **kwargs: body(hidden_states.clone(), **kwargs))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="norm_in_gemv=False"):
+        opt.model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert all(m.clear_next() == (False, False) for m in opt.model.modules() if hasattr(m, "clear_next"))

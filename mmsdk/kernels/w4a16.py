@@ -47,10 +47,10 @@ from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_re
 from mmsdk.kernels.norm_fold import InputNorm
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
-__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight", "check_columns",
-           "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits", "int4_linear",
-           "k_slices", "launch_gemv", "norm_arguments", "triton_kernels", "tuned_config", "unsupported_reason", "w4a16_gemv",
-           "w4a16_matmul"]
+__all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight",
+           "check_columns", "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits",
+           "int4_linear", "k_slices", "launch_gemv", "norm_arguments", "triton_kernels", "tuned_config",
+           "unsupported_reason", "w4a16_gemv", "w4a16_matmul"]
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16

@@ -12,6 +12,9 @@ kernels (a decoder layer's last residual add folded into its MLP's down projecti
 through a ``residual_forward(x, residual)`` method, an instance through :func:`set_residual_body`.
 Either must be bitwise equal to the two steps; it is skipped while anything else observes the
 module's calls (forward wrappers or hooks) or once another body replaced what the module computes.
+:func:`normed_residual_body` is the same for ``residual + module(norm(x))`` (an RMSNorm folded into the
+module's first kernels, where rounding may differ: mmsdk.kernels.norm_fold), installed by
+:func:`set_normed_residual_body`.
 """
 
 from __future__ import annotations
@@ -31,15 +34,19 @@ __all__ = [
     "has_forward_body",
     "innermost_override",
     "module_body",
+    "normed_residual_body",
+    "observed",
     "plus_residual",
     "rebind_global",
     "set_forward_body",
+    "set_normed_residual_body",
     "set_residual_body",
 ]
 
 BODY_ATTR = "_mmsdk_body"
 _DISPATCH_ATTR = "_mmsdk_dispatch"
 _RESIDUAL_ATTR = "_mmsdk_residual_body"
+_NORMED_RESIDUAL_ATTR = "_mmsdk_normed_residual_body"
 
 
 def module_body(module: nn.Module) -> Callable[..., Any]:
@@ -104,6 +111,21 @@ def set_residual_body(module: nn.Module, body: Callable[..., Any]) -> None:
     module.__dict__[_RESIDUAL_ATTR] = (module.__dict__.get(BODY_ATTR), body)
 
 
+def set_normed_residual_body(module: nn.Module, body: Callable[..., Any]) -> None:
+    """Make ``body(x, norm, residual)`` compute ``residual + module(norm(x))`` while the module's current body stays
+    what it computes (:func:`normed_residual_body`)."""
+    module.__dict__[_NORMED_RESIDUAL_ATTR] = (module.__dict__.get(BODY_ATTR), body)
+
+
+def normed_residual_body(module: nn.Module) -> Callable[..., Any] | None:
+    """The module's ``body(x, norm, residual)`` (:func:`set_normed_residual_body`), or None when it has none, another
+    body replaced what the module computes since, or something else observes its calls."""
+    installed = module.__dict__.get(_NORMED_RESIDUAL_ATTR)
+    if installed is None or installed[0] is not module.__dict__.get(BODY_ATTR) or observed(module):
+        return None
+    return installed[1]
+
+
 def plus_residual(module: nn.Module, x: Any, residual: Any) -> Any:
     """``residual + module(x)``, through the module's residual forward where it has a valid one (module docstring)."""
     state = module.__dict__
@@ -113,12 +135,12 @@ def plus_residual(module: nn.Module, x: Any, residual: Any) -> Any:
         body = installed[1]
     elif installed is None and not has_forward_body(module):
         body = getattr(module, "residual_forward", None)
-    if body is None or _observed(module):
+    if body is None or observed(module):
         return residual + module(x)
     return body(x, residual)
 
 
-def _observed(module: nn.Module) -> bool:
+def observed(module: nn.Module) -> bool:
     """True when something besides the module's body sees its calls: forward wrappers, or forward hooks."""
     from torch.nn.modules import module as torch_module
 

@@ -16,9 +16,16 @@
 * RMSNorm + RoPE where they are adjacent (per-head q/k norms, Qwen3-VL): the norms become
   :class:`DeferredRMSNorm` (same weights, identity in place) and :class:`FusedRMSNormRoPE`
   normalizes and rotates q and k in one op.
+* Norms inside the GEMVs (``norm_in_gemv``): in decode steps of layers whose projections are INT4
+  (``int4-weight``), the input norm runs inside the q/k/v GEMV, the attention's residual add in
+  o_proj's and the post-attention norm inside the gated MLP's gate/up GEMV
+  (mmsdk/plugins/attention/norm_folding.py): no norm launches left between a step's GEMVs. On CUDA
+  this is not bitwise the unfolded layer: the folded kernels skip the rounding of the normalized
+  activations (mmsdk/kernels/norm_fold.py).
 
 Every replacement is checked on a probe against the module it replaces (bitwise in the model's
-dtype) and skipped, with the reason in the records, if it would not be exact. The torch ops
+dtype) and skipped, with the reason in the records, if it would not be exact (the folded norms
+are bitwise on CPU, where the projections run the reference norm first). The torch ops
 (mmsdk/kernels/norm_rope.py) are the reference and run on CPU; on CUDA each fused module runs one
 Triton kernel (mmsdk/kernels/norm_rope_gpu.py), equal to the reference up to rounding order.
 """
@@ -43,6 +50,7 @@ from mmsdk.core.registry import Registrar
 from mmsdk.kernels.norm_rope import mrope_streams
 from mmsdk.plugins._forward import body_function, module_body, plus_residual, rebind_global, set_forward_body
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
+from mmsdk.plugins.attention.norm_folding import NormFolding
 from mmsdk.plugins.attention.fused_norm_rope import (
     DeferredRMSNorm,
     FusedAddRMSNorm,
@@ -83,6 +91,12 @@ class RMSNormRoPEFusionConfig(PassConfig):
     rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
                                     "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
                                     "separate RoPE launch (bitwise the same numbers on an H200).")
+    norm_in_gemv: bool = Field(True, description="In decode steps of layers with INT4 projections (int4-weight), run "
+                               "the input RMSNorm inside the q/k/v GEMV, the attention's residual add in o_proj's and "
+                               "the post-attention RMSNorm inside the gated MLP's gate/up GEMV: no norm launches "
+                               "between GEMVs. On CUDA the activations the GEMVs multiply are not rounded to the "
+                               "model dtype after the norm (outputs differ from the unfolded layer by about that "
+                               "rounding); needs residual_norm.")
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -115,7 +129,8 @@ def _fused_norm(norm: nn.Module) -> FusedAddRMSNorm | None:
     return fused if _same(norm(x), fused.reference(x)) else None
 
 
-def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str]) -> list[str]:
+def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str],
+                         fold_into_gemvs: bool) -> list[str]:
     fused_names = []
     names = {id(m): n for n, m in model.named_modules()}
     for layer in adapter.decoder_layers(model):
@@ -128,7 +143,8 @@ def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[
             skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
             continue
         setattr(layer, norms[1], fused)
-        set_forward_body(layer, _fused_layer_body(layer, adapter, norms[0], fused))
+        folding = NormFolding(layer, adapter, norms[0], fused) if fold_into_gemvs else None
+        set_forward_body(layer, _fused_layer_body(layer, adapter, norms[0], fused, folding))
         fused_names.append(names[id(layer)])
     return fused_names
 
@@ -162,9 +178,10 @@ def _fuse_plain_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str
     return done
 
 
-def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str,
-                      fused: FusedAddRMSNorm) -> Callable[..., Any]:
-    """norm -> self-attention -> (add + norm fused) -> MLP -> add; training mode runs the original."""
+def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str, fused: FusedAddRMSNorm,
+                      folding: NormFolding | None) -> Callable[..., Any]:
+    """norm -> self-attention -> (add + norm fused) -> MLP -> add; training mode runs the original; decode steps
+    with ``folding`` run the norms inside the GEMVs where the layer's projections can (:class:`NormFolding`)."""
     original = module_body(layer)
     signature = inspect.signature(original)
     own = {name for name, p in signature.parameters.items() if p.kind is not p.VAR_KEYWORD} - {"hidden_states"}
@@ -179,6 +196,10 @@ def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str,
             kwargs.pop("hidden_states", None)
             kwargs.update(kwargs.pop("kwargs", {}))
         passed = {k: v for k, v in kwargs.items() if k not in layer_only}
+        if folding is not None:
+            out = folding.step(hidden_states, attention, mlp, passed)
+            if out is not None:
+                return out
         residual = hidden_states
         h = getattr(layer, input_norm)(hidden_states)
         h = attention(hidden_states=h, **passed)[0]
@@ -186,6 +207,17 @@ def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str,
         return plus_residual(mlp, h, residual)  # residual + mlp(h), in the MLP's last kernel where it can
 
     return body
+
+
+def _folds_now(layer: nn.Module, adapter: ModelAdapter) -> bool:
+    """True when the layer's self-attention has INT4 q/k/v projections a decode step can fold its input norm into."""
+    attention = adapter.self_attention(layer)
+    norms = adapter.decoder_norm_names(layer)
+    if attention is None or norms is None:
+        return False
+    post = getattr(layer, norms[1])
+    folding = NormFolding(layer, adapter, norms[0], post) if isinstance(post, FusedAddRMSNorm) else None
+    return folding is not None and folding.readers(attention) is not None
 
 
 def _mrope_layout(model: nn.Module, adapter: ModelAdapter) -> tuple[list[int] | None, list[int] | None]:
@@ -323,10 +355,16 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
     adapter = context.adapter
     names = {id(m): n for n, m in model.named_modules()}
     skipped: list[str] = []
-    records: dict[str, Any] = {"residual_norm": [], "plain_norms": [], "rope": [], "rmsnorm_rope": [],
+    records: dict[str, Any] = {"residual_norm": [], "norm_in_gemv": [], "plain_norms": [], "rope": [],
+                               "rmsnorm_rope": [],
                                "mrope_tables": None, "rope_tables": None}
     if config.residual_norm:
-        records["residual_norm"] = _fuse_residual_norms(model, adapter, skipped)
+        records["residual_norm"] = _fuse_residual_norms(model, adapter, skipped, config.norm_in_gemv)
+        # layers whose decode steps fold their norms into the GEMVs now (q/k/v already INT4); int4-weight applied
+        # after this pass makes the others fold too: a layer looks its projections up on each call
+        records["norm_in_gemv"] = [name for name, layer in model.named_modules()
+                                   if name in records["residual_norm"] and config.norm_in_gemv
+                                   and _folds_now(layer, adapter)]
     if config.plain_norms:
         records["plain_norms"] = _fuse_plain_norms(model, adapter, skipped)
     section, streams = _mrope_layout(model, adapter)

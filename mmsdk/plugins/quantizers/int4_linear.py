@@ -9,6 +9,11 @@ On CUDA with bf16/fp16 activations it runs mmsdk's Triton W4A16 kernel
 (:mod:`mmsdk.kernels.w4a16`), which reads these packed buffers directly: no second copy of the
 weight is ever kept. On CPU, without Triton, or with other dtypes, the weight is dequantized for
 each call (transient memory only) and ``F.linear`` runs; the ``mmsdk.kernels`` log says so once.
+
+A decoder layer may hand the layer its next call's RMSNorm (:meth:`Int4Linear.normalize_next`: the call then
+gets the norm's input and computes ``linear(norm(x))``, the norm folded into the batch-1 GEMV on CUDA,
+mmsdk.kernels.norm_fold) or a residual to add (:meth:`Int4Linear.add_next`, in the GEMV's last store):
+``rmsnorm-rope-fusion``'s ``norm_in_gemv`` does, for one call at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmsdk.kernels.norm_fold import InputNorm, quad_factors
 from mmsdk.plugins.quantizers.packing import PackedInt4, dequantize_int4, padded_k, quantize_int4
 
 __all__ = ["Int4Linear"]
@@ -49,6 +55,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("zero_points", None if symmetric else torch.zeros(zp_shape, dtype=torch.uint8, **empty))
         self.register_buffer("prequant", torch.ones(in_features, dtype=dtype, **empty) if prequant else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, **empty), requires_grad=False) if bias else None
+        # one call's hand-offs from the decoder layer (normalize_next / add_next), and the folded norm's factors
+        self._next_norm: tuple[torch.Tensor, nn.Module] | None = None
+        self._next_residual: torch.Tensor | None = None
+        self._factors: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     @classmethod
     def from_linear(
@@ -100,24 +110,58 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.packed(), dtype or self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, None)
+        norm = None
+        if self._next_norm is not None and self._next_norm[0] is x:
+            norm, self._next_norm = self._next_norm[1], None
+        residual, self._next_residual = self._next_residual, None
+        return self._product(x, residual, norm)
 
     def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``, bitwise; on CUDA the batch-1 GEMV adds the residual in its last store
         (mmsdk.plugins._forward.plus_residual calls this for a decoder layer's last residual add)."""
         return self._product(x, residual)
 
-    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias``, then ``residual +`` it when given (in the GEMV's last store where it can)."""
-        if self.prequant is not None:
+    def normalize_next(self, x: torch.Tensor, norm: nn.Module) -> None:
+        """Make the next call on exactly ``x`` compute ``self(norm(x))``: ``norm`` an RMSNorm with ``weight`` and
+        ``eps`` (the decoder layer's, whose output only this layer reads). Cleared by that call or by
+        :meth:`clear_next`; a call on another tensor leaves it waiting."""
+        self._next_norm = (x, norm)
+
+    def add_next(self, residual: torch.Tensor) -> None:
+        """Make the next call return ``residual + self(x)`` (the attention's residual add, in the GEMV's store)."""
+        self._next_residual = residual
+
+    def clear_next(self) -> tuple[bool, bool]:
+        """Drop what :meth:`normalize_next` / :meth:`add_next` left; (a norm was left, a residual was left)."""
+        left = (self._next_norm is not None, self._next_residual is not None)
+        self._next_norm = self._next_residual = None
+        return left
+
+    def input_norm(self, norm: nn.Module) -> InputNorm:
+        """``norm`` (weight, eps) as this layer's GEMV folds it, with this layer's AWQ pre-scale; the factors are
+        built once per norm weight, device and version, and kept."""
+        weight = norm.weight
+        key = (id(weight), weight.device, weight.dtype, weight.data_ptr(), _version(weight),
+               None if self.prequant is None else (self.prequant.data_ptr(), _version(self.prequant)))
+        if self._factors is None or self._factors[0] != key:
+            self._factors = (key, quad_factors(weight, self.prequant))
+        return InputNorm(weight, float(norm.eps), self._factors[1], self.prequant)
+
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` (``norm(x)`` first when given), then ``residual +`` it when given (in the GEMV's last
+        store where it can)."""
+        folded = None if norm is None else self.input_norm(norm)
+        if folded is None and self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
         if x.is_cuda:
             from mmsdk.kernels.w4a16 import int4_linear
 
             out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
-                              self.bias, residual=residual)
+                              self.bias, residual=residual, input_norm=folded)
             if out is not None:
                 return out
+        if folded is not None:
+            x = folded.normalize(x)  # with the pre-scale after it
         out = torch.nn.functional.linear(x, self.dequantize(x.dtype))
         out = out if self.bias is None else out + self.bias.to(out.dtype)
         return out if residual is None else residual + out
@@ -126,3 +170,11 @@ class Int4Linear(nn.Module):
         kind = "symmetric" if self.symmetric else "asymmetric"
         awq = ", awq prequant" if self.prequant is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{self.block_size} {kind}{awq}"
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification count (inference-mode tensors keep none: -1)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return -1

@@ -8,7 +8,8 @@ projections alike, the MLP's body runs :func:`mmsdk.kernels.w4a16_gated.w4a16_ga
 else that launch and one epilogue) and the original forward for everything else (CPU, prompts,
 AWQ pre-scales, biases). The two linears stay separate modules with their own buffers, so exports
 see exactly what they saw before. A decoder layer whose last residual add goes through
-``plus_residual`` (``rmsnorm-rope-fusion``'s layer body) gets it from the down projection's GEMV.
+``plus_residual`` (``rmsnorm-rope-fusion``'s layer body) gets it from the down projection's GEMV, and one
+that folds its post-attention RMSNorm (``normed_residual_body``) gets the norm inside the paired GEMV.
 
 Only MLPs that compute ``down(silu(gate(x)) * up(x))`` get the body: checked on a probe, bitwise.
 """
@@ -21,7 +22,14 @@ import torch
 from torch import nn
 
 from mmsdk.core.adapter import ModelAdapter
-from mmsdk.plugins._forward import has_forward_body, module_body, plus_residual, set_forward_body, set_residual_body
+from mmsdk.plugins._forward import (
+    has_forward_body,
+    module_body,
+    plus_residual,
+    set_forward_body,
+    set_normed_residual_body,
+    set_residual_body,
+)
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 
 __all__ = ["fuse_gated_mlps", "install_gated_mlp"]
@@ -41,27 +49,30 @@ def _projections(mlp: nn.Module, adapter: ModelAdapter) -> tuple[Int4Linear, Int
     return (gate, up, down) if plain and same else None
 
 
-def _gated_silu(x: torch.Tensor, gate: Int4Linear, up: Int4Linear) -> torch.Tensor | None:
-    """``silu(gate(x)) * up(x)`` from the paired kernel, or None where it cannot run."""
+def _gated_silu(x: torch.Tensor, gate: Int4Linear, up: Int4Linear,
+                norm: nn.Module | None = None) -> torch.Tensor | None:
+    """``silu(gate(x)) * up(x)`` from the paired kernel, or None where it cannot run; with ``norm`` (an RMSNorm)
+    of ``norm(x)``, the norm inside the kernel."""
     if not x.is_cuda:
         return None
     from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
 
     return w4a16_gated_silu(x, (gate.qweight, gate.scales, gate.zero_points), (up.qweight, up.scales, up.zero_points),
-                            gate.in_features, gate.block_size)
+                            gate.in_features, gate.block_size, norm=None if norm is None else gate.input_norm(norm))
 
 
 def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
     """Give ``mlp`` a body that runs the paired kernel where it can and the original forward elsewhere."""
     original = module_body(mlp)
 
-    def paired(x: torch.Tensor) -> tuple[torch.Tensor, nn.Module] | None:
-        """(``silu(gate(x)) * up(x)`` from the paired kernel, the down projection), or None where it cannot run."""
+    def paired(x: torch.Tensor, norm: nn.Module | None = None) -> tuple[torch.Tensor, nn.Module] | None:
+        """(``silu(gate(x)) * up(x)`` from the paired kernel, the down projection), or None where it cannot run
+        (``norm``: of ``norm(x)``, as :func:`_gated_silu` takes it)."""
         parts = _projections(mlp, adapter)
         if parts is None:
             return None
         gate, up, down = parts
-        hidden = _gated_silu(x, gate, up)
+        hidden = _gated_silu(x, gate, up, norm)
         return None if hidden is None else (hidden, down)
 
     def body(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -73,8 +84,15 @@ def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
         done = paired(x)
         return residual + original(x) if done is None else plus_residual(done[1], done[0], residual)
 
+    def normed_residual_body(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor) -> Any:
+        """``residual + body(norm(x))``; with the paired kernel the norm runs inside it and the down projection
+        adds the residual, elsewhere ``norm`` runs first."""
+        done = paired(x, norm)
+        return residual_body(norm(x), residual) if done is None else plus_residual(done[1], done[0], residual)
+
     set_forward_body(mlp, body)
     set_residual_body(mlp, residual_body)
+    set_normed_residual_body(mlp, normed_residual_body)
 
 
 def _computes_gated_silu(mlp: nn.Module, parts: tuple[Int4Linear, Int4Linear, nn.Module]) -> bool:

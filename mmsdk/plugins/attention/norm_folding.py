@@ -1,0 +1,96 @@
+"""A decoder layer's decode step with its RMSNorms inside its INT4 GEMVs (``rmsnorm-rope-fusion``, ``norm_in_gemv``).
+
+A pre-norm layer runs ``norm -> attention -> add + norm -> MLP -> add``; in a batch-1 decode step each norm is a
+launch of its own between two GEMVs (on an H200 about 2.9 µs each, 186 µs of a 1.97 ms Llama-7B step). Where the
+layer's projections are :class:`~mmsdk.plugins.quantizers.int4_linear.Int4Linear`, a step (one position per row)
+runs instead:
+
+* the input norm inside the q/k/v GEMV: each projection is handed the norm for its next call on the layer's input
+  (:meth:`Int4Linear.normalize_next`) and the attention gets the un-normalized input;
+* the attention's residual add in the o_proj GEMV's last store (:meth:`Int4Linear.add_next`);
+* the post-attention norm inside the MLP's paired gate/up GEMV, and its residual add in the down projection's
+  store (the gated MLP's ``normed_residual_body``, mmsdk/plugins/quantizers/int4_mlp.py).
+
+What cannot take its part runs as before (a torch add, a norm kernel). Nothing else may read the normalized input:
+the fold is skipped while hooks or wrappers observe the attention or the MLP, and a step whose attention did not
+pass its input to every q/k/v projection raises (the projections would have multiplied an un-normalized input).
+On CPU the projections normalize with the reference op first: bitwise the unfolded layer (tests check this); on
+CUDA the kernels differ from it by about one rounding of the activations (mmsdk.kernels.norm_fold).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmsdk.core.adapter import ModelAdapter
+from mmsdk.plugins._forward import normed_residual_body, observed, plus_residual
+from mmsdk.plugins.attention.fused_norm_rope import FusedAddRMSNorm
+from mmsdk.plugins.attention.qkv_fuse import FusedSlice
+from mmsdk.plugins.quantizers.int4_linear import Int4Linear
+
+__all__ = ["NormFolding"]
+
+
+def _linear(module: Any) -> Any:
+    """The layer a projection stands for: qkv-fuse's slices stand for the fused projection."""
+    return module.fused if isinstance(module, FusedSlice) else module
+
+
+class NormFolding:
+    """One pre-norm decoder layer's decode step with its norms and its attention's residual add folded into its
+    INT4 GEMVs (module docstring)."""
+
+    def __init__(self, layer: nn.Module, adapter: ModelAdapter, input_norm: str, post_norm: FusedAddRMSNorm) -> None:
+        self.layer = layer
+        self.adapter = adapter
+        self.input_norm = input_norm
+        self.post_norm = post_norm
+
+    def readers(self, attention: nn.Module) -> tuple[list[Int4Linear], Int4Linear | None] | None:
+        """(the distinct INT4 layers behind q, k and v; o_proj if it is INT4), or None when the input norm cannot be
+        folded: a projection is not INT4, or something observes the attention's calls."""
+        names = self.adapter.attention_projections(attention)
+        layers = [_linear(getattr(attention, name, None)) for name in (names.q, names.k, names.v)]
+        unique = list({id(m): m for m in layers}.values())
+        if observed(attention) or not all(isinstance(m, Int4Linear) and not observed(m) for m in unique):
+            return None
+        o_proj = getattr(attention, names.o, None)
+        return unique, (o_proj if isinstance(o_proj, Int4Linear) and not observed(o_proj) else None)
+
+    def step(self, hidden_states: torch.Tensor, attention: nn.Module, mlp: nn.Module,
+             attention_kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The layer's output for one decode step with its norms folded, or None where this call cannot fold (not a
+        decode step, or the input norm's readers cannot take it): the caller then runs the unfolded layer."""
+        norm = getattr(self.layer, self.input_norm)
+        if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or not isinstance(norm, FusedAddRMSNorm):
+            return None
+        readers = self.readers(attention)
+        if readers is None:
+            return None
+        qkv, o_proj = readers
+        total = self._attend(hidden_states, norm, qkv, o_proj, attention, attention_kwargs)
+        fold_mlp = normed_residual_body(mlp)
+        if fold_mlp is None:
+            return plus_residual(mlp, self.post_norm(total), total)
+        return fold_mlp(total, self.post_norm, total)
+
+    def _attend(self, hidden_states: torch.Tensor, norm: FusedAddRMSNorm, qkv: list[Int4Linear],
+                o_proj: Int4Linear | None, attention: nn.Module, attention_kwargs: dict[str, Any]) -> torch.Tensor:
+        """``hidden_states + attention(norm(hidden_states))``, the norm in the q/k/v GEMVs and the add in o_proj's."""
+        for layer in qkv:
+            layer.normalize_next(hidden_states, norm)
+        if o_proj is not None:
+            o_proj.add_next(hidden_states)
+        try:
+            out = attention(hidden_states=hidden_states, **attention_kwargs)[0]
+        finally:
+            norms_left = [layer.clear_next()[0] for layer in qkv]
+            residual_left = o_proj is None or o_proj.clear_next()[1]
+        if any(norms_left):
+            raise RuntimeError(f"{type(attention).__name__} did not pass its input to each of its q/k/v projections "
+                               "unchanged, so they could not normalize it themselves: apply rmsnorm-rope-fusion with "
+                               "norm_in_gemv=False for this model.")
+        return hidden_states + out if residual_left else out
