@@ -28,17 +28,18 @@ TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (8, 128, 2), (16, 6
          (8, 32, 1), (4, 128, 1), (8, 64, 1), (2, 128, 1)]  # (rows, quads of 4 words, warps)
 GATED_TILES = [(8, 64, 2), (8, 128, 4), (16, 64, 2), (4, 64, 1), (4, 128, 1), (8, 32, 1)]
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32",
-            "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16", "f_ptr": "*fp32", "eps": "fp32"}
+            "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16", "f_ptr": "*bf16", "eps": "fp32"}
 
 
 def build(rows: int, quads: int, warps: int, gated: bool = False, norm: bool = False) -> dict[str, object]:
-    """One g128 tile without zero points, bf16 activations and scales (``norm``: an RMSNorm folded in, K = 4096)."""
+    """One g128 tile without zero points, bf16 activations and scales (``norm``: an RMSNorm folded in, bf16 factors,
+    its squares summed in the K loop as a one-slice program does)."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     kernel = kernels.gemv_quad_gated if gated else kernels.gemv_quad
     constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads, PDL=False,
                                         ROW_MASK=False,  # the 7B shapes' rows are whole multiples of every tile's
-                                        NORM=norm, NORM_BLOCK=min(4096, 1024 * warps))
+                                        NORM=norm, NORM_BLOCK=min(4096, 1024 * warps), WHOLE_ROW=norm)
     if not gated:
         constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
     pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS

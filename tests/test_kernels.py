@@ -183,9 +183,9 @@ def test_w4a16_gemvs_fold_an_rmsnorm_into_their_input(target, symmetric):
     for rows in (x, x.expand(20, 1, k)):  # one row (the folded GEMV) and 20 (the fused kernel after the norm kernel)
         out = int4_linear(rows, packed.qweight, packed.scales, packed.zero_points, k, group, input_norm=norm)
         assert out.shape == (*rows.shape[:-1], n) and _rel(out, expected.expand(*out.shape)) < tol
-    with pytest.raises(ValueError, match="factors must be fp32"):
+    with pytest.raises(ValueError, match="factors must be fp32 or bf16"):
         w4a16_gemv(x[0], packed.qweight, packed.scales, packed.zero_points, group, config=(16, 8, 4, 1, "quad"),
-                   norm=InputNorm(weight, eps, weight))
+                   norm=InputNorm(weight, eps, quad_factors(weight)[:8]))
     # the gated MLP's paired GEMV: the "gated" kind with one K slice and with three, and the per-weight "quad" kind
     for n, k, group, config, splits in ((40, 512, 64, (16, 4, 4, 1, "gated"), 1),
                                         (33, 296, 32, (8, 2, 2, 1, "gated"), 3),

@@ -85,12 +85,13 @@ def step_activations(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True, f_row=N
     each), fp32, each times the factor that turns its masked nibble's subnormal into ``code * 2**-64``.
 
     With ``NORM`` (an RMSNorm folded into the GEMV) ``f_row`` holds, per channel, the norm's weight times that
-    factor (mmsdk.kernels.norm_fold): the activations become ``x * weight`` (exact in fp32: the product of a
-    16-bit float and a product of two) and the sum ``2**-64 * sum x * weight``; the row's ``1 / rms`` scales the
-    finished output (:func:`inverse_rms`).
+    factor (mmsdk.kernels.norm_fold; bf16 or fp32): the activations become ``x * weight`` (exact in fp32: the
+    product of a 16-bit float and a product of two) and the sum ``2**-64 * sum x * weight``; the row's ``1 / rms``
+    scales the finished output (:func:`norm_scale`).
     """
     if NORM:
-        v = step_vectors(x_row, cw, c_ok, K_in, MASK_K).to(tl.float32) * step_vectors(f_row, cw, c_ok, K_in, MASK_K)
+        f = step_vectors(f_row, cw, c_ok, K_in, MASK_K).to(tl.float32)
+        v = step_vectors(x_row, cw, c_ok, K_in, MASK_K).to(tl.float32) * f
         y0, y1, y2, y3, y4, y5, y6, y7 = by_nibble(v)
         # each y_j over its factor is x_j * weight_j exactly (powers of two); then 2**-64 as in the plain sum
         plain = (y0 * 2.5849394142282115e-26 + y1 * 4.1359030627651384e-25 + y2 * 6.617444900424222e-24
@@ -104,6 +105,31 @@ def step_activations(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True, f_row=N
     # nibble 5 is masked in place (bits 20..23); 6 and 7 are read from the word shifted right by 20 and 28 (bits 4, 0)
     return (xs, x0 * nibble_factor(0), x1 * nibble_factor(4), x2 * nibble_factor(8), x3 * nibble_factor(12),
             x4 * nibble_factor(16), x5 * nibble_factor(20), x6 * nibble_factor(4), x7 * nibble_factor(0))
+
+
+@triton.jit
+def squares_at(x_row, w0, w_end, rc, K_in, MASK_K: tl.constexpr, NORM: tl.constexpr, WHOLE_ROW: tl.constexpr):
+    """``sum x**2`` per quad of the step at word ``w0`` (``[C]``, fp32; zeros unless ``NORM`` and ``WHOLE_ROW``), from
+    the same load
+    :func:`step_activations` makes (the compiler merges the two: benchmarks/sm90_gemv_builds.py --norm counts the
+    loads). A program whose slice is the whole row sums its row's squares this way instead of reading the row again
+    after its K loop (:func:`inverse_rms`)."""
+    squares = tl.zeros(rc.shape, tl.float32)
+    if NORM:
+        if WHOLE_ROW:
+            cw = w0 + 4 * rc
+            x = step_vectors(x_row, cw, cw < w_end, K_in, MASK_K).to(tl.float32)
+            squares = tl.sum(tl.sum(x * x, 2), 1)
+    return squares
+
+
+@triton.jit
+def norm_scale(ssq, x_row, K_in, eps, WHOLE_ROW: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """The folded norm's ``1 / rms`` of the row: from the squares summed in the K loop (``WHOLE_ROW``) or read
+    again (:func:`inverse_rms`)."""
+    if WHOLE_ROW:
+        return tl.math.rsqrt(tl.sum(ssq, 0) / K_in + eps)
+    return inverse_rms(x_row, K_in, eps, NORM_BLOCK)
 
 
 @triton.jit
@@ -257,7 +283,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
               HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0,
-              NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024):
+              NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -307,8 +333,9 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
 
     With ``NORM`` the GEMV reads an RMSNorm's input, not its output: the product is ``rms_norm(x) @ W.T``
     (mmsdk.kernels.norm_fold). The K loop multiplies by ``x * weight`` (``f_ptr``: the norm's weight times each
-    channel's nibble factor, fp32), and the row's ``1 / rms`` (:func:`inverse_rms`, ``eps``, ``NORM_BLOCK``
-    channels per pass) scales the sum before the bias: the norm's own launch is gone from a decode step.
+    channel's nibble factor), and the row's ``1 / rms`` scales the sum before the bias: the norm's own launch is
+    gone from a decode step. With ``WHOLE_ROW`` (one K slice) the K loop sums the squares of the activations it
+    loads, otherwise the row is read again after it (:func:`norm_scale`, ``eps``, ``NORM_BLOCK``).
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -326,6 +353,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     n_ok = rn < N
     x_row = x_ptr + row * stride_xm
     f_row = f_ptr if NORM else x_row
+    ssq = tl.zeros((BLOCK_C,), tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     w_begin = split * groups_per_split * WPG
     w_end = tl.minimum(w_begin + groups_per_split * WPG, KW)
@@ -346,6 +374,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             wait_for_inputs(PDL)
             acc += quad_accumulate(tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s, x_row, cw, c_ok, K_in, z_ptr, rn, g,
                                    ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, True, f_row, NORM)
+            ssq += squares_at(x_row, w_begin, w_end, rc, K_in, True, NORM, WHOLE_ROW)
             w_loop = w_begin + 4 * BLOCK_C
     if PREFETCH:
         for w0 in range(w_loop, w_end, 4 * BLOCK_C):
@@ -359,18 +388,21 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             s = quad_scales(s_ptr, rn, g, ok, k_blocks)
             acc += quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N,
                                    BLOCK_C, True, f_row, NORM)
+            ssq += squares_at(x_row, w0, w_end, rc, K_in, True, NORM, WHOLE_ROW)
     else:
         full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
         row_words = rn[:, None].to(tl.int64) * KW + rw[None, :]
         for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
             acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
                                 stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK, f_row, NORM)
+            ssq += squares_at(x_row, w0, w_end, rc, K_in, False, NORM, WHOLE_ROW)
         for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
             acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
                                 stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True, f_row, NORM)
+            ssq += squares_at(x_row, w0, w_end, rc, K_in, True, NORM, WHOLE_ROW)
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
     if NORM:  # every K slice's partial: the sum of them is linear in the row's scale
-        out *= inverse_rms(x_row, K_in, eps, NORM_BLOCK)
+        out *= norm_scale(ssq, x_row, K_in, eps, WHOLE_ROW, NORM_BLOCK)
     dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
         if HAS_BIAS:
@@ -427,7 +459,7 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
                     ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-                    NORM_BLOCK: tl.constexpr = 1024):
+                    NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False):
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row per program: each program the same rows of both.
 
     Gate (``w/s/z``) and up (``w2/s2/z2``, same shape) rows ``rn`` are two accumulators over the same
@@ -448,6 +480,7 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     n_ok = rn < N
     x_row = x_ptr + row * stride_xm
     f_row = f_ptr if NORM else x_row
+    ssq = tl.zeros((BLOCK_C,), tl.float32)
     gate = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     w_begin = split * groups_per_split * WPG
@@ -462,6 +495,7 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
                                               rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C, True, f_row, NORM)
         gate += gate_step
         up += up_step
+        ssq += squares_at(x_row, w_begin, w_end, rc, K_in, True, NORM, WHOLE_ROW)
         w_loop = w_begin + 4 * BLOCK_C
     full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
     for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
@@ -470,16 +504,18 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
                                            False, ROW_MASK, f_row, NORM)
         gate += gate_step
         up += up_step
+        ssq += squares_at(x_row, w0, w_end, rc, K_in, False, NORM, WHOLE_ROW)
     for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
         gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
                                            x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
                                            True, True, f_row, NORM)
         gate += gate_step
         up += up_step
+        ssq += squares_at(x_row, w0, w_end, rc, K_in, True, NORM, WHOLE_ROW)
     gate_out = tl.sum(gate, 1) * 1.8446744073709552e+19  # undo 2**-64
     up_out = tl.sum(up, 1) * 1.8446744073709552e+19
     if NORM:
-        scale = inverse_rms(x_row, K_in, eps, NORM_BLOCK)
+        scale = norm_scale(ssq, x_row, K_in, eps, WHOLE_ROW, NORM_BLOCK)
         gate_out *= scale
         up_out *= scale
     if DIRECT:

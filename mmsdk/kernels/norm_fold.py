@@ -28,14 +28,17 @@ NIBBLE_FACTORS = (2.0**85, 2.0**81, 2.0**77, 2.0**73, 2.0**69, 2.0**65, 2.0**81,
 
 
 def quad_factors(weight: torch.Tensor, prequant: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``[K]``: the norm's ``weight`` (times an AWQ ``prequant``, which multiplies the normalized input) times
-    each channel's nibble factor. Exact: a product of two 16-bit floats has at most 16 significant bits, and the
-    factors are powers of two."""
+    """``[K]``: the norm's ``weight`` (times an AWQ ``prequant``, which multiplies the normalized input) times each
+    channel's nibble factor, exact. bf16 for a bf16 weight without pre-scale (a power of two times a bf16 value is
+    one; the kernels load half the bytes), else fp32 (a product of two 16-bit floats has at most 16 significant
+    bits; fp16 cannot hold the factors)."""
     factors = weight.detach().float()
     if prequant is not None:
         factors = factors * prequant.detach().float()
     pattern = torch.tensor(NIBBLE_FACTORS, dtype=torch.float32, device=weight.device)
-    return (factors * pattern.repeat(-(-factors.shape[0] // 8))[: factors.shape[0]]).contiguous()
+    factors = factors * pattern.repeat(-(-factors.shape[0] // 8))[: factors.shape[0]]
+    compact = weight.dtype == torch.bfloat16 and prequant is None
+    return (factors.to(torch.bfloat16) if compact else factors).contiguous()
 
 
 @dataclass(frozen=True)

@@ -331,7 +331,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
             residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
             PDL=pdl, HAS_RESIDUAL=residual is not None and direct, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
-            **norm_arguments(norm, x, warps), **flags)
+            **norm_arguments(norm, x, warps, n_splits == 1), **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
@@ -341,18 +341,21 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         finish_splits(target, out, bias, n_splits, paired, residual)
 
 
-def norm_arguments(norm: InputNorm | None, x: torch.Tensor, warps: int) -> dict[str, Any]:
-    """The quad kernels' arguments for a folded norm (none without one): its factors and epsilon, and how many
-    channels :func:`inverse_rms` reads per pass (at most 32 per thread, so K = 4096 takes one pass at 4 warps)."""
+def norm_arguments(norm: InputNorm | None, x: torch.Tensor, warps: int, whole_row: bool) -> dict[str, Any]:
+    """The quad kernels' arguments for a folded norm (none without one): its factors and epsilon, whether a program's
+    K slice is the whole row (``whole_row``: the K loop sums the squares), else how many channels the row is read in
+    per pass after it (at most 32 per thread, so K = 4096 takes one pass at 4 warps)."""
     if norm is None:
         return {}
-    if norm.factors.shape[0] != x.shape[1] or norm.factors.dtype != torch.float32 or norm.factors.device != x.device:
-        raise ValueError(f"a folded norm's factors must be fp32 [{x.shape[1]}] on {x.device}, one per input channel "
-                         f"(got {norm.factors.dtype} {tuple(norm.factors.shape)} on {norm.factors.device}): build "
-                         "them with mmsdk.kernels.norm_fold.quad_factors.")
+    factors = norm.factors
+    if factors.shape != (x.shape[1],) or factors.dtype not in (torch.float32, torch.bfloat16) or \
+            factors.device != x.device:
+        raise ValueError(f"a folded norm's factors must be fp32 or bf16 [{x.shape[1]}] on {x.device}, one per input "
+                         f"channel (got {factors.dtype} {tuple(factors.shape)} on {factors.device}): build them with "
+                         "mmsdk.kernels.norm_fold.quad_factors.")
     import triton
 
-    return dict(f_ptr=norm.factors, eps=float(norm.eps), NORM=True,
+    return dict(f_ptr=factors, eps=float(norm.eps), NORM=True, WHOLE_ROW=whole_row,
                 NORM_BLOCK=min(triton.next_power_of_2(x.shape[1]), 1024 * warps))
 
 
