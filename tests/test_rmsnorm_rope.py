@@ -252,7 +252,7 @@ def test_a_folded_norm_an_attention_did_not_pass_on_is_an_error(session, tiny):
     loaded = tiny("tiny:llava")
     inputs = tiny_inputs(loaded.processor, QUESTIONS[:1])
     opt = Optimizer(loaded.model, session=session).apply("qkv-fuse", Int4WeightConfig(indivisible="pad"),
-                                                         "rmsnorm-rope-fusion")
+                                                         RMSNormRoPEFusionConfig(norm_in_gemv=True))
     attention = opt.model.model.language_model.layers[0].self_attn
     body = module_body(attention)
     set_forward_body(attention, lambda hidden_states, **kwargs: body(hidden_states.clone(), **kwargs))

@@ -1,5 +1,10 @@
 """A decoder layer's decode step with its RMSNorms inside its INT4 GEMVs (``rmsnorm-rope-fusion``, ``norm_in_gemv``).
 
+Off by default: on an H200 the first form of the folded kernels (each program reading the whole row again after its
+K loop for the norm's scale, fp32 factors) made the Llama-7B g32 step 2.144 ms against 1.969 unfolded
+(benchmarks/results/h200_decode_reuse_norms_folded.json); the second form (squares summed in the K loop, bf16
+factors) is not measured yet.
+
 A pre-norm layer runs ``norm -> attention -> add + norm -> MLP -> add``; in a batch-1 decode step each norm is a
 launch of its own between two GEMVs (on an H200 about 2.9 µs each, 186 µs of a 1.97 ms Llama-7B step). Where the
 layer's projections are :class:`~mmsdk.plugins.quantizers.int4_linear.Int4Linear`, a step (one position per row)

@@ -16,12 +16,12 @@
 * RMSNorm + RoPE where they are adjacent (per-head q/k norms, Qwen3-VL): the norms become
   :class:`DeferredRMSNorm` (same weights, identity in place) and :class:`FusedRMSNormRoPE`
   normalizes and rotates q and k in one op.
-* Norms inside the GEMVs (``norm_in_gemv``): in decode steps of layers whose projections are INT4
-  (``int4-weight``), the input norm runs inside the q/k/v GEMV, the attention's residual add in
-  o_proj's and the post-attention norm inside the gated MLP's gate/up GEMV
-  (mmsdk/plugins/attention/norm_folding.py): no norm launches left between a step's GEMVs. On CUDA
-  this is not bitwise the unfolded layer: the folded kernels skip the rounding of the normalized
-  activations (mmsdk/kernels/norm_fold.py).
+* Norms inside the GEMVs (``norm_in_gemv``, off by default until it measures faster): in decode
+  steps of layers whose projections are INT4 (``int4-weight``), the input norm runs inside the q/k/v
+  GEMV, the attention's residual add in o_proj's and the post-attention norm inside the gated MLP's
+  gate/up GEMV (mmsdk/plugins/attention/norm_folding.py): no norm launches left between a step's
+  GEMVs. On CUDA this is not bitwise the unfolded layer: the folded kernels skip the rounding of the
+  normalized activations (mmsdk/kernels/norm_fold.py).
 
 Every replacement is checked on a probe against the module it replaces (bitwise in the model's
 dtype) and skipped, with the reason in the records, if it would not be exact (the folded norms
@@ -91,12 +91,13 @@ class RMSNormRoPEFusionConfig(PassConfig):
     rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
                                     "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
                                     "separate RoPE launch (bitwise the same numbers on an H200).")
-    norm_in_gemv: bool = Field(True, description="In decode steps of layers with INT4 projections (int4-weight), run "
+    norm_in_gemv: bool = Field(False, description="In decode steps of layers with INT4 projections (int4-weight), run "
                                "the input RMSNorm inside the q/k/v GEMV, the attention's residual add in o_proj's and "
                                "the post-attention RMSNorm inside the gated MLP's gate/up GEMV: no norm launches "
                                "between GEMVs. On CUDA the activations the GEMVs multiply are not rounded to the "
                                "model dtype after the norm (outputs differ from the unfolded layer by about that "
-                               "rounding); needs residual_norm.")
+                               "rounding); needs residual_norm. Off by default: its first kernels made an H200 "
+                               "decode step slower, not faster (docs/benchmarks.md).")
 
 
 def _eps(norm: nn.Module) -> float | None:
