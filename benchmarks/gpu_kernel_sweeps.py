@@ -11,6 +11,9 @@
 * ``step_gemvs``: the decode step's own batch-1 GEMVs (LLaVA-1.5-7B at g32, Qwen2-VL-7B at g128, with their bias
   and residual, and the gated MLP) over tiles x K-slice targets: what the tuner picks against the best config.
 * ``step_norms``: two down projections' configs timed alone and each call followed by an add + RMSNorm.
+* ``step_folds``: the step's GEMVs that read a norm (the fused qkv and the gated MLP, LLaVA-1.5-7B g32 and
+  Qwen2-VL-7B g128) with the norm folded in (mmsdk/kernels/norm_fold.py) against an add + RMSNorm launch followed
+  by the plain GEMV, per config: where the folded kernels' time goes (rmsnorm-rope-fusion's ``norm_in_gemv``).
 * ``mma``: the tensor-core GEMV (kind "mma") at 1, 4 and 16 rows and groups of 128 and 32, against the "quad"
   tiles, the fused kernel and bf16 cuBLAS on the same shapes.
 * ``many_rows``: 17-64 activation rows (w4a16_matmul): the fused kernel's configs against the tensor-core GEMV over
@@ -170,6 +173,68 @@ def step_norms() -> list[dict[str, Any]]:
 
             row[str(cfg)] = {"alone_us": gtime(cold(alone, p.qweight, p.scales)),
                              "with_norm_us": gtime(cold(then_norm, p.qweight, p.scales))}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+# (label, N, K, group, bias, gated, configs): the first config of each is what the tuner takes untimed
+STEP_FOLD_CASES = (
+    ("LLaVA qkv g32", 12288, 4096, 32, False, False,
+     [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (16, 32, 2, 1, "quad", 528),
+      (8, 64, 2, 1, "quad", 528)]),
+    ("LLaVA gate+up g32", 11008, 4096, 32, False, True,
+     [(8, 64, 2, 1, "gated", 528), (8, 32, 1, 1, "gated", 528), (8, 128, 4, 1, "gated", 528)]),
+    ("Qwen2-VL qkv g128", 4608, 3584, 128, True, False,
+     [(8, 128, 4, 1, "quad", 528), (8, 64, 2, 1, "quad", 528), (8, 128, 2, 1, "quad", 264)]),
+    ("Qwen2-VL gate+up g128", 18944, 3584, 128, False, True,
+     [(8, 64, 2, 1, "gated", 528), (8, 128, 4, 1, "gated", 528), (8, 32, 1, 1, "gated", 528)]),
+)
+
+
+def step_folds() -> list[dict[str, Any]]:
+    """STEP_FOLD_CASES per config: ``norm_then_gemv_us`` (an add + RMSNorm launch, then the GEMV on its output: the
+    unfolded step), ``folded_us`` (the GEMV reading the norm's input, the norm inside it), ``gemv_us`` (the GEMV
+    alone on normalized input: what the fold could reach), and the folded output's error against the fp32 product
+    of the normalized input."""
+    from mmsdk.kernels.norm_fold import InputNorm, quad_factors
+    from mmsdk.kernels.norm_rope_gpu import add_rms_norm
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    rows = []
+    for label, n, k, group, has_bias, gated, configs in STEP_FOLD_CASES:
+        weights = [quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+                   for _ in range(2 if gated else 1)]
+        tensors = tuple(t for p in weights for t in (p.qweight, p.scales))
+        x, residual = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+        norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
+        total = (x.float() + residual.float()).to(torch.bfloat16)
+        norm = InputNorm(norm_weight, 1e-6, quad_factors(norm_weight))
+        normalized = total.float() * torch.rsqrt(total.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+        products = [normalized @ dequantize_int4(p, torch.float32).T for p in weights]
+        expected = (torch.nn.functional.silu(products[0]) * products[1] if gated
+                    else products[0] + (bias.float() if has_bias else 0))
+        row: dict[str, Any] = {"shape": label}
+        for cfg in configs:
+            def gemv(a: Any, *t: Any, c: Any = cfg, fold: Any = None) -> Any:
+                if gated:
+                    return w4a16_gated_silu(a, (t[0], t[1], None), (t[2], t[3], None), k, group, config=c, norm=fold)
+                return w4a16_gemv(a, t[0], t[1], None, group, bias, config=c, norm=fold)
+
+            def unfolded(*t: Any, gemv: Any = gemv) -> Any:
+                return gemv(add_rms_norm(x, residual, norm_weight, 1e-6)[0], *t)
+
+            def folded(*t: Any, gemv: Any = gemv) -> Any:
+                return gemv(total, *t, fold=norm)
+
+            prenormalized = add_rms_norm(x, residual, norm_weight, 1e-6)[0]
+            row[str(cfg)] = {"norm_then_gemv_us": gtime(cold(unfolded, *tensors)),
+                             "folded_us": gtime(cold(folded, *tensors)),
+                             "gemv_us": gtime(cold(lambda *t, gemv=gemv: gemv(prenormalized, *t), *tensors)),
+                             "folded_rel_err": rel(folded(*tensors).reshape(expected.shape), expected)}
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -516,12 +581,12 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, mma, "
-                        "many_rows, pdl, gqa, mha")
+    parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
+                        "step_folds, mma, many_rows, pdl, gqa, mha")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
-    sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa,
-                "mha": mha}
+    sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "step_folds": step_folds,
+                "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

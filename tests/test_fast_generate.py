@@ -133,6 +133,15 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
     _assert_agrees(again, _greedy(model, other, 33))
 
 
+def _bf16_decode_stack(tiny, session, name: str, fusion, questions) -> tuple:
+    """(Optimizer with qkv-fuse + int4-weight + ``fusion`` + int4-kv on a bf16 tiny model on the GPU, its CUDA
+    inputs for ``questions``)."""
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+    opt.apply("qkv-fuse", Int4WeightConfig(indivisible="pad"), fusion, "int4-kv")
+    return opt, {k: v.cuda() for k, v in tiny_inputs(loaded.processor, questions).items()}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
@@ -148,11 +157,8 @@ def test_rope_inside_the_attention_kernel_changes_no_token(name, session, tiny, 
                         lambda self, q, *a: taken.append((q.shape[-2], original(self, q, *a))) or taken[-1][1])
     answers = []
     for inside in (True, False):
-        loaded = tiny(name)
-        opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
-        opt.apply("qkv-fuse", Int4WeightConfig(indivisible="pad"), RMSNormRoPEFusionConfig(rope_in_attention=inside),
-                  "int4-kv")
-        inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+        opt, inputs = _bf16_decode_stack(tiny, session, name, RMSNormRoPEFusionConfig(rope_in_attention=inside),
+                                         QUESTIONS)
         answers.append(_Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 24}).run())
         if inside:
             # every decode step's attention took its RoPE (warm-up and capture), no prefill did
@@ -177,12 +183,9 @@ def test_norms_inside_the_gemvs_keep_the_answers(name, session, tiny, monkeypatc
     monkeypatch.setattr(Int4Linear, "input_norm", lambda self, norm: folded.append(1) or original(self, norm))
     runs = []
     for fold in (True, False):
-        loaded = tiny(name)
-        opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
-        opt.apply("qkv-fuse", Int4WeightConfig(indivisible="pad"), RMSNormRoPEFusionConfig(norm_in_gemv=fold),
-                  "int4-kv")
         # one row: the quad GEMVs fold the norms in their programs (several rows run the norm kernel first)
-        inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS[:1]).items()}
+        opt, inputs = _bf16_decode_stack(tiny, session, name, RMSNormRoPEFusionConfig(norm_in_gemv=fold),
+                                         QUESTIONS[:1])
         with torch.no_grad():  # scores: transformers' loop (the fast path keeps none), the same layer bodies
             runs.append(opt.model.generate(**inputs, max_new_tokens=8, do_sample=False, output_scores=True,
                                            return_dict_in_generate=True))

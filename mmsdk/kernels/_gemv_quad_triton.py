@@ -109,11 +109,12 @@ def step_activations(x_row, cw, c_ok, K_in, MASK_K: tl.constexpr = True, f_row=N
 
 @triton.jit
 def squares_at(x_row, w0, w_end, rc, K_in, MASK_K: tl.constexpr, NORM: tl.constexpr, WHOLE_ROW: tl.constexpr):
-    """``sum x**2`` per quad of the step at word ``w0`` (``[C]``, fp32; zeros unless ``NORM`` and ``WHOLE_ROW``), from
-    the same load
-    :func:`step_activations` makes (the compiler merges the two: benchmarks/sm90_gemv_builds.py --norm counts the
-    loads). A program whose slice is the whole row sums its row's squares this way instead of reading the row again
-    after its K loop (:func:`inverse_rms`)."""
+    """``sum x**2`` per quad of the step at word ``w0`` (``[C]``, fp32; zeros unless ``NORM`` and ``WHOLE_ROW``).
+
+    The load is the one :func:`step_activations` makes, and the compiler merges the two (offline sm_90 builds of the
+    8 x 128 x 4 tile: 16 16-byte loads per step with a folded norm, 12 without: the 4 more are the factors). A
+    program whose slice is the whole row sums its row's squares this way instead of reading the row again after its
+    K loop (:func:`inverse_rms`)."""
     squares = tl.zeros(rc.shape, tl.float32)
     if NORM:
         if WHOLE_ROW:
@@ -134,10 +135,9 @@ def norm_scale(ssq, x_row, K_in, eps, WHOLE_ROW: tl.constexpr, NORM_BLOCK: tl.co
 
 @triton.jit
 def inverse_rms(x_row, K_in, eps, BLOCK: tl.constexpr):
-    """``1 / sqrt(mean(x**2) + eps)`` over the row's ``K_in`` activations, fp32 (a folded RMSNorm's scale).
-
-    Run after the K loop, when a one-slice program has just read the whole row (L1 hits). ``BLOCK`` covers K
-    in one or a few passes: the loads of one pass are in flight together.
+    """``1 / sqrt(mean(x**2) + eps)`` over the row's ``K_in`` activations, fp32 (a folded RMSNorm's scale), for
+    programs that see only a slice of the row: read again after the K loop. ``BLOCK`` covers K in one or a few
+    passes: the loads of one pass are in flight together.
     """
     acc = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K_in, BLOCK):

@@ -50,7 +50,6 @@ from mmsdk.core.registry import Registrar
 from mmsdk.kernels.norm_rope import mrope_streams
 from mmsdk.plugins._forward import body_function, module_body, plus_residual, rebind_global, set_forward_body
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
-from mmsdk.plugins.attention.norm_folding import NormFolding
 from mmsdk.plugins.attention.fused_norm_rope import (
     DeferredRMSNorm,
     FusedAddRMSNorm,
@@ -60,6 +59,7 @@ from mmsdk.plugins.attention.fused_norm_rope import (
     FusedRoPEEmbedding,
     RoPEInAttention,
 )
+from mmsdk.plugins.attention.norm_folding import NormFolding
 
 __all__ = [
     "RMSNormRoPEFusionConfig",
