@@ -17,10 +17,11 @@ rounding of the activations, averaged over K.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["NIBBLE_FACTORS", "InputNorm", "quad_factors"]
+__all__ = ["NIBBLE_FACTORS", "InputNorm", "norm_arguments", "quad_factors"]
 
 # The factor the quad kernels multiply channel k's activation by, per k % 8: 2**(85 - P) for the bit position P at
 # which they read that nibble (mmsdk/kernels/_gemv_quad_triton.py, nibble_factor; nibbles 6 and 7 are shifted down).
@@ -60,3 +61,21 @@ class InputNorm:
 
         out = rms_norm(x, self.weight, self.eps)
         return out if self.prequant is None else out * self.prequant.to(out.dtype)
+
+
+def norm_arguments(norm: InputNorm | None, x: torch.Tensor, warps: int, whole_row: bool) -> dict[str, Any]:
+    """The quad kernels' arguments for a folded norm (none without one): its factors and epsilon, whether a program's
+    K slice is the whole row (``whole_row``: the K loop sums the squares), else how many channels the row is read in
+    per pass after it (at most 32 per thread, so K = 4096 takes one pass at 4 warps)."""
+    if norm is None:
+        return {}
+    factors = norm.factors
+    if factors.shape != (x.shape[1],) or factors.dtype not in (torch.float32, torch.bfloat16) or \
+            factors.device != x.device:
+        raise ValueError(f"a folded norm's factors must be fp32 or bf16 [{x.shape[1]}] on {x.device}, one per input "
+                         f"channel (got {factors.dtype} {tuple(factors.shape)} on {factors.device}): build them with "
+                         "mmsdk.kernels.norm_fold.quad_factors.")
+    import triton
+
+    return dict(f_ptr=factors, eps=float(norm.eps), NORM=True, WHOLE_ROW=whole_row,
+                NORM_BLOCK=min(triton.next_power_of_2(x.shape[1]), 1024 * warps))

@@ -44,12 +44,12 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
-from mmsdk.kernels.norm_fold import InputNorm
+from mmsdk.kernels.norm_fold import InputNorm, norm_arguments
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight",
            "check_columns", "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits",
-           "int4_linear", "k_slices", "launch_gemv", "norm_arguments", "triton_kernels", "tuned_config",
+           "int4_linear", "k_slices", "launch_gemv", "triton_kernels", "tuned_config",
            "unsupported_reason", "w4a16_gemv", "w4a16_matmul"]
 
 FUSED_MAX_M = 64
@@ -339,24 +339,6 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             out.add_(residual)
     if not direct:
         finish_splits(target, out, bias, n_splits, paired, residual)
-
-
-def norm_arguments(norm: InputNorm | None, x: torch.Tensor, warps: int, whole_row: bool) -> dict[str, Any]:
-    """The quad kernels' arguments for a folded norm (none without one): its factors and epsilon, whether a program's
-    K slice is the whole row (``whole_row``: the K loop sums the squares), else how many channels the row is read in
-    per pass after it (at most 32 per thread, so K = 4096 takes one pass at 4 warps)."""
-    if norm is None:
-        return {}
-    factors = norm.factors
-    if factors.shape != (x.shape[1],) or factors.dtype not in (torch.float32, torch.bfloat16) or \
-            factors.device != x.device:
-        raise ValueError(f"a folded norm's factors must be fp32 or bf16 [{x.shape[1]}] on {x.device}, one per input "
-                         f"channel (got {factors.dtype} {tuple(factors.shape)} on {factors.device}): build them with "
-                         "mmsdk.kernels.norm_fold.quad_factors.")
-    import triton
-
-    return dict(f_ptr=factors, eps=float(norm.eps), NORM=True, WHOLE_ROW=whole_row,
-                NORM_BLOCK=min(triton.next_power_of_2(x.shape[1]), 1024 * warps))
 
 
 def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,

@@ -29,7 +29,7 @@ from functools import cache
 import torch
 
 from mmsdk.kernels import note_fallback, pdl_preload_ready
-from mmsdk.kernels.norm_fold import InputNorm
+from mmsdk.kernels.norm_fold import InputNorm, norm_arguments
 from mmsdk.kernels.w4a16 import (
     QUAD_KINDS,
     TARGET_PROGRAMS,
@@ -41,7 +41,6 @@ from mmsdk.kernels.w4a16 import (
     gemv_ready,
     k_slices,
     launch_gemv,
-    norm_arguments,
     triton_kernels,
     tuned_config,
     unsupported_reason,

@@ -36,7 +36,7 @@ from mmsdk.plugins.attention.fused_norm_rope import FusedAddRMSNorm
 from mmsdk.plugins.attention.qkv_fuse import FusedSlice
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 
-__all__ = ["NormFolding"]
+__all__ = ["NormFolding", "folds_now"]
 
 
 def _linear(module: Any) -> Any:
@@ -99,3 +99,14 @@ class NormFolding:
                                "unchanged, so they could not normalize it themselves: apply rmsnorm-rope-fusion with "
                                "norm_in_gemv=False for this model.")
         return hidden_states + out if residual_left else out
+
+
+def folds_now(layer: nn.Module, adapter: ModelAdapter) -> bool:
+    """True when a pre-norm layer's decode steps can fold its input norm now: its self-attention's q/k/v projections
+    are INT4 and nothing observes the attention (what ``rmsnorm-rope-fusion`` records as ``norm_in_gemv``)."""
+    attention = adapter.self_attention(layer)
+    norms = adapter.decoder_norm_names(layer)
+    post = None if norms is None else getattr(layer, norms[1], None)
+    if attention is None or not isinstance(post, FusedAddRMSNorm):
+        return False
+    return NormFolding(layer, adapter, norms[0], post).readers(attention) is not None

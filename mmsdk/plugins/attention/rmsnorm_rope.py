@@ -59,7 +59,7 @@ from mmsdk.plugins.attention.fused_norm_rope import (
     FusedRoPEEmbedding,
     RoPEInAttention,
 )
-from mmsdk.plugins.attention.norm_folding import NormFolding
+from mmsdk.plugins.attention.norm_folding import NormFolding, folds_now
 
 __all__ = [
     "RMSNormRoPEFusionConfig",
@@ -210,17 +210,6 @@ def _fused_layer_body(layer: nn.Module, adapter: ModelAdapter, input_norm: str, 
     return body
 
 
-def _folds_now(layer: nn.Module, adapter: ModelAdapter) -> bool:
-    """True when the layer's self-attention has INT4 q/k/v projections a decode step can fold its input norm into."""
-    attention = adapter.self_attention(layer)
-    norms = adapter.decoder_norm_names(layer)
-    if attention is None or norms is None:
-        return False
-    post = getattr(layer, norms[1])
-    folding = NormFolding(layer, adapter, norms[0], post) if isinstance(post, FusedAddRMSNorm) else None
-    return folding is not None and folding.readers(attention) is not None
-
-
 def _mrope_layout(model: nn.Module, adapter: ModelAdapter) -> tuple[list[int] | None, list[int] | None]:
     """(mrope_section, per-slot position streams) read from the model's rotary module, or (None, None)."""
     rotary = adapter.rotary_embedding(model)
@@ -365,7 +354,7 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
         # after this pass makes the others fold too: a layer looks its projections up on each call
         records["norm_in_gemv"] = [name for name, layer in model.named_modules()
                                    if name in records["residual_norm"] and config.norm_in_gemv
-                                   and _folds_now(layer, adapter)]
+                                   and folds_now(layer, adapter)]
     if config.plain_norms:
         records["plain_norms"] = _fuse_plain_norms(model, adapter, skipped)
     section, streams = _mrope_layout(model, adapter)
