@@ -30,6 +30,12 @@ __all__ = ["Int4Linear"]
 class Int4Linear(nn.Module):
     """Drop-in replacement of ``nn.Linear`` holding a packed INT4 weight in MatMulNBits layout."""
 
+    # one call's hand-offs from the decoder layer (normalize_next / add_next) and the folded norm's factors, set on the
+    # instance when used; None here, so a module pickled before they existed still runs
+    _next_norm: tuple[torch.Tensor, nn.Module] | None = None
+    _next_residual: torch.Tensor | None = None
+    _factors: tuple[tuple[object, ...], torch.Tensor] | None = None
+
     def __init__(
         self,
         in_features: int,
@@ -55,10 +61,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("zero_points", None if symmetric else torch.zeros(zp_shape, dtype=torch.uint8, **empty))
         self.register_buffer("prequant", torch.ones(in_features, dtype=dtype, **empty) if prequant else None)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, **empty), requires_grad=False) if bias else None
-        # one call's hand-offs from the decoder layer (normalize_next / add_next), and the folded norm's factors
-        self._next_norm: tuple[torch.Tensor, nn.Module] | None = None
-        self._next_residual: torch.Tensor | None = None
-        self._factors: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     @classmethod
     def from_linear(
