@@ -65,6 +65,24 @@ def gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok,
 
 
 @triton.jit
+def gated_steps(gate, up, ssq, w_from, w_to, w_ptr, s_ptr, w2_ptr, s2_ptr, at, w_end, rn, rc, rw, n_ok, k_blocks,
+                x_row, K_in, z_ptr, z2_ptr, stride_zn, f_row, WPG: tl.constexpr, HAS_ZP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr, MASK_N: tl.constexpr,
+                NORM: tl.constexpr, WHOLE_ROW: tl.constexpr):
+    """The steps from word ``w_from`` to ``w_to`` (:func:`gated_step_at`, masked as it takes ``MASK_K`` / ``MASK_N``)
+    added to the gate and up accumulators, and with a folded norm over a whole row their activations' squares to
+    ``ssq`` (:func:`squares_at`)."""
+    for w0 in range(w_from, w_to, 4 * BLOCK_C):
+        gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
+                                           x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
+                                           MASK_K, MASK_N, f_row, NORM)
+        gate += gate_step
+        up += up_step
+        ssq += squares_at(x_row, w0, w_end, rc, K_in, MASK_K, NORM, WHOLE_ROW)
+    return gate, up, ssq
+
+
+@triton.jit
 def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, M, N, K_in, KW, groups_per_split,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
@@ -108,20 +126,13 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
         ssq += squares_at(x_row, w_begin, w_end, rc, K_in, True, NORM, WHOLE_ROW)
         w_loop = w_begin + 4 * BLOCK_C
     full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
-    for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
-        gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
-                                           x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
-                                           False, ROW_MASK, f_row, NORM)
-        gate += gate_step
-        up += up_step
-        ssq += squares_at(x_row, w0, w_end, rc, K_in, False, NORM, WHOLE_ROW)
-    for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
-        gate_step, up_step = gated_step_at(w_ptr, s_ptr, w2_ptr, s2_ptr, at, w0, w_end, rn, rc, rw, n_ok, k_blocks,
-                                           x_row, K_in, z_ptr, z2_ptr, stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
-                                           True, True, f_row, NORM)
-        gate += gate_step
-        up += up_step
-        ssq += squares_at(x_row, w0, w_end, rc, K_in, True, NORM, WHOLE_ROW)
+    # the whole steps without K masks (every word and activation exists), then the slice's last, partial step
+    gate, up, ssq = gated_steps(gate, up, ssq, w_loop, full_end, w_ptr, s_ptr, w2_ptr, s2_ptr, at, w_end, rn, rc, rw,
+                                n_ok, k_blocks, x_row, K_in, z_ptr, z2_ptr, stride_zn, f_row, WPG, HAS_ZP, BLOCK_N,
+                                BLOCK_C, False, ROW_MASK, NORM, WHOLE_ROW)
+    gate, up, ssq = gated_steps(gate, up, ssq, full_end, w_end, w_ptr, s_ptr, w2_ptr, s2_ptr, at, w_end, rn, rc, rw,
+                                n_ok, k_blocks, x_row, K_in, z_ptr, z2_ptr, stride_zn, f_row, WPG, HAS_ZP, BLOCK_N,
+                                BLOCK_C, True, True, NORM, WHOLE_ROW)
     gate_out = tl.sum(gate, 1) * 1.8446744073709552e+19  # undo 2**-64
     up_out = tl.sum(up, 1) * 1.8446744073709552e+19
     if NORM:
