@@ -114,6 +114,7 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
 
     outside = RMSNormRoPEFusionConfig(rope_in_attention=False)
     folded = RMSNormRoPEFusionConfig(norm_in_gemv=True)
+    in_qkv = RMSNormRoPEFusionConfig(norm_in_gemv=True, mlp_norm_in_gemv=False)
     g128 = Int4WeightConfig(group_size=128)
     return {
         **{key: (f"g32, timing only: the {kind} replaced by nothing", "llava",
@@ -128,6 +129,10 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
                              ("qkv-fuse", "int4-weight", folded)),
         "qwen_g128_norms_folded": ("Qwen2-VL-7B shapes, g128, the RMSNorms inside the GEMVs", "qwen2-vl",
                                    ("qkv-fuse", g128, folded)),
+        "g32_norm_in_qkv": ("g32, the input RMSNorm inside the q/k/v GEMV only (mlp_norm_in_gemv=False)", "llava",
+                            ("qkv-fuse", "int4-weight", in_qkv)),
+        "qwen_g128_norm_in_qkv": ("Qwen2-VL-7B shapes, g128, the input RMSNorm inside the q/k/v GEMV only",
+                                  "qwen2-vl", ("qkv-fuse", g128, in_qkv)),
         "g32_rope_outside": ("g32, RoPE in its own launch (rope_in_attention=False)", "llava",
                              ("qkv-fuse", "int4-weight", outside)),
         "g128_rope_outside": ("g128, RoPE in its own launch (rope_in_attention=False)", "llava",

@@ -170,9 +170,10 @@ def test_rope_inside_the_attention_kernel_changes_no_token(name, session, tiny, 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
-def test_norms_inside_the_gemvs_keep_the_answers(name, session, tiny, monkeypatch):
-    """With each decode step's RMSNorms inside the INT4 GEMVs (rmsnorm-rope-fusion's norm_in_gemv), a decode step's
+@pytest.mark.parametrize("name, mlp", [("tiny:llava", True), ("tiny:qwen2-vl", True), ("tiny:qwen2-vl", False)])
+def test_norms_inside_the_gemvs_keep_the_answers(name, mlp, session, tiny, monkeypatch):
+    """With each decode step's RMSNorms inside the INT4 GEMVs (rmsnorm-rope-fusion's norm_in_gemv; with ``mlp`` False
+    the input norm only, mlp_norm_in_gemv), a decode step's
     logits are those of the unfolded layers up to bf16 rounding (not bitwise: the folded kernels skip a rounding of
     the activations), compared at every step while the two answers agree (a tiny random model has near-ties)."""
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
@@ -184,8 +185,8 @@ def test_norms_inside_the_gemvs_keep_the_answers(name, session, tiny, monkeypatc
     runs = []
     for fold in (True, False):
         # one row: the quad GEMVs fold the norms in their programs (several rows run the norm kernel first)
-        opt, inputs = _bf16_decode_stack(tiny, session, name, RMSNormRoPEFusionConfig(norm_in_gemv=fold),
-                                         QUESTIONS[:1])
+        fusion = RMSNormRoPEFusionConfig(norm_in_gemv=fold, mlp_norm_in_gemv=mlp)
+        opt, inputs = _bf16_decode_stack(tiny, session, name, fusion, QUESTIONS[:1])
         with torch.no_grad():  # scores: transformers' loop (the fast path keeps none), the same layer bodies
             runs.append(opt.model.generate(**inputs, max_new_tokens=8, do_sample=False, output_scores=True,
                                            return_dict_in_generate=True))

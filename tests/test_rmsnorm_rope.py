@@ -212,13 +212,15 @@ def _fold_counter(monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("name, order", [("tiny:llava", "int4-first"), ("tiny:qwen2-vl", "int4-first"),
-                                         ("tiny:llava", "fusion-first")])
-def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, session, tiny, monkeypatch):
+@pytest.mark.parametrize("name, order, mlp", [("tiny:llava", "int4-first", True), ("tiny:qwen2-vl", "int4-first", True),
+                                              ("tiny:llava", "fusion-first", True),
+                                              ("tiny:qwen2-vl", "int4-first", False)])
+def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, session, tiny, monkeypatch):
     """With INT4 projections, each decode step's input norm runs inside the q/k/v projection, the attention's residual
-    add inside o_proj and the post-attention norm inside the gated MLP: on CPU (reference norm first) the tokens and
-    logits are bitwise those of the unfolded layers; the prompt (many positions) is not folded. int4-weight may come
-    before or after the fusion (the recipes apply it after)."""
+    add inside o_proj and the post-attention norm inside the gated MLP (with ``mlp_norm_in_gemv=False``, the q/k/v
+    part only): on CPU (reference norm first) the tokens and logits are bitwise those of the unfolded layers; the
+    prompt (many positions) is not folded. int4-weight may come before or after the fusion (the recipes apply it
+    after)."""
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     int4 = Int4WeightConfig(indivisible="pad")
@@ -226,7 +228,7 @@ def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, session, t
     greedy = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
     outputs, records = {}, {}
     for fold in (False, True):
-        fusion = RMSNormRoPEFusionConfig(norm_in_gemv=fold)
+        fusion = RMSNormRoPEFusionConfig(norm_in_gemv=fold, mlp_norm_in_gemv=mlp)
         passes = ("qkv-fuse", int4, fusion) if order == "int4-first" else ("qkv-fuse", fusion, int4)
         opt = Optimizer(tiny(name).model, session=session).apply(*passes)
         seen = _fold_counter(monkeypatch)
@@ -234,8 +236,8 @@ def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, session, t
             outputs[fold] = opt.model.generate(**inputs, **greedy)
         records[fold] = next(r.records for r in opt.results if r.name == "rmsnorm-rope-fusion")
         layers = len(records[fold]["residual_norm"])
-        # both norms of every layer in each of the two decode steps after the prompt; none without the fold
-        assert seen == (["qkv", "mlp"] * layers * 2 if fold else []), seen
+        # the folded norms of every layer in each of the two decode steps after the prompt; none without the fold
+        assert seen == ((["qkv", "mlp"] if mlp else ["qkv"]) * layers * 2 if fold else []), seen
         monkeypatch.undo()
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
     assert all(torch.equal(a, b) for a, b in zip(outputs[True].scores, outputs[False].scores, strict=True))

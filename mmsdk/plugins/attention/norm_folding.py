@@ -48,11 +48,15 @@ class NormFolding:
     """One pre-norm decoder layer's decode step with its norms and its attention's residual add folded into its
     INT4 GEMVs (module docstring)."""
 
-    def __init__(self, layer: nn.Module, adapter: ModelAdapter, input_norm: str, post_norm: FusedAddRMSNorm) -> None:
+    def __init__(self, layer: nn.Module, adapter: ModelAdapter, input_norm: str, post_norm: FusedAddRMSNorm,
+                 fold_mlp: bool = True) -> None:
         self.layer = layer
         self.adapter = adapter
         self.input_norm = input_norm
         self.post_norm = post_norm
+        # False: only the input norm moves into the q/k/v GEMV; the attention's residual add and the post-attention
+        # norm stay one add + RMSNorm launch, as in the unfolded layer
+        self.fold_mlp = fold_mlp
 
     def readers(self, attention: nn.Module) -> tuple[list[Int4Linear], Int4Linear | None] | None:
         """(the distinct INT4 layers behind q, k and v; o_proj if it is INT4), or None when the input norm cannot be
@@ -76,15 +80,22 @@ class NormFolding:
         if readers is None:
             return None
         qkv, o_proj = readers
-        total = self._attend(hidden_states, norm, qkv, o_proj, attention, attention_kwargs)
+        if not self.fold_mlp:
+            out, _ = self._attend(hidden_states, norm, qkv, None, attention, attention_kwargs)
+            h, residual = self.post_norm(out, hidden_states)
+            return plus_residual(mlp, h, residual)
+        out, added = self._attend(hidden_states, norm, qkv, o_proj, attention, attention_kwargs)
+        total = out if added else hidden_states + out
         fold_mlp = normed_residual_body(mlp)
         if fold_mlp is None:
             return plus_residual(mlp, self.post_norm(total), total)
         return fold_mlp(total, self.post_norm, total)
 
     def _attend(self, hidden_states: torch.Tensor, norm: FusedAddRMSNorm, qkv: list[Int4Linear],
-                o_proj: Int4Linear | None, attention: nn.Module, attention_kwargs: dict[str, Any]) -> torch.Tensor:
-        """``hidden_states + attention(norm(hidden_states))``, the norm in the q/k/v GEMVs and the add in o_proj's."""
+                o_proj: Int4Linear | None, attention: nn.Module,
+                attention_kwargs: dict[str, Any]) -> tuple[torch.Tensor, bool]:
+        """(``attention(norm(hidden_states))`` with the norm in the q/k/v GEMVs, True when o_proj's GEMV has added
+        ``hidden_states`` to it as well): ``o_proj`` (an INT4 layer or None) is asked to add it."""
         for layer in qkv:
             layer.normalize_next(hidden_states, norm)
         if o_proj is not None:
@@ -98,7 +109,7 @@ class NormFolding:
             raise RuntimeError(f"{type(attention).__name__} did not pass its input to each of its q/k/v projections "
                                "unchanged, so they could not normalize it themselves: apply rmsnorm-rope-fusion with "
                                "norm_in_gemv=False for this model.")
-        return hidden_states + out if residual_left else out
+        return out, not residual_left
 
 
 def folds_now(layer: nn.Module, adapter: ModelAdapter) -> bool:

@@ -98,6 +98,9 @@ class RMSNormRoPEFusionConfig(PassConfig):
                                "model dtype after the norm (outputs differ from the unfolded layer by about that "
                                "rounding); needs residual_norm. Off by default: its first kernels made an H200 "
                                "decode step slower, not faster (docs/benchmarks.md).")
+    mlp_norm_in_gemv: bool = Field(True, description="With norm_in_gemv: also the attention's residual add in "
+                                   "o_proj's GEMV and the post-attention RMSNorm in the gated MLP's GEMV. False keeps "
+                                   "them one add + RMSNorm launch and folds the input norm into q/k/v only.")
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -131,7 +134,7 @@ def _fused_norm(norm: nn.Module) -> FusedAddRMSNorm | None:
 
 
 def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str],
-                         fold_into_gemvs: bool) -> list[str]:
+                         config: RMSNormRoPEFusionConfig) -> list[str]:
     fused_names = []
     names = {id(m): n for n, m in model.named_modules()}
     for layer in adapter.decoder_layers(model):
@@ -144,7 +147,8 @@ def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[
             skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
             continue
         setattr(layer, norms[1], fused)
-        folding = NormFolding(layer, adapter, norms[0], fused) if fold_into_gemvs else None
+        folding = (NormFolding(layer, adapter, norms[0], fused, config.mlp_norm_in_gemv) if config.norm_in_gemv
+                   else None)
         set_forward_body(layer, _fused_layer_body(layer, adapter, norms[0], fused, folding))
         fused_names.append(names[id(layer)])
     return fused_names
@@ -349,7 +353,7 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
                                "rmsnorm_rope": [],
                                "mrope_tables": None, "rope_tables": None}
     if config.residual_norm:
-        records["residual_norm"] = _fuse_residual_norms(model, adapter, skipped, config.norm_in_gemv)
+        records["residual_norm"] = _fuse_residual_norms(model, adapter, skipped, config)
         # layers whose decode steps fold their norms into the GEMVs now (q/k/v already INT4); int4-weight applied
         # after this pass makes the others fold too: a layer looks its projections up on each call
         records["norm_in_gemv"] = [name for name, layer in model.named_modules()
