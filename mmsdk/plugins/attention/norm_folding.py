@@ -1,9 +1,10 @@
 """A decoder layer's decode step with its RMSNorms inside its INT4 GEMVs (``rmsnorm-rope-fusion``, ``norm_in_gemv``).
 
-Off by default: on an H200 the first form of the folded kernels (each program reading the whole row again after its
-K loop for the norm's scale, fp32 factors) made the Llama-7B g32 step 2.144 ms against 1.969 unfolded
-(benchmarks/results/h200_decode_reuse_norms_folded.json); the second form (squares summed in the K loop, bf16
-factors) is not measured yet.
+On an H200 (docs/benchmarks.md, benchmarks/results/h200_decode_reuse_norm_in_qkv.json) the input norm inside the
+q/k/v GEMV made the Llama-7B g32 step 1.895-1.897 ms against 1.978 unfolded, and Qwen2-VL-7B g128 2.175-2.177 ms
+against 2.233: rmsnorm-rope-fusion does it by default. The post-attention norm inside the gated GEMV (``fold_mlp``,
+``mlp_norm_in_gemv``) costs that kernel about 2.5 µs more than the launch it saves, so it is off by default (both
+norms folded: 1.917 ms and 2.309 ms).
 
 A pre-norm layer runs ``norm -> attention -> add + norm -> MLP -> add``; in a batch-1 decode step each norm is a
 launch of its own between two GEMVs (on an H200 about 2.9 µs each, 186 µs of a 1.97 ms Llama-7B step). Where the
@@ -12,9 +13,10 @@ runs instead:
 
 * the input norm inside the q/k/v GEMV: each projection is handed the norm for its next call on the layer's input
   (:meth:`Int4Linear.normalize_next`) and the attention gets the un-normalized input;
-* the attention's residual add in the o_proj GEMV's last store (:meth:`Int4Linear.add_next`);
-* the post-attention norm inside the MLP's paired gate/up GEMV, and its residual add in the down projection's
-  store (the gated MLP's ``normed_residual_body``, mmsdk/plugins/quantizers/int4_mlp.py).
+* with ``fold_mlp`` only: the attention's residual add in the o_proj GEMV's last store
+  (:meth:`Int4Linear.add_next`), and the post-attention norm inside the MLP's paired gate/up GEMV with its residual
+  add in the down projection's store (the gated MLP's ``normed_residual_body``, mmsdk/plugins/quantizers/int4_mlp.py).
+  Without it the attention's output and the residual take one add + RMSNorm launch, as in the unfolded layer.
 
 What cannot take its part runs as before (a torch add, a norm kernel). Nothing else may read the normalized input:
 the fold is skipped while hooks or wrappers observe the attention or the MLP, and a step whose attention did not

@@ -16,11 +16,12 @@
 * RMSNorm + RoPE where they are adjacent (per-head q/k norms, Qwen3-VL): the norms become
   :class:`DeferredRMSNorm` (same weights, identity in place) and :class:`FusedRMSNormRoPE`
   normalizes and rotates q and k in one op.
-* Norms inside the GEMVs (``norm_in_gemv``, off by default until it measures faster): in decode
-  steps of layers whose projections are INT4 (``int4-weight``), the input norm runs inside the q/k/v
-  GEMV, the attention's residual add in o_proj's and the post-attention norm inside the gated MLP's
-  gate/up GEMV (mmsdk/plugins/attention/norm_folding.py): no norm launches left between a step's
-  GEMVs. On CUDA this is not bitwise the unfolded layer: the folded kernels skip the rounding of the
+* Norms inside the GEMVs (``norm_in_gemv``, on by default): in decode steps of layers whose
+  projections are INT4 (``int4-weight``), each layer's input norm runs inside its q/k/v GEMV
+  (mmsdk/plugins/attention/norm_folding.py), one launch less per layer. ``mlp_norm_in_gemv`` (off:
+  slower on an H200) also moves the attention's residual add into o_proj's GEMV and the
+  post-attention norm into the gated MLP's gate/up GEMV. On CUDA this is not bitwise the unfolded
+  layer: the folded kernels skip the rounding of the
   normalized activations (mmsdk/kernels/norm_fold.py).
 
 Every replacement is checked on a probe against the module it replaces (bitwise in the model's
@@ -91,16 +92,15 @@ class RMSNormRoPEFusionConfig(PassConfig):
     rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
                                     "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
                                     "separate RoPE launch (bitwise the same numbers on an H200).")
-    norm_in_gemv: bool = Field(False, description="In decode steps of layers with INT4 projections (int4-weight), run "
-                               "the input RMSNorm inside the q/k/v GEMV, the attention's residual add in o_proj's and "
-                               "the post-attention RMSNorm inside the gated MLP's gate/up GEMV: no norm launches "
-                               "between GEMVs. On CUDA the activations the GEMVs multiply are not rounded to the "
-                               "model dtype after the norm (outputs differ from the unfolded layer by about that "
-                               "rounding); needs residual_norm. Off by default: its first kernels made an H200 "
-                               "decode step slower, not faster (docs/benchmarks.md).")
-    mlp_norm_in_gemv: bool = Field(True, description="With norm_in_gemv: also the attention's residual add in "
-                                   "o_proj's GEMV and the post-attention RMSNorm in the gated MLP's GEMV. False keeps "
-                                   "them one add + RMSNorm launch and folds the input norm into q/k/v only.")
+    norm_in_gemv: bool = Field(True, description="In decode steps of layers with INT4 projections (int4-weight), run "
+                               "the input RMSNorm inside the q/k/v GEMV: one norm launch less per layer (on an H200 "
+                               "about 2-3 µs each, docs/benchmarks.md). On CUDA the activations the GEMV multiplies "
+                               "are not rounded to the model dtype after the norm (outputs differ from the unfolded "
+                               "layer by about that rounding); needs residual_norm.")
+    mlp_norm_in_gemv: bool = Field(False, description="With norm_in_gemv: also the attention's residual add in "
+                                   "o_proj's GEMV and the post-attention RMSNorm in the gated MLP's GEMV, no norm "
+                                   "launches left between GEMVs. Off by default: the gated GEMV with the norm inside "
+                                   "costs more than the launch it saves on an H200 (docs/benchmarks.md).")
 
 
 def _eps(norm: nn.Module) -> float | None:
