@@ -172,10 +172,10 @@ def test_rope_inside_the_attention_kernel_changes_no_token(name, session, tiny, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name, mlp", [("tiny:llava", True), ("tiny:qwen2-vl", True), ("tiny:qwen2-vl", False)])
 def test_norms_inside_the_gemvs_keep_the_answers(name, mlp, session, tiny, monkeypatch):
-    """With each decode step's RMSNorms inside the INT4 GEMVs (rmsnorm-rope-fusion's norm_in_gemv; with ``mlp`` False
-    the input norm only, mlp_norm_in_gemv), a decode step's
-    logits are those of the unfolded layers up to bf16 rounding (not bitwise: the folded kernels skip a rounding of
-    the activations), compared at every step while the two answers agree (a tiny random model has near-ties)."""
+    """With each decode step's RMSNorms inside the INT4 GEMVs (rmsnorm-rope-fusion's norm_in_gemv; with ``mlp``
+    False the input norm only, mlp_norm_in_gemv=False), a decode step's logits are those of the unfolded layers up to
+    bf16 rounding (not bitwise: the folded kernels skip a rounding of the activations), compared at every step while
+    the two answers agree (a tiny random model has near-ties)."""
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
     from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 

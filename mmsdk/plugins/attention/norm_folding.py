@@ -47,8 +47,9 @@ def _linear(module: Any) -> Any:
 
 
 class NormFolding:
-    """One pre-norm decoder layer's decode step with its norms and its attention's residual add folded into its
-    INT4 GEMVs (module docstring)."""
+    """One pre-norm decoder layer's decode step with its input norm folded into its INT4 q/k/v GEMVs and, with
+    ``fold_mlp``, its attention's residual add and post-attention norm into o_proj and the gated MLP (module
+    docstring)."""
 
     def __init__(self, layer: nn.Module, adapter: ModelAdapter, input_norm: str, post_norm: FusedAddRMSNorm,
                  fold_mlp: bool = True) -> None:

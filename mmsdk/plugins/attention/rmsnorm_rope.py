@@ -21,8 +21,8 @@
   (mmsdk/plugins/attention/norm_folding.py), one launch less per layer. ``mlp_norm_in_gemv`` (off:
   slower on an H200) also moves the attention's residual add into o_proj's GEMV and the
   post-attention norm into the gated MLP's gate/up GEMV. On CUDA this is not bitwise the unfolded
-  layer: the folded kernels skip the rounding of the
-  normalized activations (mmsdk/kernels/norm_fold.py).
+  layer: the folded kernels skip the rounding of the normalized activations
+  (mmsdk/kernels/norm_fold.py).
 
 Every replacement is checked on a probe against the module it replaces (bitwise in the model's
 dtype) and skipped, with the reason in the records, if it would not be exact (the folded norms
