@@ -51,8 +51,8 @@ class NormFolding:
     ``fold_mlp``, its attention's residual add and post-attention norm into o_proj and the gated MLP (module
     docstring)."""
 
-    def __init__(self, layer: nn.Module, adapter: ModelAdapter, input_norm: str, post_norm: FusedAddRMSNorm,
-                 fold_mlp: bool = True) -> None:
+    def __init__(self, layer: nn.Module, adapter: ModelAdapter, input_norm: str, post_norm: FusedAddRMSNorm, *,
+                 fold_mlp: bool = False) -> None:
         self.layer = layer
         self.adapter = adapter
         self.input_norm = input_norm

@@ -147,8 +147,8 @@ def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[
             skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
             continue
         setattr(layer, norms[1], fused)
-        folding = (NormFolding(layer, adapter, norms[0], fused, config.mlp_norm_in_gemv) if config.norm_in_gemv
-                   else None)
+        folding = (NormFolding(layer, adapter, norms[0], fused, fold_mlp=config.mlp_norm_in_gemv)
+                   if config.norm_in_gemv else None)
         set_forward_body(layer, _fused_layer_body(layer, adapter, norms[0], fused, folding))
         fused_names.append(names[id(layer)])
     return fused_names
