@@ -14,10 +14,10 @@ before they wait; ``step_ms_without_pdl`` is the same step captured with ``MMSDK
 ``--stacks`` picks stacks by key (default ``g32,g128``; ``g32_rope_outside`` / ``g128_rope_outside`` are the same
 with each step's RoPE in a launch of its own, rmsnorm-rope-fusion's ``rope_in_attention=False``; ``qwen_g128`` and
 ``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes; the default stacks run each layer's input RMSNorm
-inside its q/k/v GEMV (rmsnorm-rope-fusion's default ``norm_in_gemv=True``), ``g32_norms_unfolded`` /
-``qwen_g128_norms_unfolded`` every norm as a launch (``norm_in_gemv=False``) and ``g32_norms_folded`` /
-``qwen_g128_norms_folded`` the post-attention norm inside the gated GEMV as well (``mlp_norm_in_gemv=True``); the
-keys of
+inside its q/k/v GEMV and their attention's o_proj leaves the post-attention norm's statistics for the gated GEMV
+(rmsnorm-rope-fusion's defaults ``norm_in_gemv=True``, ``mlp_norm_in_gemv=True``), ``g32_norm_in_qkv_only`` /
+``qwen_g128_norm_in_qkv_only`` run the post-attention norm as a launch (``mlp_norm_in_gemv=False``) and
+``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``); the keys of
 ``_PINNED`` pin some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` /
 ``g32_combine_free`` time the g32 step with its norms or its attention combines replaced by nothing,
 ``_FREE``: wrong outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone
@@ -116,7 +116,7 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     outside = RMSNormRoPEFusionConfig(rope_in_attention=False)
-    folded = RMSNormRoPEFusionConfig(mlp_norm_in_gemv=True)
+    qkv_only = RMSNormRoPEFusionConfig(mlp_norm_in_gemv=False)
     unfolded = RMSNormRoPEFusionConfig(norm_in_gemv=False)
     g128 = Int4WeightConfig(group_size=128)
     return {
@@ -128,10 +128,10 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
         "g32": ("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv", "llava",
                 ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
         "g128": ("same with int4-weight g128", "llava", ("qkv-fuse", g128, "rmsnorm-rope-fusion")),
-        "g32_norms_folded": ("g32, both RMSNorms inside the GEMVs (mlp_norm_in_gemv=True)", "llava",
-                             ("qkv-fuse", "int4-weight", folded)),
-        "qwen_g128_norms_folded": ("Qwen2-VL-7B shapes, g128, both RMSNorms inside the GEMVs", "qwen2-vl",
-                                   ("qkv-fuse", g128, folded)),
+        "g32_norm_in_qkv_only": ("g32, the post-attention RMSNorm a launch (mlp_norm_in_gemv=False)", "llava",
+                                 ("qkv-fuse", "int4-weight", qkv_only)),
+        "qwen_g128_norm_in_qkv_only": ("Qwen2-VL-7B shapes, g128, the post-attention RMSNorm a launch", "qwen2-vl",
+                                       ("qkv-fuse", g128, qkv_only)),
         "g32_norms_unfolded": ("g32, every RMSNorm a launch of its own (norm_in_gemv=False)", "llava",
                                ("qkv-fuse", "int4-weight", unfolded)),
         "qwen_g128_norms_unfolded": ("Qwen2-VL-7B shapes, g128, every RMSNorm a launch of its own", "qwen2-vl",
@@ -149,7 +149,8 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
 
 # The tuner's key of each decode-step GEMV: ("gemv", rows bucket, N, K groups, group, bias, norm folded) or ("gated",
 # N, K groups, group, norm folded), dtype bf16 and no zero points added by pinned_configs (the pinned stacks run
-# rmsnorm-rope-fusion's default: the input norm folded into q/k/v, the post-attention norm a launch).
+# rmsnorm-rope-fusion's defaults: the input norm folded into q/k/v; the gated GEMV's key is that of a plain gated GEMV
+# when o_proj leaves it the post-attention norm's statistics).
 _SHAPE_KEYS = {
     "llava": {"qkv": ("gemv", 1, 12288, 128, 32, False, True), "o_proj": ("gemv", 1, 4096, 128, 32, False, False),
               "down": ("gemv", 1, 4096, 344, 32, False, False), "gated": ("gated", 11008, 128, 32, False)},

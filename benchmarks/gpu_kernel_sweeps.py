@@ -14,6 +14,9 @@
 * ``step_folds``: the step's GEMVs that read a norm (the fused qkv and the gated MLP, LLaVA-1.5-7B g32 and
   Qwen2-VL-7B g128) with the norm folded in (mmsdk/kernels/norm_fold.py) against an add + RMSNorm launch followed
   by the plain GEMV, per config: where the folded kernels' time goes (rmsnorm-rope-fusion's ``norm_in_gemv``).
+* ``step_left_norm``: a decode step's o_proj -> post-attention norm -> gated MLP (LLaVA-1.5-7B g32, Qwen2-VL-7B
+  g128): the add + RMSNorm as a launch of its own, against o_proj's store leaving the norm's statistics for the
+  gated GEMV (mmsdk.kernels.norm_fold.NormRequest), and each kernel alone with and without its part.
 * ``mma``: the tensor-core GEMV (kind "mma") at 1, 4 and 16 rows and groups of 128 and 32, against the "quad"
   tiles, the fused kernel and bf16 cuBLAS on the same shapes.
 * ``many_rows``: 17-64 activation rows (w4a16_matmul): the fused kernel's configs against the tensor-core GEMV over
@@ -235,6 +238,72 @@ def step_folds() -> list[dict[str, Any]]:
                              "folded_us": gtime(cold(folded, *tensors)),
                              "gemv_us": gtime(cold(lambda *t, gemv=gemv: gemv(prenormalized, *t), *tensors)),
                              "folded_rel_err": rel(folded(*tensors).reshape(expected.shape), expected)}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+# (label, hidden, MLP width, group, o_proj config, gated configs)
+STEP_LEFT_NORM_CASES = (
+    ("LLaVA g32", 4096, 11008, 32, (8, 128, 4, 1, "quad", 264),
+     [(8, 128, 4, 1, "gated", 528), (8, 64, 2, 1, "gated", 528)]),
+    ("Qwen2-VL g128", 3584, 18944, 128, (8, 128, 4, 1, "quad", 264),
+     [(8, 64, 2, 1, "gated", 528), (8, 128, 4, 1, "gated", 528)]),
+)
+
+
+def step_left_norm() -> list[dict[str, Any]]:
+    """STEP_LEFT_NORM_CASES per gated config (µs, weights from HBM): ``launch_step`` (o_proj, add + RMSNorm, gated
+    GEMV), ``left_step`` (o_proj adding the residual and leaving the norm's statistics, the gated GEMV scaling by
+    them), then o_proj alone without / with the residual and statistics, the gated GEMV alone without / with the
+    scale, and the left step's error against the fp32 reference of the normalized sum."""
+    from mmsdk.kernels.norm_fold import NormRequest
+    from mmsdk.kernels.norm_rope_gpu import add_rms_norm
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    rows = []
+    for label, hidden, width, group, o_cfg, gated_cfgs in STEP_LEFT_NORM_CASES:
+        o_proj = quantize_int4(torch.randn(hidden, hidden, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+        gate, up = (quantize_int4(torch.randn(width, hidden, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+                    for _ in range(2))
+        tensors = (o_proj.qweight, o_proj.scales, gate.qweight, gate.scales, up.qweight, up.scales)
+        x, residual = (torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+        total = (residual.float() + (x.float() @ dequantize_int4(o_proj, torch.float32).T).to(torch.bfloat16)
+                 .float()).to(torch.bfloat16)
+        normalized = total.float() * torch.rsqrt(total.float().pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
+        expected = (torch.nn.functional.silu(normalized @ dequantize_int4(gate, torch.float32).T)
+                    * (normalized @ dequantize_int4(up, torch.float32).T))
+        request = NormRequest(weight, 1e-6)
+        w4a16_gemv(x, o_proj.qweight, o_proj.scales, None, group, config=o_cfg, residual=residual, leave=request)
+        statistics = request.statistics
+        row: dict[str, Any] = {"shape": label, "o_proj_config": str(o_cfg)}
+        row["o_proj_us"] = gtime(cold(lambda q, s, *_: w4a16_gemv(x, q, s, None, group, config=o_cfg), *tensors))
+        row["o_proj_leaving_us"] = gtime(cold(
+            lambda q, s, *_: w4a16_gemv(x, q, s, None, group, config=o_cfg, residual=residual,
+                                        leave=NormRequest(weight, 1e-6)), *tensors))
+        for cfg in gated_cfgs:
+            def gated(a: Any, t: Any, c: Any = cfg, statistics: Any = None) -> Any:
+                return w4a16_gated_silu(a, (t[2], t[3], None), (t[4], t[5], None), hidden, group, config=c,
+                                        statistics=statistics)
+
+            def launch_step(*t: Any, gated: Any = gated) -> Any:
+                out = w4a16_gemv(x, t[0], t[1], None, group, config=o_cfg)
+                return gated(add_rms_norm(out, residual, weight, 1e-6)[0], t)
+
+            def left_step(*t: Any, gated: Any = gated) -> Any:
+                leave = NormRequest(weight, 1e-6)
+                w4a16_gemv(x, t[0], t[1], None, group, config=o_cfg, residual=residual, leave=leave)
+                return gated(leave.statistics.scaled, t, statistics=leave.statistics)
+
+            row[str(cfg)] = {"launch_step_us": gtime(cold(launch_step, *tensors)),
+                             "left_step_us": gtime(cold(left_step, *tensors)),
+                             "gated_us": gtime(cold(lambda *t, g=gated: g(statistics.scaled, t), *tensors)),
+                             "gated_scaled_us": gtime(cold(
+                                 lambda *t, g=gated: g(statistics.scaled, t, statistics=statistics), *tensors)),
+                             "left_step_rel_err": rel(left_step(*tensors).reshape(expected.shape), expected)}
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -582,10 +651,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, mma, many_rows, pdl, gqa, mha")
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
     sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "step_folds": step_folds,
+                "step_left_norm": step_left_norm,
                 "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 

@@ -334,28 +334,30 @@ def prune_memory() -> dict[str, Any]:
         logging.getLogger("mmsdk").removeHandler(handler)
 
 
-def decode_profile() -> dict[str, Any]:
-    """Decode step on LLaVA-1.5-7B shapes (1k context) for two pass stacks, and where its GPU time goes.
+def decode_profile(model_name: str = "llava") -> dict[str, Any]:
+    """Decode step (1k context) for two pass stacks, and where its GPU time goes: LLaVA-1.5-7B shapes g32
+    (``decode_profile``) or Qwen2-VL-7B shapes g128 (``decode_profile_qwen``).
 
-    The stacks: mmsdk's decode stack (each layer's input RMSNorm inside its q/k/v gemv_quad, rmsnorm-rope-fusion's
-    default ``norm_in_gemv``), and the same with every norm an add_rms_norm launch of its own.
-    The breakdown is torch.profiler's device time per kernel name over a 32-token fast generate
-    (CUDA-graph replays included), divided by the number of graph-replayed steps.
+    The stacks: mmsdk's decode stack (rmsnorm-rope-fusion's defaults: each layer's input RMSNorm inside its q/k/v
+    gemv_quad, o_proj's store leaving the post-attention norm's statistics for the gated GEMV), and the same with
+    every norm an add_rms_norm launch of its own. The breakdown is torch.profiler's device time per kernel name over
+    a 32-token fast generate (CUDA-graph replays included), divided by the number of graph-replayed steps.
     """
     from torch.profiler import ProfilerActivity, profile
 
     import benchmarks.gpu_suite as suite
+    from benchmarks.gpu_decode_reuse import _model_and_inputs
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
-    inputs = suite.llava_inputs(1, 1024, images=False)
+    int4 = "int4-weight" if model_name == "llava" else Int4WeightConfig(group_size=128)
     out: dict[str, Any] = {}
-    stacks = (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv",
-               ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+    stacks = (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv", ("qkv-fuse", int4, "rmsnorm-rope-fusion")),
               ("the same, every norm a launch of its own (norm_in_gemv=False)",
-               ("qkv-fuse", "int4-weight", RMSNormRoPEFusionConfig(norm_in_gemv=False))))
+               ("qkv-fuse", int4, RMSNormRoPEFusionConfig(norm_in_gemv=False))))
     for label, passes in stacks:
         try:
-            model = suite.optimized(suite.build_llava(), passes, kv=True)
+            model, inputs, _ = _model_and_inputs(model_name, passes)
             row: dict[str, Any] = dict(suite.decode_rate(model, inputs, 128, 3))
             new = 32
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -378,6 +380,11 @@ def decode_profile() -> dict[str, Any]:
             traceback.print_exc()
             out[label] = {"error": repr(error)[:500]}
     return out
+
+
+def decode_profile_qwen() -> dict[str, Any]:
+    """:func:`decode_profile` on Qwen2-VL-7B shapes, g128."""
+    return decode_profile("qwen2-vl")
 
 
 def run_sections(results: dict[str, Any], names: list[str], run: Callable[[str, float], Any], out: str) -> None:

@@ -172,16 +172,24 @@ def test_rope_inside_the_attention_kernel_changes_no_token(name, session, tiny, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name, mlp", [("tiny:llava", True), ("tiny:qwen2-vl", True), ("tiny:qwen2-vl", False)])
 def test_norms_inside_the_gemvs_keep_the_answers(name, mlp, session, tiny, monkeypatch):
-    """With each decode step's RMSNorms inside the INT4 GEMVs (rmsnorm-rope-fusion's norm_in_gemv; with ``mlp``
-    False the input norm only, mlp_norm_in_gemv=False), a decode step's logits are those of the unfolded layers up to
+    """With each decode step's RMSNorms inside the INT4 GEMVs (rmsnorm-rope-fusion's norm_in_gemv; the
+    post-attention norm's statistics left by o_proj's store for the gated GEMV with ``mlp``, the input norm only
+    with ``mlp`` False, mlp_norm_in_gemv=False), a decode step's logits are those of the unfolded layers up to
     bf16 rounding (not bitwise: the folded kernels skip a rounding of the activations), compared at every step while
     the two answers agree (a tiny random model has near-ties)."""
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
     from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 
-    folded = []
-    original = Int4Linear.input_norm
+    folded, left = [], []
+    original, original_left = Int4Linear.input_norm, Int4Linear.left_statistics
     monkeypatch.setattr(Int4Linear, "input_norm", lambda self, norm: folded.append(1) or original(self, norm))
+
+    def left_statistics(self):
+        statistics = original_left(self)
+        left.append(statistics is not None)
+        return statistics
+
+    monkeypatch.setattr(Int4Linear, "left_statistics", left_statistics)
     runs = []
     for fold in (True, False):
         # one row: the quad GEMVs fold the norms in their programs (several rows run the norm kernel first)
@@ -191,7 +199,10 @@ def test_norms_inside_the_gemvs_keep_the_answers(name, mlp, session, tiny, monke
             runs.append(opt.model.generate(**inputs, max_new_tokens=8, do_sample=False, output_scores=True,
                                            return_dict_in_generate=True))
         assert bool(folded) == fold
+        # with the MLP's norm: o_proj's store left its statistics at every decode step's layer
+        assert all(left) and bool(left) == (fold and mlp), left
         folded.clear()
+        left.clear()
     new = runs[0].sequences.shape[1] - len(runs[0].scores)
     compared = 0
     for step, (a, b) in enumerate(zip(runs[0].scores, runs[1].scores, strict=True)):

@@ -203,6 +203,61 @@ def test_w4a16_gemvs_fold_an_rmsnorm_into_their_input(target, symmetric):
         assert _rel(out, expected) < tol, (config, splits)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gemv_store_leaves_rmsnorm_statistics_the_gated_gemv_scales_by(target, symmetric):
+    """o_proj's GEMV with the residual in its store leaves, for the RMSNorm that reads the sum, ``weight * sum`` and
+    partial sums of squares (its direct store, or the K slices' sum); the gated MLP's paired GEMV reads the scaled
+    input with the plain K loop and scales its products by ``1 / rms`` (every paired kind, one slice or several)."""
+    from mmsdk.kernels.norm_fold import NormRequest
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
+
+    device, dtype, tol = target
+    eps = 1e-6
+    k = 296  # the norm's width: o_proj's N, the gated GEMV's K (padded past it in the packed weights)
+    for o_config, o_splits, gated_config, gated_splits in (((8, 4, 2, 1, "quad"), 1, (16, 4, 4, 1, "gated"), 1),
+                                                           ((16, 2, 4, 1, "quad"), 3, (8, 2, 2, 1, "gated"), 3),
+                                                           ((8, 8, 2, 1, "quadp"), 1, (16, 4, 4, 1, "quad"), 2),
+                                                           ((8, 2, 2, 1, "quad"), 2, (16, 2, 4, 1, "quadp"), 1)):
+        o_proj = quantize_int4(torch.randn(k, 256, device=device), 32, symmetric=symmetric, scale_dtype=dtype)
+        attention = torch.randn(1, 256, device=device).to(dtype)
+        residual = (torch.randn(1, k, device=device) * 3 + 1).to(dtype)
+        weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+        request = NormRequest(weight, eps)
+        total = w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, config=o_config,
+                           splits=o_splits, residual=residual, leave=request)
+        plain = w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, config=o_config,
+                           splits=o_splits)
+        assert torch.equal(total, residual + plain)
+        statistics = request.statistics
+        assert statistics is not None and torch.equal(statistics.scaled, (total.float() * weight.float()).to(dtype))
+        assert torch.allclose(statistics.squares.sum(1), total.float().pow(2).sum(1), rtol=1e-5)
+        h = _rms_normalized(total, weight, eps)
+        assert _rel(statistics.normalized(), h) < tol
+        gate, up = (quantize_int4(torch.randn(40, k, device=device), 32, symmetric=symmetric, scale_dtype=dtype)
+                    for _ in range(2))
+        expected = (torch.nn.functional.silu(h @ dequantize_int4(gate, torch.float32).T)
+                    * (h @ dequantize_int4(up, torch.float32).T))
+        out = w4a16_gated_silu(statistics.scaled, (gate.qweight, gate.scales, gate.zero_points),
+                               (up.qweight, up.scales, up.zero_points), k, 32, config=gated_config,
+                               splits=gated_splits, statistics=statistics)
+        assert _rel(out, expected) < tol, (o_config, gated_config)
+    # kinds that cannot leave them (several rows; a "fma" GEMV) leave none, and the reader runs the norm itself
+    for rows, config in ((2, (8, 4, 2, 1, "quad")), (1, (16, 2, 4, 4, "fma"))):
+        request = NormRequest(weight, eps)
+        total = w4a16_gemv(attention.expand(rows, 256).contiguous(), o_proj.qweight, o_proj.scales,
+                           o_proj.zero_points, 32, config=config, residual=residual.expand(rows, k).contiguous(),
+                           leave=request)
+        assert request.statistics is None and total.shape == (rows, k)
+    with pytest.raises(ValueError, match="request the statistics of the norm that reads this output"):
+        w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, config=(8, 4, 2, 1, "quad"),
+                   residual=residual, leave=NormRequest(weight[:8], eps))
+    with pytest.raises(ValueError, match="not both"):
+        w4a16_gated_silu(statistics.scaled, (gate.qweight, gate.scales, gate.zero_points),
+                         (up.qweight, up.scales, up.zero_points), k, 32, statistics=statistics,
+                         norm=object())
+
+
 def _gated_problem(n: int, k: int, group: int, symmetric: bool, device: str, dtype: torch.dtype) -> tuple:
     """(x [1, 1, k], gate and up as (qweight, scales, zero_points), silu(x Wg^T) * (x Wu^T) from the dequantized
     weights in fp32)."""

@@ -183,22 +183,22 @@ def test_torch_export_round_trip(session, tiny, tmp_path):
 
 
 def _fold_counter(monkeypatch) -> list[str]:
-    """Records each norm handed to an INT4 q/k/v layer (Int4Linear.input_norm, "qkv") or to a gated MLP's paired
-    GEMV ("mlp"; on CPU that kernel declines and the MLP runs the norm first), and each hand-off a layer's call
-    left untaken ("left": o_proj's residual, a q/k/v norm)."""
-    from mmsdk.plugins.quantizers import int4_mlp
+    """Records each norm handed to an INT4 q/k/v layer (Int4Linear.input_norm, "qkv") or asked of o_proj's store,
+    which leaves the post-attention norm's statistics for the gated MLP's GEMV ("mlp"; on CPU no kernel leaves them
+    and the norm runs first), and each hand-off a layer's call left untaken ("left": o_proj's residual, a q/k/v
+    norm)."""
     from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 
     seen: list[str] = []
-    norm_of, gated_silu = Int4Linear.input_norm, int4_mlp._gated_silu
+    norm_of, add_next = Int4Linear.input_norm, Int4Linear.add_next
 
     def input_norm(self, norm):
         seen.append("qkv")
         return norm_of(self, norm)
 
-    def paired(x, gate, up, norm=None):
+    def add_with_norm(self, residual, norm=None):
         seen.extend(["mlp"] if norm is not None else [])
-        return gated_silu(x, gate, up, norm)
+        return add_next(self, residual, norm)
 
     def clear_next(self):
         left = clear(self)
@@ -208,7 +208,7 @@ def _fold_counter(monkeypatch) -> list[str]:
     clear = Int4Linear.clear_next
     monkeypatch.setattr(Int4Linear, "input_norm", input_norm)
     monkeypatch.setattr(Int4Linear, "clear_next", clear_next)
-    monkeypatch.setattr(int4_mlp, "_gated_silu", paired)
+    monkeypatch.setattr(Int4Linear, "add_next", add_with_norm)
     return seen
 
 
@@ -217,10 +217,10 @@ def _fold_counter(monkeypatch) -> list[str]:
                                               ("tiny:qwen2-vl", "int4-first", False)])
 def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, session, tiny, monkeypatch):
     """With INT4 projections, each decode step's input norm runs inside the q/k/v projection, the attention's residual
-    add inside o_proj and the post-attention norm inside the gated MLP (with ``mlp_norm_in_gemv=False``, the q/k/v
-    part only): on CPU (reference norm first) the tokens and logits are bitwise those of the unfolded layers; the
-    prompt (many positions) is not folded. int4-weight may come before or after the fusion (the recipes apply it
-    after)."""
+    add inside o_proj, whose store is asked for the post-attention norm's statistics (with
+    ``mlp_norm_in_gemv=False``, the q/k/v part only): on CPU (reference norm first) the tokens and logits are bitwise
+    those of the unfolded layers; the prompt (many positions) is not folded. int4-weight may come before or after the
+    fusion (the recipes apply it after)."""
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     int4 = Int4WeightConfig(indivisible="pad")
@@ -237,7 +237,7 @@ def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, sessi
         records[fold] = next(r.records for r in opt.results if r.name == "rmsnorm-rope-fusion")
         layers = len(records[fold]["residual_norm"])
         # the folded norms of every layer in each of the two decode steps after the prompt; none without the fold
-        assert seen == ((["qkv", "mlp"] if mlp else ["qkv"]) * layers * 2 if fold else []), seen
+        assert seen == ((["mlp", "qkv"] if mlp else ["qkv"]) * layers * 2 if fold else []), seen
         monkeypatch.undo()
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
     assert all(torch.equal(a, b) for a, b in zip(outputs[True].scores, outputs[False].scores, strict=True))

@@ -11,8 +11,10 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_quad_triton import (
+    load_norm_parts,
     norm_scale,
     quad_step,
+    rms_from_parts,
     silu_times,
     squares_at,
     step_activations,
@@ -87,7 +89,8 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
                     stride_xm, stride_zn, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, DIRECT: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False,
                     ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-                    NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False):
+                    NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False, sq_ptr=None, n_parts=0,
+                    PARTS: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False):
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row per program: each program the same rows of both.
 
     Gate (``w/s/z``) and up (``w2/s2/z2``, same shape) rows ``rn`` are two accumulators over the same
@@ -99,6 +102,10 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     :func:`gemv_quad`'s; a tile carries twice its weight bytes per thread and step. ``PDL`` as in
     :func:`gemv_quad`: the first step's words and scales of both weights load before the wait. ``NORM``
     as in :func:`gemv_quad` (a decoder layer's post-attention RMSNorm read by its MLP): both products scaled.
+    With ``ROW_SCALE`` ``x`` is an RMSNorm's input times its weight, as the kernel that computed the input left it
+    (``LEAVE_NORM`` in :func:`gemv_quad`), and its sums of squares (``n_parts`` per row at ``sq_ptr``, loaded and reduced
+    after the wait): both products are scaled by ``1 / rms`` (``eps``); the K loop is the
+    plain one.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -125,6 +132,8 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
         up += up_step
         ssq += squares_at(x_row, w_begin, w_end, rc, K_in, True, NORM, WHOLE_ROW)
         w_loop = w_begin + 4 * BLOCK_C
+    if ROW_SCALE:  # reduced now: one register through the K loop, and no round trip after it
+        row_scale = rms_from_parts(load_norm_parts(sq_ptr, row, n_parts, PARTS), K_in, eps)
     full_end = whole_steps_end(w_loop, w_end, K_in, 4 * BLOCK_C)
     # the whole steps without K masks (every word and activation exists), then the slice's last, partial step
     gate, up, ssq = gated_steps(gate, up, ssq, w_loop, full_end, w_ptr, s_ptr, w2_ptr, s2_ptr, at, w_end, rn, rc, rw,
@@ -139,6 +148,9 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
         scale = norm_scale(ssq, x_row, K_in, eps, WHOLE_ROW, NORM_BLOCK)
         gate_out *= scale
         up_out *= scale
+    if ROW_SCALE:
+        gate_out *= row_scale
+        up_out *= row_scale
     if DIRECT:
         tl.store(out_ptr + row.to(tl.int64) * N + rn, silu_times(gate_out, up_out).to(out_ptr.dtype.element_ty),
                  mask=n_ok)

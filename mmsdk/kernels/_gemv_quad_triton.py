@@ -32,6 +32,33 @@ def add_residual(product, r_ptrs, ok, dtype: tl.constexpr, HAS_RESIDUAL: tl.cons
 
 
 @triton.jit
+def leave_norm_statistics(value, columns, ok, row, part, N, g_ptr, scaled_ptr, sq_ptr, n_parts):
+    """What the RMSNorm that reads this store needs, left by the store (mmsdk.kernels.norm_fold.NormStatistics):
+    ``weight * value`` rounded to the model dtype at ``scaled[row, columns]`` and the sum of ``value**2`` over these
+    columns at ``sq[row, part]`` (fp32), so that its reader scales its finished sums by ``1 / rms`` instead of a norm
+    launch normalizing its input. ``value`` is what the store wrote (the model dtype), ``ok`` the columns that
+    exist."""
+    v = tl.where(ok, value.to(tl.float32), 0.0)
+    w = tl.load(g_ptr + columns, mask=ok, other=0.0).to(tl.float32)
+    tl.store(scaled_ptr + row.to(tl.int64) * N + columns, (v * w).to(scaled_ptr.dtype.element_ty), mask=ok)
+    tl.store(sq_ptr + row * n_parts + part, tl.sum(v * v, 0))
+
+
+@triton.jit
+def load_norm_parts(sq_ptr, row, n_parts, PARTS: tl.constexpr):
+    """Row ``row``'s partial sums of squares (:func:`leave_norm_statistics`), ``[PARTS]`` fp32, zeros past
+    ``n_parts`` (:func:`rms_from_parts` reduces them)."""
+    at = tl.arange(0, PARTS)
+    return tl.load(sq_ptr + row * n_parts + at, mask=at < n_parts, other=0.0)
+
+
+@triton.jit
+def rms_from_parts(parts, K_in, eps):
+    """``1 / sqrt(sum(parts) / K_in + eps)``: an RMSNorm's scale from :func:`load_norm_parts`."""
+    return tl.math.rsqrt(tl.sum(parts, 0) / K_in + eps)
+
+
+@triton.jit
 def nibble_factor(P: tl.constexpr):
     """2**(85 - P): turns a nibble left at bit position ``P`` of a float's bit pattern into ``code * 2**-64``.
 
@@ -284,7 +311,8 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
               HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, PAIRED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
               HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0,
-              NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False):
+              NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False,
+              g_ptr=None, scaled_ptr=None, sq_ptr=None, LEAVE_NORM: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -337,6 +365,11 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     channel's nibble factor), and the row's ``1 / rms`` scales the sum before the bias: the norm's own launch is
     gone from a decode step. With ``WHOLE_ROW`` (one K slice) the K loop sums the squares of the activations it
     loads, otherwise the row is read again after it (:func:`norm_scale`, ``eps``, ``NORM_BLOCK``).
+
+    With ``LEAVE_NORM`` and ``DIRECT`` the output is an RMSNorm's input (its weight at ``g_ptr``), and the store
+    also leaves that norm's statistics for the norm's reader (:func:`leave_norm_statistics`: ``n_blocks`` parts per
+    row at ``sq_ptr``, ``weight * out`` at ``scaled_ptr``): a decoder layer's attention output plus residual, which
+    its gated MLP reads.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -409,6 +442,9 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
         if HAS_BIAS:
             out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         residual = r_ptr + row.to(tl.int64) * N + rn
-        tl.store(dst, add_residual(out, residual, n_ok, out_ptr.dtype.element_ty, HAS_RESIDUAL), mask=n_ok)
+        value = add_residual(out, residual, n_ok, out_ptr.dtype.element_ty, HAS_RESIDUAL)
+        tl.store(dst, value, mask=n_ok)
+        if LEAVE_NORM:
+            leave_norm_statistics(value, rn, n_ok, row, pid_n, N, g_ptr, scaled_ptr, sq_ptr, n_blocks)
     else:
         tl.store(dst, out, mask=n_ok)

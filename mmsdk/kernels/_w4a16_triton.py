@@ -8,7 +8,14 @@ import triton.language as tl
 # the batch-1 quad GEMVs and the tensor-core GEMV live in their own modules; launched through this one
 from mmsdk.kernels._gemv_mma_triton import gemv_mma
 from mmsdk.kernels._gemv_gated_triton import gemv_quad_gated
-from mmsdk.kernels._gemv_quad_triton import add_residual, gemv_quad, silu_times
+from mmsdk.kernels._gemv_quad_triton import (
+    add_residual,
+    gemv_quad,
+    leave_norm_statistics,
+    load_norm_parts,
+    rms_from_parts,
+    silu_times,
+)
 
 __all__ = ["dequant", "fused", "gemv", "gemv_mma", "gemv_quad", "gemv_quad_gated", "split_gated", "split_sum"]
 
@@ -171,24 +178,36 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
 
 @triton.jit
 def split_sum(p_ptr, b_ptr, r_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``);
-    with ``HAS_RESIDUAL`` that product plus the residual ``r`` (:func:`add_residual`)."""
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = r < MN
+              HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, g_ptr=None, scaled_ptr=None, sq_ptr=None, n_parts=0,
+              LEAVE_NORM: tl.constexpr = False):
+    """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``; programs
+    ``(column block, row)``); with ``HAS_RESIDUAL`` that product plus the residual ``r`` (:func:`add_residual`);
+    with ``LEAVE_NORM`` the statistics of the RMSNorm that reads ``out`` as well (:func:`leave_norm_statistics`,
+    one part per column block)."""
+    part, row = tl.program_id(0), tl.program_id(1)
+    columns = part * BLOCK + tl.arange(0, BLOCK)
+    ok = columns < N
+    r = row * N + columns
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         acc += tl.load(p_ptr + s * MN + r, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + r % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r, add_residual(acc, r_ptr + r, ok, out_ptr.dtype.element_ty, HAS_RESIDUAL), mask=ok)
+        acc += tl.load(b_ptr + columns, mask=ok, other=0.0).to(tl.float32)
+    value = add_residual(acc, r_ptr + r, ok, out_ptr.dtype.element_ty, HAS_RESIDUAL)
+    tl.store(out_ptr + r, value, mask=ok)
+    if LEAVE_NORM:
+        leave_norm_statistics(value, columns, ok, row, part, N, g_ptr, scaled_ptr, sq_ptr, n_parts)
+
 
 @triton.jit
-def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, sq_ptr=None, n_parts=0, K_in=1,
+                eps=0.0, PARTS: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False):
     """``out = silu(gate) * up`` from fp32 partials ``p [SPLITS, M, 2N]`` (gate at columns < N, up after).
 
     SiLU and the product run in fp32 and are rounded once (transformers rounds the SiLU output and
-    the product to the model dtype separately: the difference is one bf16 rounding).
+    the product to the model dtype separately: the difference is one bf16 rounding). With ``ROW_SCALE`` (one row)
+    both sums are scaled by the row's ``1 / rms`` first: the GEMV read an RMSNorm's input times its weight, whose
+    statistics the kernel before it left (:func:`load_norm_parts`).
     """
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < MN
@@ -198,4 +217,8 @@ def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr
     for s in tl.static_range(SPLITS):
         gate += tl.load(p_ptr + s * 2 * MN + at, mask=ok, other=0.0)
         up += tl.load(p_ptr + s * 2 * MN + at + N, mask=ok, other=0.0)
+    if ROW_SCALE:
+        scale = rms_from_parts(load_norm_parts(sq_ptr, 0, n_parts, PARTS), K_in, eps)
+        gate *= scale
+        up *= scale
     tl.store(out_ptr + r, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=ok)

@@ -9,6 +9,12 @@ multiply by anyway, :func:`quad_factors`) and scale the finished sums by ``r``, 
 after the loop. Every other kernel (several rows, prefill) gets the normalized input from the norm kernel first
 (:meth:`InputNorm.normalize`): the same launches as without the fold.
 
+The other way round, the kernel that computes a norm's input can leave what the norm's reader needs in its store
+(:class:`NormRequest`, :class:`NormStatistics`): ``weight * x`` and partial sums of ``x**2``. The reader's K loop is
+then the plain one, and only its finished sums are scaled by ``1 / rms``. A decoder layer's post-attention norm goes
+this way (o_proj's store leaves it, the gated MLP's GEMV reads it): folding that norm into the gated GEMV's K loop
+cost the loop more than the launch it saved.
+
 Rounding: the reference rounds ``x * r`` and then ``w * that`` to the model dtype before the GEMV; the folded kernel
 does not round there (its products are exact in fp32), so outputs differ from the unfolded path by about one
 rounding of the activations, averaged over K.
@@ -21,7 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["NIBBLE_FACTORS", "InputNorm", "norm_arguments", "quad_factors"]
+__all__ = ["NIBBLE_FACTORS", "InputNorm", "NormRequest", "NormStatistics", "norm_arguments", "quad_factors",
+           "row_scale_arguments"]
 
 # The factor the quad kernels multiply channel k's activation by, per k % 8: 2**(85 - P) for the bit position P at
 # which they read that nibble (mmsdk/kernels/_gemv_quad_triton.py, nibble_factor; nibbles 6 and 7 are shifted down).
@@ -79,3 +86,59 @@ def norm_arguments(norm: InputNorm | None, x: torch.Tensor, warps: int, whole_ro
 
     return dict(f_ptr=factors, eps=float(norm.eps), NORM=True, WHOLE_ROW=whole_row,
                 NORM_BLOCK=min(triton.next_power_of_2(x.shape[1]), 1024 * warps))
+
+
+@dataclass(frozen=True)
+class NormStatistics:
+    """What a store left for the RMSNorm that reads its output ``x`` (``[M, N]``): ``scaled = weight * x``, rounded
+    to the model dtype, and ``squares`` ``[M, parts]``, fp32 sums of ``x**2`` over disjoint column blocks. Then
+    ``rms_norm(x) @ W.T == (scaled @ W.T) / sqrt(squares.sum(1) / N + eps)`` up to roundings (the reference rounds
+    ``x * r`` before the weight multiplies it)."""
+
+    scaled: torch.Tensor
+    squares: torch.Tensor
+    eps: float
+
+    def normalized(self) -> torch.Tensor:
+        """The norm's output from the statistics (for a reader that cannot scale its own sums; tests)."""
+        scale = torch.rsqrt(self.squares.sum(1, keepdim=True) / self.scaled.shape[1] + self.eps)
+        return (self.scaled.float() * scale).to(self.scaled.dtype)
+
+
+class NormRequest:
+    """Asks the GEMV (or K-slice sum) whose store computes an RMSNorm's input to leave that norm's statistics.
+
+    ``weight`` and ``eps`` are the norm's. A kernel that can (a batch-1 "quad" GEMV's direct store, or the K slices'
+    sum) sets ``statistics``; it stays None where the launched kernel cannot, and the reader runs the norm itself.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        self.weight = weight
+        self.eps = float(eps)
+        self.statistics: NormStatistics | None = None
+
+    def arguments(self, out: torch.Tensor, parts: int) -> dict[str, Any]:
+        """The storing kernel's arguments (``LEAVE_NORM`` and its buffers) for ``out`` in ``parts`` column blocks per
+        row; records the statistics those buffers will hold."""
+        if self.weight.shape != (out.shape[1],) or self.weight.device != out.device:
+            raise ValueError(f"an RMSNorm weight of shape {tuple(self.weight.shape)} on {self.weight.device} cannot "
+                             f"read a GEMV output of {out.shape[1]} columns on {out.device}: request the statistics "
+                             "of the norm that reads this output.")
+        scaled = torch.empty_like(out)
+        squares = torch.empty(out.shape[0], parts, device=out.device, dtype=torch.float32)
+        self.statistics = NormStatistics(scaled, squares, self.eps)
+        return dict(g_ptr=self.weight, scaled_ptr=scaled, sq_ptr=squares, LEAVE_NORM=True)
+
+
+def row_scale_arguments(statistics: NormStatistics | None, k_in: int) -> dict[str, Any]:
+    """The reading kernel's arguments for statistics a store left (``ROW_SCALE``; none without them)."""
+    if statistics is None:
+        return {}
+    import triton
+
+    parts = statistics.squares.shape[1]
+    if statistics.scaled.shape[1] != k_in:
+        raise ValueError(f"norm statistics of {statistics.scaled.shape[1]} columns cannot scale a GEMV over {k_in} "
+                         "input channels: pass the statistics of this GEMV's input.")
+    return dict(sq_ptr=statistics.squares, n_parts=parts, PARTS=triton.next_power_of_2(parts),
+                eps=statistics.eps, ROW_SCALE=True)

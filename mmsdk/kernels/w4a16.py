@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
-from mmsdk.kernels.norm_fold import InputNorm, norm_arguments
+from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments, row_scale_arguments
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight",
@@ -131,13 +131,16 @@ def int4_linear(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     input_norm: InputNorm | None = None,
+    leave: NormRequest | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back).
 
     With ``residual`` (the output's shape): ``residual + (x @ W.T + bias)``, bitwise what torch gives for the
     two steps; the batch-1 GEMVs add it in their last store instead of a separate kernel. With ``input_norm``
     ``x`` is that norm's input: the product is ``input_norm.normalize(x) @ W.T + bias``, the norm folded into the
-    batch-1 GEMV (mmsdk.kernels.norm_fold) and run as its own kernel before the others.
+    batch-1 GEMV (mmsdk.kernels.norm_fold) and run as its own kernel before the others. ``leave`` asks the GEMVs'
+    store (with a residual folded into it) to leave the statistics of the RMSNorm that reads the output
+    (:class:`~mmsdk.kernels.norm_fold.NormRequest`; its ``statistics`` stay None where the kernel run cannot).
     """
     reason = unsupported_reason(x, qweight, scales, block_size)
     if reason is not None:
@@ -150,7 +153,8 @@ def int4_linear(
     foldable = residual is not None and residual.shape == shape and residual.dtype == x.dtype
     if flat.shape[0] <= GEMV_MAX_M and gemv_ready(qweight):
         rows = residual.reshape(flat.shape[0], -1).contiguous() if foldable else None  # type: ignore[union-attr]
-        out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows, norm=input_norm)
+        out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows, norm=input_norm,
+                         leave=leave if rows is not None else None)
         if rows is not None:
             return out.reshape(shape)
     elif flat.shape[0] <= FUSED_MAX_M:
@@ -246,13 +250,14 @@ def w4a16_gemv(
     splits: int | None = None,
     residual: torch.Tensor | None = None,
     norm: InputNorm | None = None,
+    leave: NormRequest | None = None,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
     shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product and ``norm``
-    applied to ``x`` first, as :func:`int4_linear` describes.
+    applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes.
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
@@ -268,11 +273,14 @@ def w4a16_gemv(
             if residual is not None:
                 out.add_(residual)  # bf16 + bf16 in fp32, rounded once: the same as residual + out
         else:
-            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm)
+            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm, leave=leave)
 
     weight = (qweight, scales, zero_points)
     timed = followed_by_norm(launch, out) if bucket == 1 else launch
-    launch(config or tuned_config(key, timed, gemv_candidates(bucket, block_size), block_size, weight), weight)
+    chosen = config or tuned_config(key, timed, gemv_candidates(bucket, block_size), block_size, weight)
+    if leave is not None:
+        leave.statistics = None  # the tuner's trial launches (on copies of the weight) may have set them
+    launch(chosen, weight)
     return out
 
 
@@ -286,12 +294,16 @@ def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
                 splits: int | None, second: PackedWeight | None = None, residual: torch.Tensor | None = None,
-                norm: InputNorm | None = None) -> None:
+                norm: InputNorm | None = None, leave: NormRequest | None = None,
+                row_scale: NormStatistics | None = None) -> None:
     """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
     from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
     shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
     slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
-    (mmsdk.kernels.norm_fold), by the norm kernel for the others."""
+    (mmsdk.kernels.norm_fold), by the norm kernel for the others. ``leave``: the "quad" kinds' store or the K
+    slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave none); ``row_scale``
+    (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics, applied in the
+    epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -301,6 +313,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                          "GEMV takes none: add it after the launch.")
     if norm is not None and kind not in QUAD_KINDS:
         x, norm = norm.normalize(x), None
+    if row_scale is not None and not paired:
+        raise ValueError("a GEMV applies norm statistics only as a paired (gated) GEMV: pass second= as well.")
+    if leave is not None and (kind not in QUAD_KINDS or paired or x.shape[0] != 1):
+        leave = None  # the reader runs the norm itself
     if kind == "mma":
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
         return
@@ -331,14 +347,15 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
             residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
             PDL=pdl, HAS_RESIDUAL=residual is not None and direct, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
-            **norm_arguments(norm, x, warps, n_splits == 1), **flags)
+            **norm_arguments(norm, x, warps, n_splits == 1),
+            **(leave.arguments(out, n_blocks) if leave is not None and direct else {}), **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
         if direct and residual is not None:
             out.add_(residual)
     if not direct:
-        finish_splits(target, out, bias, n_splits, paired, residual)
+        finish_splits(target, out, bias, n_splits, paired, residual, leave, row_scale, k_in)
 
 
 def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -384,21 +401,26 @@ def _check_kind(kind: str, paired: bool) -> None:
 
 
 def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,
-                  paired: bool, residual: torch.Tensor | None = None) -> None:
-    """``out`` from the fp32 partials: their sum (+ bias; then + ``residual`` as :func:`int4_linear` adds it), or
-    for a paired GEMV ``silu(gate) * up``."""
+                  paired: bool, residual: torch.Tensor | None = None, leave: NormRequest | None = None,
+                  row_scale: NormStatistics | None = None, k_in: int = 0) -> None:
+    """``out`` from the fp32 partials: their sum (+ bias; then + ``residual`` as :func:`int4_linear` adds it; with
+    ``leave`` the statistics of the norm that reads it), or for a paired GEMV ``silu(gate) * up`` (with
+    ``row_scale``, of the sums scaled by the row's ``1 / rms`` over ``k_in`` channels)."""
     import triton
 
     m, n = out.shape
     block = 1024
-    grid = (triton.cdiv(m * n, block),)
     if paired:
-        triton_kernels().split_gated[grid](partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4)
+        triton_kernels().split_gated[(triton.cdiv(m * n, block),)](
+            partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4,
+            **(row_scale_arguments(row_scale, k_in) | ({"K_in": k_in} if row_scale is not None else {})))
     else:
-        triton_kernels().split_sum[grid](partials, bias if bias is not None else partials,
-                                         residual if residual is not None else partials, out, m * n, n,
-                                         SPLITS=n_splits, HAS_BIAS=bias is not None,
-                                         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
+        parts = triton.cdiv(n, block)
+        leaving = leave.arguments(out, parts) | {"n_parts": parts} if leave is not None else {}
+        triton_kernels().split_sum[(parts, m)](partials, bias if bias is not None else partials,
+                                               residual if residual is not None else partials, out, m * n, n,
+                                               SPLITS=n_splits, HAS_BIAS=bias is not None,
+                                               HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **leaving)
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,

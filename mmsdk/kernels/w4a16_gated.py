@@ -29,7 +29,7 @@ from functools import cache
 import torch
 
 from mmsdk.kernels import note_fallback, pdl_preload_ready
-from mmsdk.kernels.norm_fold import InputNorm, norm_arguments
+from mmsdk.kernels.norm_fold import InputNorm, NormStatistics, norm_arguments, row_scale_arguments
 from mmsdk.kernels.w4a16 import (
     QUAD_KINDS,
     TARGET_PROGRAMS,
@@ -79,15 +79,20 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
 
 def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
                      config: GemvConfig | None = None, splits: int | None = None,
-                     norm: InputNorm | None = None) -> torch.Tensor | None:
+                     norm: InputNorm | None = None, statistics: NormStatistics | None = None) -> torch.Tensor | None:
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, or None (the caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
     MLP). One launch when the chosen configuration needs no K split (kind "gated"), else a GEMV launch and
     a small epilogue, where transformers runs two GEMVs, two split sums, a SiLU and a multiply. ``config``
     picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner; ``splits`` the K slices. With
-    ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs (mmsdk.kernels.norm_fold).
+    ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs (mmsdk.kernels.norm_fold); with
+    ``statistics`` ``x`` is ``statistics.scaled``, an RMSNorm's input times its weight, and the products are
+    scaled by its ``1 / rms`` at the end (what the kernel before left: mmsdk.kernels.norm_fold.NormStatistics).
     """
+    if norm is not None and statistics is not None:
+        raise ValueError("pass an RMSNorm to fold (norm=) or the statistics a store left for it (statistics=), "
+                         "not both.")
     reason = gated_silu_reason(x, gate, up, block_size)
     if reason is not None:
         note_fallback("w4a16 gated silu", reason)
@@ -101,7 +106,8 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None, norm is not None)
 
     def launch(cfg: GemvConfig, weights: tuple[torch.Tensor | None, ...]) -> None:
-        _launch_paired(flat, weights[:3], weights[3:], out, block_size, cfg, splits, norm)  # type: ignore[arg-type]
+        _launch_paired(flat, weights[:3], weights[3:], out, block_size, cfg, splits,  # type: ignore[arg-type]
+                       norm, statistics)
 
     weights = (*gate, *up)
     launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size, weights), weights)
@@ -117,14 +123,15 @@ def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
 
 
 def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
-                   cfg: GemvConfig, splits: int | None, norm: InputNorm | None = None) -> None:
-    """Launch one paired configuration: ``out = silu(x @ Wg.T) * (x @ Wu.T)`` (``norm`` as
-    :func:`w4a16_gated_silu` takes it)."""
+                   cfg: GemvConfig, splits: int | None, norm: InputNorm | None = None,
+                   statistics: NormStatistics | None = None) -> None:
+    """Launch one paired configuration: ``out = silu(x @ Wg.T) * (x @ Wu.T)`` (``norm`` and ``statistics`` as
+    :func:`w4a16_gated_silu` takes them)."""
     if len(cfg) < 5 or cfg[4] not in PAIRED_KINDS:
         raise ValueError(f"paired GEMV config {cfg!r}: use (BLOCK_N, BLOCK_C, warps, 1, KIND[, target programs]) "
                          f"with KIND one of {PAIRED_KINDS}.")
     if cfg[4] != "gated":
-        launch_gemv(x, *gate, None, out, group, cfg, splits, second=up, norm=norm)
+        launch_gemv(x, *gate, None, out, group, cfg, splits, second=up, norm=norm, row_scale=statistics)
         return
     import triton
 
@@ -144,6 +151,6 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
         zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
         zero_points.stride(0) if has_zp else 0, GROUP=group, HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n,
         BLOCK_C=block_c, PDL=pdl, ROW_MASK=n % block_n != 0, launch_pdl=pdl, num_warps=warps,
-        **norm_arguments(norm, x, warps, direct))
-    if not direct:
+        **norm_arguments(norm, x, warps, direct), **row_scale_arguments(statistics, k_in))
+    if not direct:  # the partials are scaled already
         finish_splits(target, out, None, n_splits, True)

@@ -1,10 +1,11 @@
 """A decoder layer's decode step with its RMSNorms inside its INT4 GEMVs (``rmsnorm-rope-fusion``, ``norm_in_gemv``).
 
-On an H200 (docs/benchmarks.md, benchmarks/results/h200_decode_reuse_norm_in_qkv.json) the input norm inside the
-q/k/v GEMV made the Llama-7B g32 step 1.895-1.897 ms against 1.978 unfolded, and Qwen2-VL-7B g128 2.175-2.177 ms
-against 2.233: rmsnorm-rope-fusion does it by default. The post-attention norm inside the gated GEMV (``fold_mlp``,
-``mlp_norm_in_gemv``) costs that kernel about 2.5 µs more than the launch it saves, so it is off by default (both
-norms folded: 1.917 ms and 2.309 ms).
+On an H200 (docs/benchmarks.md) the input norm inside the q/k/v GEMV made the Llama-7B g32 step 1.895-1.897 ms against
+1.978 unfolded (benchmarks/results/h200_decode_reuse_norm_in_qkv.json); o_proj's store leaving the post-attention
+norm's statistics for the gated GEMV (``fold_mlp``, ``mlp_norm_in_gemv``) took another 27 µs (Llama-7B g32, 1.896 ->
+1.869 ms) and 31 µs (Qwen2-VL-7B g128, 2.225 -> 2.195 ms) with the same GEMV configurations
+(h200_decode_reuse_left_norm.json): rmsnorm-rope-fusion does both by default. (Folding the post-attention norm into
+the gated GEMV's K loop instead cost that loop about 2.5 µs more than the launch it saved.)
 
 A pre-norm layer runs ``norm -> attention -> add + norm -> MLP -> add``; in a batch-1 decode step each norm is a
 launch of its own between two GEMVs (on an H200 about 2.9 µs each, 186 µs of a 1.97 ms Llama-7B step). Where the
@@ -13,10 +14,13 @@ runs instead:
 
 * the input norm inside the q/k/v GEMV: each projection is handed the norm for its next call on the layer's input
   (:meth:`Int4Linear.normalize_next`) and the attention gets the un-normalized input;
-* with ``fold_mlp`` only: the attention's residual add in the o_proj GEMV's last store
-  (:meth:`Int4Linear.add_next`), and the post-attention norm inside the MLP's paired gate/up GEMV with its residual
-  add in the down projection's store (the gated MLP's ``normed_residual_body``, mmsdk/plugins/quantizers/int4_mlp.py).
-  Without it the attention's output and the residual take one add + RMSNorm launch, as in the unfolded layer.
+* with ``fold_mlp``: the attention's residual add in the o_proj GEMV's last store (:meth:`Int4Linear.add_next`),
+  which also leaves the post-attention norm's statistics (``weight * sum`` and partial sums of squares,
+  mmsdk.kernels.norm_fold.NormStatistics); the MLP's paired gate/up GEMV reads them and scales its sums by the
+  row's ``1 / rms``, and the down projection's store adds the residual (the gated MLP's ``normed_residual_body``,
+  mmsdk/plugins/quantizers/int4_mlp.py). Where o_proj's kernel left no statistics, the sum takes a norm launch.
+  Without ``fold_mlp`` the attention's output and the residual take one add + RMSNorm launch, as in the unfolded
+  layer.
 
 What cannot take its part runs as before (a torch add, a norm kernel). Nothing else may read the normalized input:
 the fold is skipped while hooks or wrappers observe the attention or the MLP, and a step whose attention did not
@@ -48,17 +52,17 @@ def _linear(module: Any) -> Any:
 
 class NormFolding:
     """One pre-norm decoder layer's decode step with its input norm folded into its INT4 q/k/v GEMVs and, with
-    ``fold_mlp``, its attention's residual add and post-attention norm into o_proj and the gated MLP (module
-    docstring)."""
+    ``fold_mlp``, its attention's residual add into o_proj, whose store leaves the post-attention norm's statistics
+    for the gated MLP (module docstring)."""
 
     def __init__(self, layer: nn.Module, adapter: ModelAdapter, input_norm: str, post_norm: FusedAddRMSNorm, *,
-                 fold_mlp: bool = False) -> None:
+                 fold_mlp: bool = True) -> None:
         self.layer = layer
         self.adapter = adapter
         self.input_norm = input_norm
         self.post_norm = post_norm
         # False: only the input norm moves into the q/k/v GEMV; the attention's residual add and the post-attention
-        # norm stay one add + RMSNorm launch, as in the unfolded layer
+        # norm stay one add + RMSNorm launch, as in the unfolded layer (rmsnorm-rope-fusion's mlp_norm_in_gemv)
         self.fold_mlp = fold_mlp
 
     def readers(self, attention: nn.Module) -> tuple[list[Int4Linear], Int4Linear | None] | None:
@@ -89,10 +93,11 @@ class NormFolding:
             return plus_residual(mlp, h, residual)
         out, added = self._attend(hidden_states, norm, qkv, o_proj, attention, attention_kwargs)
         total = out if added else hidden_states + out
+        statistics = o_proj.left_statistics() if added and o_proj is not None else None
         fold_mlp = normed_residual_body(mlp)
-        if fold_mlp is None:
+        if fold_mlp is None or statistics is None:
             return plus_residual(mlp, self.post_norm(total), total)
-        return fold_mlp(total, self.post_norm, total)
+        return fold_mlp(total, self.post_norm, total, statistics)
 
     def _attend(self, hidden_states: torch.Tensor, norm: FusedAddRMSNorm, qkv: list[Int4Linear],
                 o_proj: Int4Linear | None, attention: nn.Module,
@@ -102,7 +107,7 @@ class NormFolding:
         for layer in qkv:
             layer.normalize_next(hidden_states, norm)
         if o_proj is not None:
-            o_proj.add_next(hidden_states)
+            o_proj.add_next(hidden_states, self.post_norm)
         try:
             out = attention(hidden_states=hidden_states, **attention_kwargs)[0]
         finally:

@@ -12,7 +12,8 @@ each call (transient memory only) and ``F.linear`` runs; the ``mmsdk.kernels`` l
 
 A decoder layer may hand the layer its next call's RMSNorm (:meth:`Int4Linear.normalize_next`: the call then
 gets the norm's input and computes ``linear(norm(x))``, the norm folded into the batch-1 GEMV on CUDA,
-mmsdk.kernels.norm_fold) or a residual to add (:meth:`Int4Linear.add_next`, in the GEMV's last store):
+mmsdk.kernels.norm_fold) or a residual to add (:meth:`Int4Linear.add_next`, in the GEMV's last store, which can
+also leave the statistics of the RMSNorm that reads the sum: :meth:`Int4Linear.left_statistics`):
 ``rmsnorm-rope-fusion``'s ``norm_in_gemv`` does, for one call at a time.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmsdk.kernels.norm_fold import InputNorm, quad_factors
+from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, quad_factors
 from mmsdk.plugins.quantizers.packing import PackedInt4, dequantize_int4, padded_k, quantize_int4
 
 __all__ = ["Int4Linear"]
@@ -34,6 +35,8 @@ class Int4Linear(nn.Module):
     # instance when used; None here, so a module pickled before they existed still runs
     _next_norm: tuple[torch.Tensor, nn.Module] | None = None
     _next_residual: torch.Tensor | None = None
+    _next_request: NormRequest | None = None
+    _left: NormStatistics | None = None
     _factors: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     def __init__(
@@ -116,7 +119,10 @@ class Int4Linear(nn.Module):
         if self._next_norm is not None and self._next_norm[0] is x:
             norm, self._next_norm = self._next_norm[1], None
         residual, self._next_residual = self._next_residual, None
-        return self._product(x, residual, norm)
+        request, self._next_request = self._next_request, None
+        out = self._product(x, residual, norm, request)
+        self._left = None if request is None else request.statistics
+        return out
 
     def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``, bitwise; on CUDA the batch-1 GEMV adds the residual in its last store
@@ -129,14 +135,23 @@ class Int4Linear(nn.Module):
         :meth:`clear_next`; a call on another tensor leaves it waiting."""
         self._next_norm = (x, norm)
 
-    def add_next(self, residual: torch.Tensor) -> None:
-        """Make the next call return ``residual + self(x)`` (the attention's residual add, in the GEMV's store)."""
+    def add_next(self, residual: torch.Tensor, norm: nn.Module | None = None) -> None:
+        """Make the next call return ``residual + self(x)`` (the attention's residual add, in the GEMV's store); with
+        ``norm`` (the RMSNorm that reads that sum) the store also leaves the norm's statistics where the kernel can
+        (:meth:`left_statistics`)."""
         self._next_residual = residual
+        self._next_request = None if norm is None else NormRequest(norm.weight, norm.eps)
+
+    def left_statistics(self) -> NormStatistics | None:
+        """The statistics the last call's store left for the norm :meth:`add_next` named (None where it could not),
+        once: a second look gets None."""
+        left, self._left = self._left, None
+        return left
 
     def clear_next(self) -> tuple[bool, bool]:
         """Drop what :meth:`normalize_next` / :meth:`add_next` left; (a norm was left, a residual was left)."""
         left = (self._next_norm is not None, self._next_residual is not None)
-        self._next_norm = self._next_residual = None
+        self._next_norm = self._next_residual = self._next_request = None
         return left
 
     def input_norm(self, norm: nn.Module) -> InputNorm:
@@ -149,9 +164,10 @@ class Int4Linear(nn.Module):
             self._factors = (key, quad_factors(weight, self.prequant))
         return InputNorm(weight, float(norm.eps), self._factors[1], self.prequant)
 
-    def _product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module | None = None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module | None = None,
+                 leave: NormRequest | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` (``norm(x)`` first when given), then ``residual +`` it when given (in the GEMV's last
-        store where it can)."""
+        store where it can, which fills ``leave`` where it can)."""
         folded = None if norm is None else self.input_norm(norm)
         if folded is None and self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
@@ -159,7 +175,7 @@ class Int4Linear(nn.Module):
             from mmsdk.kernels.w4a16 import int4_linear
 
             out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
-                              self.bias, residual=residual, input_norm=folded)
+                              self.bias, residual=residual, input_norm=folded, leave=leave)
             if out is not None:
                 return out
         if folded is not None:

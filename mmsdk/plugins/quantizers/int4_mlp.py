@@ -9,7 +9,8 @@ else that launch and one epilogue) and the original forward for everything else 
 AWQ pre-scales, biases). The two linears stay separate modules with their own buffers, so exports
 see exactly what they saw before. A decoder layer whose last residual add goes through
 ``plus_residual`` (``rmsnorm-rope-fusion``'s layer body) gets it from the down projection's GEMV, and one
-that folds its post-attention RMSNorm (``normed_residual_body``) gets the norm inside the paired GEMV.
+that folds its post-attention RMSNorm (``normed_residual_body``) gets the norm inside the paired GEMV, or only
+the norm's scale where o_proj's store left the norm's statistics.
 
 Only MLPs that compute ``down(silu(gate(x)) * up(x))`` get the body: checked on a probe, bitwise.
 """
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from mmsdk.core.adapter import ModelAdapter
+from mmsdk.kernels.norm_fold import NormStatistics
 from mmsdk.plugins._forward import (
     has_forward_body,
     module_body,
@@ -49,30 +51,34 @@ def _projections(mlp: nn.Module, adapter: ModelAdapter) -> tuple[Int4Linear, Int
     return (gate, up, down) if plain and same else None
 
 
-def _gated_silu(x: torch.Tensor, gate: Int4Linear, up: Int4Linear,
-                norm: nn.Module | None = None) -> torch.Tensor | None:
+def _gated_silu(x: torch.Tensor, gate: Int4Linear, up: Int4Linear, norm: nn.Module | None = None,
+                statistics: NormStatistics | None = None) -> torch.Tensor | None:
     """``silu(gate(x)) * up(x)`` from the paired kernel, or None where it cannot run; with ``norm`` (an RMSNorm)
-    of ``norm(x)``, the norm inside the kernel."""
+    of ``norm(x)``, the norm inside the kernel; with ``statistics`` (what the store of ``x`` left for that norm)
+    of ``norm(x)`` too, the kernel reading ``statistics.scaled`` and scaling its sums."""
     if not x.is_cuda:
         return None
     from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
 
-    return w4a16_gated_silu(x, (gate.qweight, gate.scales, gate.zero_points), (up.qweight, up.scales, up.zero_points),
-                            gate.in_features, gate.block_size, norm=None if norm is None else gate.input_norm(norm))
+    return w4a16_gated_silu(x if statistics is None else statistics.scaled.view_as(x),
+                            (gate.qweight, gate.scales, gate.zero_points), (up.qweight, up.scales, up.zero_points),
+                            gate.in_features, gate.block_size, norm=None if norm is None else gate.input_norm(norm),
+                            statistics=statistics)
 
 
 def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
     """Give ``mlp`` a body that runs the paired kernel where it can and the original forward elsewhere."""
     original = module_body(mlp)
 
-    def paired(x: torch.Tensor, norm: nn.Module | None = None) -> tuple[torch.Tensor, nn.Module] | None:
+    def paired(x: torch.Tensor, norm: nn.Module | None = None,
+               statistics: NormStatistics | None = None) -> tuple[torch.Tensor, nn.Module] | None:
         """(``silu(gate(x)) * up(x)`` from the paired kernel, the down projection), or None where it cannot run
-        (``norm``: of ``norm(x)``, as :func:`_gated_silu` takes it)."""
+        (``norm``, ``statistics``: of ``norm(x)``, as :func:`_gated_silu` takes them)."""
         parts = _projections(mlp, adapter)
         if parts is None:
             return None
         gate, up, down = parts
-        hidden = _gated_silu(x, gate, up, norm)
+        hidden = _gated_silu(x, gate, up, norm, statistics)
         return None if hidden is None else (hidden, down)
 
     def body(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -84,10 +90,12 @@ def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
         done = paired(x)
         return residual + original(x) if done is None else plus_residual(done[1], done[0], residual)
 
-    def normed_residual_body(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor) -> Any:
-        """``residual + body(norm(x))``; with the paired kernel the norm runs inside it and the down projection
-        adds the residual, elsewhere ``norm`` runs first."""
-        done = paired(x, norm)
+    def normed_residual_body(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor,
+                             statistics: NormStatistics | None = None) -> Any:
+        """``residual + body(norm(x))``; with the paired kernel the norm runs inside it (with ``statistics``, what
+        the store of ``x`` left for ``norm``: only its scale, after the K loop) and the down projection adds the
+        residual, elsewhere ``norm`` runs first."""
+        done = paired(x, None, statistics) if statistics is not None else paired(x, norm)
         return residual_body(norm(x), residual) if done is None else plus_residual(done[1], done[0], residual)
 
     set_forward_body(mlp, body)
