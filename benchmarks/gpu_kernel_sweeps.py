@@ -82,7 +82,8 @@ def tiles() -> list[dict[str, Any]]:
             "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
             "tuned": {"us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
                       "rel_err": rel(out, expected),
-                      "cfg": tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False))}}
+                      "cfg": tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False,
+                                                  False))}}
         measured = []
         for cfg in TILES:
             try:
@@ -112,7 +113,12 @@ STEP_GEMVS = {
 # (rows, quads, warps, kind) per-weight tiles: the tile sweeps' leaders (g128) and their neighbours
 STEP_TILES = ((8, 128, 4, "quad"), (16, 64, 2, "quad"), (8, 64, 2, "quad"), (8, 32, 1, "quad"), (4, 64, 1, "quad"),
               (8, 128, 2, "quad"), (16, 32, 2, "quad"), (16, 64, 4, "quad"), (8, 64, 2, "quadp"),
-              (8, 32, 1, "quadp"), (4, 64, 1, "quadp"))
+              (8, 32, 1, "quadp"), (4, 64, 1, "quadp"),
+              # 16 quads (64 words) per row and step: Qwen2-VL's K = 3584 (448 words per row) in 7 whole steps, where
+              # 128 quads take one step with 64 of its 512 words masked off and 64 quads take 1.75 steps (not yet run)
+              (16, 16, 1, "quad"), (32, 16, 2, "quad"), (16, 16, 2, "quad"))
+# the same for the gated kernel (rows, quads, warps), next to its own tiles (mmsdk.kernels.w4a16_gated._GATED_TILES)
+STEP_WHOLE_STEP_GATED_TILES = ((16, 16, 1), (8, 16, 1), (32, 16, 2))
 STEP_TARGETS = (264, 528, 1056, 2112)
 
 
@@ -353,7 +359,7 @@ def _step_gemv_row(label: str, p: Any, group: int, n: int, k: int, has_bias: boo
             if (block_n, block_c, warps, kind, slices) not in seen:
                 seen.add((block_n, block_c, warps, kind, slices))
                 configs.append((block_n, block_c, warps, 1, kind, target))
-    key = ("gemv", 1, n, k // group, group, torch.bfloat16, False, has_bias)
+    key = ("gemv", 1, n, k // group, group, torch.bfloat16, False, has_bias, False)  # no norm folded
     tuning().chosen.pop(key, None)  # the tuner chooses again (the slices may have changed)
     return _step_row(label, configs, run, (p.qweight, p.scales), expected, p.qweight.numel() + p.scales.numel() * 2,
                      lambda: tuning().chosen.get(key), lambda cfg: w4a16.k_slices(n, k // group, cfg[0], cfg[1],
@@ -361,7 +367,8 @@ def _step_gemv_row(label: str, p: Any, group: int, n: int, k: int, has_bias: boo
 
 
 def _step_gated_row(label: str, weights: list[Any], group: int, n: int, k: int) -> dict[str, Any]:
-    """The step's gated MLP (gate and up) over its "gated" tiles x STEP_TARGETS and two per-weight tiles."""
+    """The step's gated MLP (gate and up) over its "gated" tiles and STEP_WHOLE_STEP_GATED_TILES x STEP_TARGETS, and
+    two per-weight tiles."""
     import mmsdk.kernels.w4a16_gated as w4a16_gated
     from mmsdk.kernels.w4a16_tuning import tuning
     from mmsdk.plugins.quantizers.packing import dequantize_int4
@@ -372,7 +379,7 @@ def _step_gated_row(label: str, weights: list[Any], group: int, n: int, k: int) 
         x.float() @ dequantize_int4(up, torch.float32).T)
     configs: list[Any] = [None]
     seen = set()
-    for block_n, block_c, warps in w4a16_gated._GATED_TILES:
+    for block_n, block_c, warps in (*w4a16_gated._GATED_TILES, *STEP_WHOLE_STEP_GATED_TILES):
         for target in STEP_TARGETS:
             slices = w4a16_gated.k_slices(n, k // group, block_n, block_c, target, None)
             if (block_n, block_c, warps, slices) not in seen:
@@ -383,7 +390,7 @@ def _step_gated_row(label: str, weights: list[Any], group: int, n: int, k: int) 
     def run(gq: Any, gs: Any, uq: Any, us: Any, cfg: Any = None) -> Any:
         return w4a16_gated.w4a16_gated_silu(x, (gq, gs, None), (uq, us, None), k, group, config=cfg)
 
-    key = ("gated", n, k // group, group, torch.bfloat16, False)
+    key = ("gated", n, k // group, group, torch.bfloat16, False, False)  # no norm folded
     tuning().chosen.pop(key, None)
     return _step_row(label, configs, run, (gate.qweight, gate.scales, up.qweight, up.scales), expected,
                      2 * (gate.qweight.numel() + gate.scales.numel() * 2), lambda: tuning().chosen.get(key),
@@ -457,7 +464,7 @@ def mma() -> list[dict[str, Any]]:
                                            p.scales)),
                       "rel_err": rel(out, expected),
                       "cfg": tuning().chosen.get(("gemv", bucket, n, k // group, group, torch.bfloat16, False,
-                                                   False))}}
+                                                   False, False))}}
         measured = []
         for cfg in (*MMA_BASELINES[bucket], *_MMA_CANDIDATES):
             try:

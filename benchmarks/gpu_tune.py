@@ -140,7 +140,7 @@ def check_gated() -> list[dict[str, Any]]:
         out, ref_out = fused(), separate()
         rows.append({"shape": label, "group": group, "rel_err": rel(out, exp), "separate_rel_err": rel(ref_out, exp),
                      "paired_us": gtime(fused), "separate_us": gtime(separate),
-                     "cfg": tuning().chosen.get(("gated", n, k // group, group, torch.bfloat16, False))})
+                     "cfg": tuning().chosen.get(("gated", n, k // group, group, torch.bfloat16, False, False))})
         rows[-1]["speedup"] = rows[-1]["separate_us"] / rows[-1]["paired_us"]
         print(rows[-1], flush=True)
     return rows
