@@ -21,10 +21,13 @@ inside its q/k/v GEMV and their attention's o_proj leaves the post-attention nor
 ``_PINNED`` pin some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` /
 ``g32_combine_free`` time the g32 step with its norms or its attention combines replaced by nothing,
 ``_FREE``: wrong outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone
-(one call to tune and capture, then the replays).
+(one call to tune and capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the
+replayed step itself (:func:`search_step`: what the step reaches when its configs are ranked as the step runs them,
+not as the tuner times them alone).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
+    python benchmarks/gpu_decode_reuse.py --stacks qwen_g128 --step-only --search --out search.json
 """
 
 from __future__ import annotations
@@ -172,16 +175,74 @@ _PINNED = {
 }
 
 
+def _tuner_key(shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A ``_SHAPE_KEYS`` entry as the tuner's table keys it (bf16, no zero points)."""
+    return ((*shape[:5], torch.bfloat16, False, *shape[5:]) if shape[0] == "gemv"
+            else (*shape[:4], torch.bfloat16, False, shape[4]))
+
+
 def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """The tuner's table entries (key -> config) a stack pins; empty for the stacks that let the tuner pick."""
     model, pins = _PINNED.get(stack, ("llava", {}))
-    entries = {}
-    for projection, cfg in pins.items():
-        shape = _SHAPE_KEYS[model][projection]
-        key = ((*shape[:5], torch.bfloat16, False, *shape[5:]) if shape[0] == "gemv"
-               else (*shape[:4], torch.bfloat16, False, shape[4]))
-        entries[key] = cfg
-    return entries
+    return {_tuner_key(_SHAPE_KEYS[model][projection]): cfg for projection, cfg in pins.items()}
+
+
+def search_candidates(shape: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """What ``--search`` tries for one step GEMV: the one-row tuner's "quad" candidates, or the gated kind's."""
+    from mmsdk.kernels.w4a16 import QUAD_KINDS, gemv_candidates
+    from mmsdk.kernels.w4a16_gated import _paired_candidates
+
+    if shape[0] == "gemv":
+        return tuple(c for c in gemv_candidates(1, shape[4]) if len(c) > 4 and c[4] in QUAD_KINDS)
+    return tuple(c for c in _paired_candidates(shape[3]) if c[4] == "gated")
+
+
+def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str, Any]:
+    """The step's GEMV configs chosen by timing the replayed step itself (one round of coordinate descent).
+
+    Per projection (qkv, o_proj, down, gated), each of its candidates (:func:`search_candidates`) is pinned in the
+    tuner's table in turn, the others as chosen so far; the graph is captured again and the step timed (median of
+    three replays after a call); the fastest stays. The tuner times each GEMV alone (followed by a norm launch), which
+    does not rank its configs as the step does: this measures what the step reaches with step-ranked configs. The
+    candidates were compiled when the first call tuned them.
+    """
+    from mmsdk.kernels.fast_generate import release
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    table = tuning().chosen
+
+    def step_ms() -> float:
+        release(model)  # the next call captures the step again, with the table as it is now
+        return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+
+    out: dict[str, Any] = {"start_ms": step_ms(), "trials": [], "kept": {}}
+    best_ms = out["start_ms"]
+    for projection, shape in _SHAPE_KEYS[model_name].items():
+        key = _tuner_key(shape)
+        if key not in table:
+            out["kept"][projection] = "not run by this step (no such tuner key)"
+            continue
+        best_cfg = table[key]
+        for cfg in search_candidates(shape):
+            if cfg == best_cfg:
+                continue
+            table[key] = cfg
+            try:
+                ms = step_ms()
+            except Exception as error:  # a config that cannot run here is no candidate
+                out["trials"].append({"projection": projection, "cfg": cfg, "error": repr(error)[:200]})
+                continue
+            finally:
+                table[key] = best_cfg
+            out["trials"].append({"projection": projection, "cfg": cfg, "step_ms": ms})
+            print(projection, cfg, f"{ms:.4f} ms (best {best_ms:.4f})", flush=True)
+            if ms < best_ms:
+                best_ms, best_cfg = ms, cfg
+        table[key] = best_cfg
+        out["kept"][projection] = best_cfg
+    out["final_ms"] = step_ms()
+    release(model)
+    return out
 
 
 # Timing-only stacks (their outputs are wrong): the g32 stack with a kind of kernel replaced by nothing, to bound what
@@ -237,10 +298,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--stacks", default="g32,g128", help=f"comma-separated keys of {sorted(stacks())}")
     parser.add_argument("--step-only", action="store_true", help="measure the replayed step alone")
+    parser.add_argument("--search", action="store_true",
+                        help="then choose the step's GEMV configs by timing the replayed step (search_step)")
     args = parser.parse_args()
     chosen = {key: stacks()[key] for key in args.stacks.split(",")}
     command = f"python benchmarks/gpu_decode_reuse.py --reps {args.reps} --stacks {args.stacks}"
-    results: dict[str, Any] = {"command": command + (" --step-only" if args.step_only else ""),
+    command += (" --step-only" if args.step_only else "") + (" --search" if args.search else "")
+    results: dict[str, Any] = {"command": command,
                                "env": suite.section_env(), "rows": []}
     for key, (name, model_name, passes) in chosen.items():
         model, inputs, kv_bytes = _model_and_inputs(model_name, passes)
@@ -259,6 +323,9 @@ def main() -> None:
         row = {"stack": name, "floor_ms": floor_ms, **measured}
         row["step_over_floor"] = row["step_ms"] / floor_ms
         row["gemv_configs"] = {str(shape): cfg for shape, cfg in tuning().chosen.items() if shape not in before}
+        if args.search:
+            row["search"] = search_step(model, inputs, model_name)
+            row["search"]["floor_ms"] = floor_ms
         for shape in pins:
             tuning().chosen.pop(shape, None)
         results["rows"].append(row)
