@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -183,10 +185,10 @@ def test_torch_export_round_trip(session, tiny, tmp_path):
 
 
 def _fold_counter(monkeypatch) -> list[str]:
-    """Records each norm handed to an INT4 q/k/v layer (Int4Linear.input_norm, "qkv") or asked of o_proj's store,
-    which leaves the post-attention norm's statistics for the gated MLP's GEMV ("mlp"; on CPU no kernel leaves them
-    and the norm runs first), and each hand-off a layer's call left untaken ("left": o_proj's residual, a q/k/v
-    norm)."""
+    """Records each norm handed to an INT4 q/k/v layer (Int4Linear.input_norm, "qkv"), each residual add handed to
+    o_proj's store with the post-attention norm whose statistics it is to leave for the gated MLP's GEMV ("mlp"; on
+    CPU no kernel leaves them and the norm runs first) or without it ("residual": fp32 and fp16 models), and each
+    hand-off a layer's call left untaken ("left": o_proj's residual, a q/k/v norm)."""
     from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 
     seen: list[str] = []
@@ -197,7 +199,7 @@ def _fold_counter(monkeypatch) -> list[str]:
         return norm_of(self, norm)
 
     def add_with_norm(self, residual, norm=None):
-        seen.extend(["mlp"] if norm is not None else [])
+        seen.append("mlp" if norm is not None else "residual")
         return add_next(self, residual, norm)
 
     def clear_next(self):
@@ -212,12 +214,14 @@ def _fold_counter(monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("name, order, mlp", [("tiny:llava", "int4-first", True), ("tiny:qwen2-vl", "int4-first", True),
-                                              ("tiny:llava", "fusion-first", True),
-                                              ("tiny:qwen2-vl", "int4-first", False)])
-def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, session, tiny, monkeypatch):
+@pytest.mark.parametrize("name, order, mlp, dtype", [("tiny:llava", "int4-first", True, torch.float32),
+                                                     ("tiny:qwen2-vl", "int4-first", True, torch.float32),
+                                                     ("tiny:llava", "fusion-first", True, torch.float32),
+                                                     ("tiny:qwen2-vl", "int4-first", False, torch.float32),
+                                                     ("tiny:qwen2-vl", "int4-first", True, torch.bfloat16)])
+def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, dtype, session, tiny, monkeypatch):
     """With INT4 projections, each decode step's input norm runs inside the q/k/v projection, the attention's residual
-    add inside o_proj, whose store is asked for the post-attention norm's statistics (with
+    add inside o_proj, whose store is asked for the post-attention norm's statistics in bf16 models (with
     ``mlp_norm_in_gemv=False``, the q/k/v part only): on CPU (reference norm first) the tokens and logits are bitwise
     those of the unfolded layers; the prompt (many positions) is not folded. int4-weight may come before or after the
     fusion (the recipes apply it after)."""
@@ -225,19 +229,22 @@ def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, sessi
 
     int4 = Int4WeightConfig(indivisible="pad")
     inputs = tiny_inputs(tiny(name).processor, QUESTIONS[:1])
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     greedy = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
     outputs, records = {}, {}
     for fold in (False, True):
         fusion = RMSNormRoPEFusionConfig(norm_in_gemv=fold, mlp_norm_in_gemv=mlp)
         passes = ("qkv-fuse", int4, fusion) if order == "int4-first" else ("qkv-fuse", fusion, int4)
-        opt = Optimizer(tiny(name).model, session=session).apply(*passes)
+        model = tiny(name).model if dtype == torch.float32 else copy.deepcopy(tiny(name).model).to(dtype)
+        opt = Optimizer(model, session=session).apply(*passes)
         seen = _fold_counter(monkeypatch)
         with torch.no_grad():
             outputs[fold] = opt.model.generate(**inputs, **greedy)
         records[fold] = next(r.records for r in opt.results if r.name == "rmsnorm-rope-fusion")
         layers = len(records[fold]["residual_norm"])
         # the folded norms of every layer in each of the two decode steps after the prompt; none without the fold
-        assert seen == ((["mlp", "qkv"] if mlp else ["qkv"]) * layers * 2 if fold else []), seen
+        handed = ["mlp" if dtype == torch.bfloat16 else "residual", "qkv"] if mlp else ["qkv"]
+        assert seen == (handed * layers * 2 if fold else []), seen
         monkeypatch.undo()
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
     assert all(torch.equal(a, b) for a, b in zip(outputs[True].scores, outputs[False].scores, strict=True))

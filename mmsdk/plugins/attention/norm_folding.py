@@ -18,7 +18,8 @@ runs instead:
   which also leaves the post-attention norm's statistics (``weight * sum`` and partial sums of squares,
   mmsdk.kernels.norm_fold.NormStatistics); the MLP's paired gate/up GEMV reads them and scales its sums by the
   row's ``1 / rms``, and the down projection's store adds the residual (the gated MLP's ``normed_residual_body``,
-  mmsdk/plugins/quantizers/int4_mlp.py). Where o_proj's kernel left no statistics, the sum takes a norm launch.
+  mmsdk/plugins/quantizers/int4_mlp.py). Where o_proj's kernel left no statistics (and for fp16 models, whose
+  ``weight * sum`` could overflow), the sum takes a norm launch.
   Without ``fold_mlp`` the attention's output and the residual take one add + RMSNorm launch, as in the unfolded
   layer.
 
@@ -107,7 +108,10 @@ class NormFolding:
         for layer in qkv:
             layer.normalize_next(hidden_states, norm)
         if o_proj is not None:
-            o_proj.add_next(hidden_states, self.post_norm)
+            # the statistics hold weight * sum in the model dtype: fp16 could overflow where the normalized sum would
+            # not (outlier channels of the residual stream), bf16 has fp32's range
+            leave = self.post_norm if hidden_states.dtype == torch.bfloat16 else None
+            o_proj.add_next(hidden_states, leave)
         try:
             out = attention(hidden_states=hidden_states, **attention_kwargs)[0]
         finally:
