@@ -101,7 +101,8 @@ class RMSNormRoPEFusionConfig(PassConfig):
                                    "o_proj's GEMV, whose store leaves the post-attention RMSNorm's statistics "
                                    "(weight * input, sums of squares) for the gated MLP's GEMV, which scales its "
                                    "sums by 1 / rms: no norm launch left between GEMVs (on an H200 27-31 µs less per "
-                                   "7B decode step with the same GEMV configurations, docs/benchmarks.md).")
+                                   "7B decode step with the same GEMV configurations, docs/benchmarks.md). bf16 "
+                                   "models only: in fp16 weight * input could overflow, so fp16 keeps the launch.")
 
 
 def _eps(norm: nn.Module) -> float | None:
