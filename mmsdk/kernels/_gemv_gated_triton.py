@@ -103,9 +103,9 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     :func:`gemv_quad`: the first step's words and scales of both weights load before the wait. ``NORM``
     as in :func:`gemv_quad` (a decoder layer's post-attention RMSNorm read by its MLP): both products scaled.
     With ``ROW_SCALE`` ``x`` is an RMSNorm's input times its weight, as the kernel that computed the input left it
-    (``LEAVE_NORM`` in :func:`gemv_quad`), and its sums of squares (``n_parts`` per row at ``sq_ptr``, loaded and reduced
-    after the wait): both products are scaled by ``1 / rms`` (``eps``); the K loop is the
-    plain one.
+    (``LEAVE_NORM`` in :func:`gemv_quad`) with its partial sums of squares (``n_parts`` per row at ``sq_ptr``,
+    loaded and reduced right after the wait): the K loop is the plain one, and both products are scaled by the
+    row's ``1 / rms`` (``eps``).
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
