@@ -13,8 +13,8 @@ through a ``residual_forward(x, residual)`` method, an instance through :func:`s
 Either must be bitwise equal to the two steps; it is skipped while anything else observes the
 module's calls (forward wrappers or hooks) or once another body replaced what the module computes.
 :func:`normed_residual_body` is the same for ``residual + module(norm(x))`` (an RMSNorm folded into the
-module's first kernels, where rounding may differ: mmsdk.kernels.norm_fold), installed by
-:func:`set_normed_residual_body`.
+module's first kernels, or applied from the statistics the store of ``x`` left, where rounding may differ:
+mmsdk.kernels.norm_fold), installed by :func:`set_normed_residual_body`.
 """
 
 from __future__ import annotations
@@ -112,14 +112,15 @@ def set_residual_body(module: nn.Module, body: Callable[..., Any]) -> None:
 
 
 def set_normed_residual_body(module: nn.Module, body: Callable[..., Any]) -> None:
-    """Make ``body(x, norm, residual)`` compute ``residual + module(norm(x))`` while the module's current body stays
-    what it computes (:func:`normed_residual_body`)."""
+    """Make ``body(x, norm, residual, statistics=None)`` compute ``residual + module(norm(x))`` while the module's
+    current body stays what it computes (:func:`normed_residual_body`); ``statistics``, where given, are what the
+    store of ``x`` left for ``norm`` (mmsdk.kernels.norm_fold.NormStatistics)."""
     module.__dict__[_NORMED_RESIDUAL_ATTR] = (module.__dict__.get(BODY_ATTR), body)
 
 
 def normed_residual_body(module: nn.Module) -> Callable[..., Any] | None:
-    """The module's ``body(x, norm, residual)`` (:func:`set_normed_residual_body`), or None when it has none, another
-    body replaced what the module computes since, or something else observes its calls."""
+    """The module's ``body(x, norm, residual[, statistics])`` (:func:`set_normed_residual_body`), or None when it has
+    none, another body replaced what the module computes since, or something else observes its calls."""
     installed = module.__dict__.get(_NORMED_RESIDUAL_ATTR)
     if installed is None or installed[0] is not module.__dict__.get(BODY_ATTR) or observed(module):
         return None
