@@ -1,0 +1,52 @@
+"""benchmarks/gpu_decode_reuse.py --search: the coordinate descent over the step's GEMV configs, with the step's time
+made up (the real one needs a GPU): it keeps the fastest config per GEMV, skips configs that fail, and leaves the
+tuner's table as it chose."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
+    import benchmarks.gpu_decode_reuse as reuse
+    from mmsdk.kernels import fast_generate
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    shapes = reuse._SHAPE_KEYS["llava"]
+    keys = {name: reuse._tuner_key(shape) for name, shape in shapes.items()}
+    candidates = {name: reuse.search_candidates(shape) for name, shape in shapes.items()}
+    assert all(len(c) >= 4 for c in candidates.values())
+    assert {c[4] for c in candidates["gated"]} == {"gated"} and {c[4] for c in candidates["qkv"]} <= {"quad", "quadp"}
+    table = tuning().chosen
+    saved = dict(table)
+    try:
+        for name in ("qkv", "o_proj", "gated"):  # down: not run by this "step" (no tuner entry)
+            table[keys[name]] = candidates[name][0]
+        table.pop(keys["down"], None)
+        faster = {("qkv", candidates["qkv"][2]): 0.05, ("gated", candidates["gated"][-1]): 0.03}
+        failing = ("o_proj", candidates["o_proj"][1])
+        captured = []
+
+        def step_ms(model, inputs):  # what one call and the replays would measure with the table as it is
+            if table[keys[failing[0]]] == failing[1]:
+                raise RuntimeError("out of resources")
+            captured.append(dict(table))
+            return 2.0 - sum(gain for (name, cfg), gain in faster.items() if table[keys[name]] == cfg)
+
+        monkeypatch.setattr(reuse, "_replay_after_call", step_ms)
+        monkeypatch.setattr(fast_generate, "release", lambda model: None)
+        out = reuse.search_step(object(), {}, "llava")
+        assert out["kept"] == {"qkv": candidates["qkv"][2], "o_proj": candidates["o_proj"][0],
+                               "down": "not run by this step (no such tuner key)", "gated": candidates["gated"][-1]}
+        assert out["start_ms"] == 2.0 and out["final_ms"] == pytest.approx(1.92)
+        assert [t for t in out["trials"] if "error" in t] == [
+            {"projection": "o_proj", "cfg": failing[1], "error": "RuntimeError('out of resources')"}]
+        tried = [(t["projection"], t["cfg"]) for t in out["trials"]]
+        assert len(tried) == len(set(tried)) == sum(len(candidates[n]) - 1 for n in ("qkv", "o_proj", "gated"))
+        # each trial changed one GEMV's config, the others as chosen so far; the table keeps the choices
+        assert all(sum(trial[keys[n]] != captured[0][keys[n]] for n in ("qkv", "o_proj", "gated")) <= 2
+                   for trial in captured)
+        assert table[keys["qkv"]] == candidates["qkv"][2] and table[keys["gated"]] == candidates["gated"][-1]
+    finally:
+        table.clear()
+        table.update(saved)
