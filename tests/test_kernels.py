@@ -215,18 +215,18 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_gated_gemv_scales_by(target, s
     device, dtype, tol = target
     eps = 1e-6
     k = 296  # the norm's width: o_proj's N, the gated GEMV's K (padded past it in the packed weights)
-    for o_config, o_splits, gated_config, gated_splits in (((8, 4, 2, 1, "quad"), 1, (16, 4, 4, 1, "gated"), 1),
-                                                           ((16, 2, 4, 1, "quad"), 3, (8, 2, 2, 1, "gated"), 3),
-                                                           ((8, 8, 2, 1, "quadp"), 1, (16, 4, 4, 1, "quad"), 2),
-                                                           ((8, 2, 2, 1, "quad"), 2, (16, 2, 4, 1, "quadp"), 1)):
+    cases = (((8, 4, 2, 1, "quad"), 1, (16, 4, 4, 1, "gated"), 1), ((16, 2, 4, 1, "quad"), 3, (8, 2, 2, 1, "gated"), 3),
+             ((8, 8, 2, 1, "quadp"), 1, (16, 4, 4, 1, "quad"), 2), ((8, 2, 2, 1, "quad"), 2, (16, 2, 4, 1, "quadp"), 1))
+    for case, (o_config, o_splits, gated_config, gated_splits) in enumerate(cases):
         o_proj = quantize_int4(torch.randn(k, 256, device=device), 32, symmetric=symmetric, scale_dtype=dtype)
         attention = torch.randn(1, 256, device=device).to(dtype)
         residual = (torch.randn(1, k, device=device) * 3 + 1).to(dtype)
         weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+        bias = torch.randn(k, device=device).to(dtype) if case % 2 else None  # added before the residual
         request = NormRequest(weight, eps)
-        total = w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, config=o_config,
+        total = w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, bias, config=o_config,
                            splits=o_splits, residual=residual, leave=request)
-        plain = w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, config=o_config,
+        plain = w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, bias, config=o_config,
                            splits=o_splits)
         assert torch.equal(total, residual + plain)
         statistics = request.statistics
