@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
-from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments, row_scale_arguments
+from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
+from mmsdk.kernels.split_k import finish_splits
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight",
@@ -398,29 +399,6 @@ def _check_kind(kind: str, paired: bool) -> None:
     if paired and kind not in QUAD_KINDS:
         raise ValueError(f"the per-weight programs of a paired (gated) GEMV run the {QUAD_KINDS} kinds only, not "
                          f"{kind!r}: pass a 'quad' or 'gated' config or none.")
-
-
-def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_splits: int,
-                  paired: bool, residual: torch.Tensor | None = None, leave: NormRequest | None = None,
-                  row_scale: NormStatistics | None = None, k_in: int = 0) -> None:
-    """``out`` from the fp32 partials: their sum (+ bias; then + ``residual`` as :func:`int4_linear` adds it; with
-    ``leave`` the statistics of the norm that reads it), or for a paired GEMV ``silu(gate) * up`` (with
-    ``row_scale``, of the sums scaled by the row's ``1 / rms`` over ``k_in`` channels)."""
-    import triton
-
-    m, n = out.shape
-    block = 1024
-    if paired:
-        triton_kernels().split_gated[(triton.cdiv(m * n, block),)](
-            partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4,
-            **(row_scale_arguments(row_scale, k_in) | ({"K_in": k_in} if row_scale is not None else {})))
-    else:
-        parts = triton.cdiv(n, block)
-        leaving = leave.arguments(out, parts) | {"n_parts": parts} if leave is not None else {}
-        triton_kernels().split_sum[(parts, m)](partials, bias if bias is not None else partials,
-                                               residual if residual is not None else partials, out, m * n, n,
-                                               SPLITS=n_splits, HAS_BIAS=bias is not None,
-                                               HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **leaving)
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
