@@ -97,12 +97,10 @@ class RMSNormRoPEFusionConfig(PassConfig):
                                "about 2-3 µs each, docs/benchmarks.md). On CUDA the activations the GEMV multiplies "
                                "are not rounded to the model dtype after the norm (outputs differ from the unfolded "
                                "layer by about that rounding); needs residual_norm.")
-    mlp_norm_in_gemv: bool = Field(True, description="With norm_in_gemv: also the attention's residual add in "
-                                   "o_proj's GEMV, whose store leaves the post-attention RMSNorm's statistics "
-                                   "(weight * input, sums of squares) for the gated MLP's GEMV, which scales its "
-                                   "sums by 1 / rms: no norm launch left between GEMVs (on an H200 27-31 µs less per "
-                                   "7B decode step with the same GEMV configurations, docs/benchmarks.md). bf16 "
-                                   "models only: in fp16 weight * input could overflow, so fp16 keeps the launch.")
+    mlp_norm_in_gemv: bool = Field(True, description="With norm_in_gemv, in bf16 models: the attention's residual add "
+                                   "in o_proj's GEMV, whose store leaves the post-attention RMSNorm's statistics for "
+                                   "the gated MLP's GEMV: no norm launch left between GEMVs (H200: 27-31 µs less per "
+                                   "7B step, docs/benchmarks.md). fp16 keeps the launch (weight * input may overflow).")
 
 
 def _eps(norm: nn.Module) -> float | None:
