@@ -99,11 +99,6 @@ class NormStatistics:
     squares: torch.Tensor
     eps: float
 
-    def normalized(self) -> torch.Tensor:
-        """The norm's output from the statistics (for a reader that cannot scale its own sums; tests)."""
-        scale = torch.rsqrt(self.squares.sum(1, keepdim=True) / self.scaled.shape[1] + self.eps)
-        return (self.scaled.float() * scale).to(self.scaled.dtype)
-
 
 class NormRequest:
     """Asks the GEMV (or K-slice sum) whose store computes an RMSNorm's input to leave that norm's statistics.
