@@ -23,7 +23,8 @@ inside its q/k/v GEMV and their attention's o_proj leaves the post-attention nor
 ``_FREE``: wrong outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone
 (one call to tune and capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the
 replayed step itself (:func:`search_step`: what the step reaches when its configs are ranked as the step runs them,
-not as the tuner times them alone).
+not as the tuner times them alone); ``--search-attention`` times the step with each of the KV decode kernel's
+candidate configs (:func:`search_attention`).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
@@ -245,6 +246,62 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
     return out
 
 
+# What ``--search-attention`` tries for the step's int4 KV decode kernel (decode_attention's ``config``; None = its
+# default). Qwen2-VL-7B (grouped heads, "generic"): token tiles x V loaded with K or after the softmax; the cache holds
+# 1280 slots, so 128-token tiles give 10 splits (40 programs), 32-token tiles 40 (160). LLaVA-1.5-7B (MHA,
+# "subnormal"): more or fewer programs, two warps, no next-tile prefetch.
+_ATTENTION_CANDIDATES = {
+    "qwen2-vl": [(bt, 4, 528, 2, ahead) for bt in (32, 64, 128) for ahead in (False, True)]
+    + [(128, 8, 264, 2, True), (64, 2, 528, 2, True)],
+    "llava": [(16, 1, 1056), (32, 1, 1056), (32, 2, 528), (64, 2, 528), (32, 1, 528, None, False)],
+}
+
+
+@contextmanager
+def attention_config(config: tuple[Any, ...] | None) -> Iterator[None]:
+    """Every decode_attention call without a ``config`` takes ``config`` while the block runs (None: unchanged)."""
+    import mmsdk.kernels.kv_decode as kv_decode
+
+    original = kv_decode.decode_attention
+
+    def with_config(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) <= 9 and kwargs.get("config") is None:  # config is the tenth positional parameter
+            kwargs["config"] = config
+        return original(*args, **kwargs)
+
+    kv_decode.decode_attention = with_config if config is not None else original
+    try:
+        yield
+    finally:
+        kv_decode.decode_attention = original
+
+
+def search_attention(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str, Any]:
+    """The step timed (median of three replays after a call, graph captured again) with each of the model's
+    ``_ATTENTION_CANDIDATES`` as the KV decode kernel's config; the GEMV configs stay as the tuner chose them."""
+    from mmsdk.kernels.fast_generate import release
+
+    def step_ms(config: tuple[Any, ...] | None) -> float:
+        with attention_config(config):
+            release(model)
+            try:
+                return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+            finally:
+                release(model)  # the graph captured with this config goes with it
+
+    out: dict[str, Any] = {"default_ms": step_ms(None), "trials": []}
+    for config in _ATTENTION_CANDIDATES[model_name]:
+        try:
+            ms = step_ms(config)
+        except Exception as error:  # a config that cannot run here is no candidate
+            out["trials"].append({"cfg": config, "error": repr(error)[:200]})
+            continue
+        out["trials"].append({"cfg": config, "step_ms": ms})
+        print("attention", config, f"{ms:.4f} ms (default {out['default_ms']:.4f})", flush=True)
+    out["default_again_ms"] = step_ms(None)
+    return out
+
+
 # Timing-only stacks (their outputs are wrong): the g32 stack with a kind of kernel replaced by nothing, to bound what
 # removing or fusing it away could gain. "norms": every RMSNorm of the step (65: two per layer and the last) returns
 # its input; "combine": the attention's split merge (one per layer) is not launched, so its output is left unwritten
@@ -300,10 +357,13 @@ def main() -> None:
     parser.add_argument("--step-only", action="store_true", help="measure the replayed step alone")
     parser.add_argument("--search", action="store_true",
                         help="then choose the step's GEMV configs by timing the replayed step (search_step)")
+    parser.add_argument("--search-attention", action="store_true",
+                        help="then time the step with each of the KV decode kernel's candidate configs")
     args = parser.parse_args()
     chosen = {key: stacks()[key] for key in args.stacks.split(",")}
     command = f"python benchmarks/gpu_decode_reuse.py --reps {args.reps} --stacks {args.stacks}"
     command += (" --step-only" if args.step_only else "") + (" --search" if args.search else "")
+    command += " --search-attention" if args.search_attention else ""
     results: dict[str, Any] = {"command": command,
                                "env": suite.section_env(), "rows": []}
     for key, (name, model_name, passes) in chosen.items():
@@ -326,6 +386,8 @@ def main() -> None:
         if args.search:
             row["search"] = search_step(model, inputs, model_name)
             row["search"]["floor_ms"] = floor_ms
+        if args.search_attention:
+            row["search_attention"] = search_attention(model, inputs, model_name)
         for shape in pins:
             tuning().chosen.pop(shape, None)
         results["rows"].append(row)

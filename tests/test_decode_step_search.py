@@ -50,3 +50,41 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
     finally:
         table.clear()
         table.update(saved)
+
+
+def test_attention_search_times_each_kv_config_and_restores_the_kernel(monkeypatch):
+    """--search-attention: every candidate reaches decode_attention as its config (unless a caller passes one), a
+    failing candidate is recorded, and decode_attention is the original function afterwards."""
+    import benchmarks.gpu_decode_reuse as reuse
+    import mmsdk.kernels.kv_decode as kv_decode
+    from mmsdk.kernels import fast_generate
+
+    original = kv_decode.decode_attention
+    seen = []
+
+    def fake_attention(*args, config=None, **kwargs):
+        seen.append(config)
+        return config
+
+    monkeypatch.setattr(kv_decode, "decode_attention", fake_attention)
+    candidates = reuse._ATTENTION_CANDIDATES["qwen2-vl"]
+    failing = candidates[1]
+
+    def step_ms(model, inputs):  # the step "calls" the kernel as static_kv does: nine positional arguments
+        config = kv_decode.decode_attention(*range(9), append=None, rope=None)
+        assert kv_decode.decode_attention(*range(9), config=(1, 2, 3)) == (1, 2, 3)  # a caller's config stays
+        if config == failing:
+            raise RuntimeError("out of resources")
+        return 2.0 if config is None else 1.0 + candidates.index(config) / 100
+
+    monkeypatch.setattr(reuse, "_replay_after_call", step_ms)
+    monkeypatch.setattr(fast_generate, "release", lambda model: None)
+    out = reuse.search_attention(object(), {}, "qwen2-vl")
+    assert out["default_ms"] == out["default_again_ms"] == 2.0
+    assert [t["cfg"] for t in out["trials"]] == candidates
+    assert out["trials"][1] == {"cfg": failing, "error": "RuntimeError('out of resources')"}
+    assert out["trials"][0]["step_ms"] == 1.0 and out["trials"][2]["step_ms"] == pytest.approx(1.02)
+    assert kv_decode.decode_attention is fake_attention
+    assert set(seen) >= {None, *candidates, (1, 2, 3)}
+    monkeypatch.undo()
+    assert kv_decode.decode_attention is original

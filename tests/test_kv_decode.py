@@ -85,7 +85,9 @@ def test_gqa_kernels_take_block_configs(device):
     torch.manual_seed(2)
     mask = torch.rand(1, 80, device=device) > 0.3
     # (variant, (BLOCK_T, warps, target programs[, stages])): defaults, a split per few tiles, one split over all
+    # a fifth entry for "generic": each tile's V codes loaded with its K codes
     for variant, config in (("generic", None), ("generic", (32, 4, 4, 3)), ("generic", (64, 8, 1)),
+                            ("generic", (32, 4, 4, 2, True)), ("generic", (64, 8, 1, 2, False)),
                             ("magic", (32, 4, 4, 2)), ("magic", (64, 4, 1))):
         # interpreter fp32 ~1e-6; CUDA runs the fp32 dots on TF32 tensor cores (~1e-3)
         _check(device, variant, config, 8, 2, 32, 100, 77, torch.float32, (None, mask), 1e-4 if device == "cpu" else 5e-3)
@@ -179,18 +181,23 @@ def test_attention_appends_the_new_token_itself(device):
         assert torch.equal(codes[0], appended[0]) and torch.equal(codes[1], appended[1]), (variant, length)
         assert int(count) == length + 1
         assert torch.equal(got, expected), (variant, length)
-    # int8 codes (the "generic" byte kernel, grouped heads)
-    codes = [torch.randint(-128, 128, (1, 2, 40, 32), dtype=torch.int8, device=device) for _ in range(2)]
-    scales = [torch.rand(2, 32, device=device) * 0.05 + 0.01 for _ in range(2)]
-    query, new = torch.randn(1, 4, 1, 32, device=device), [torch.randn(1, 2, 1, 32, device=device) for _ in range(2)]
-    appended = [c.clone() for c in codes]
-    count, count_a = (torch.tensor([17], device=device) for _ in range(2))
-    append_kv(*new, *appended, *scales, count_a, "int8")
-    count_a += 1
-    expected = decode_attention(query, *appended, *scales, count_a, "int8", 0.2)
-    got = decode_attention(query, *codes, *scales, count, "int8", 0.2, append=(new[0], new[1]))
-    assert torch.equal(codes[0], appended[0]) and torch.equal(codes[1], appended[1]) and int(count) == 18
-    assert torch.equal(got, expected)
+    # int8 codes (the "generic" byte kernel, grouped heads), V's codes loaded after the softmax and with K's
+    for v_ahead in (False, True):
+        codes = [torch.randint(-128, 128, (1, 2, 40, 32), dtype=torch.int8, device=device) for _ in range(2)]
+        scales = [torch.rand(2, 32, device=device) * 0.05 + 0.01 for _ in range(2)]
+        query = torch.randn(1, 4, 1, 32, device=device)
+        new = [torch.randn(1, 2, 1, 32, device=device) for _ in range(2)]
+        appended = [c.clone() for c in codes]
+        count, count_a = (torch.tensor([17], device=device) for _ in range(2))
+        append_kv(*new, *appended, *scales, count_a, "int8")
+        count_a += 1
+        config = (32, 4, 4, 2, v_ahead)
+        expected = decode_attention(query, *appended, *scales, count_a, "int8", 0.2, config=config)
+        got = decode_attention(query, *codes, *scales, count, "int8", 0.2, config=config, append=(new[0], new[1]))
+        assert torch.equal(codes[0], appended[0]) and torch.equal(codes[1], appended[1]) and int(count) == 18
+        assert torch.equal(got, expected)
+        plain = decode_attention(query, *appended, *scales, count_a, "int8", 0.2, config=(32, 4, 4, 2, not v_ahead))
+        assert torch.equal(plain, expected), v_ahead  # where V is loaded changes no arithmetic
 
 
 def test_attention_rotates_the_query_and_the_new_key_itself(device):

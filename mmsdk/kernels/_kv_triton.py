@@ -133,15 +133,34 @@ def token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK: tl.constexpr, B
 @triton.jit
 def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
     """Even- and odd-channel values (fp32, scale not applied) of code rows ``rows`` [BLOCK_T]."""
+    raw_even, raw_odd = load_raw_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT)
+    return decode_raw_codes(raw_even, raw_odd, FMT)
+
+
+@triton.jit
+def load_raw_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
+    """The code rows as stored, for :func:`decode_raw_codes` (int4: the same bytes twice; else even, odd channels).
+
+    Loading apart from decoding lets a kernel issue the V tile's loads together with K's and decode V later,
+    so the two memory round trips overlap without V's fp32 values taking registers during the scores.
+    """
     if FMT == 0:
         byte = tl.load(c_ptr + rows[:, None] * HDP + rd[None, :], mask=t_ok[:, None] & (rd < HDP)[None, :], other=0)
-        return (byte & 15).to(tl.float32) - 8.0, (byte >> 4).to(tl.float32) - 8.0
+        return byte, byte
     else:
         base = c_ptr + rows[:, None] * D
         # a float fill: Triton cannot cast an integer constant to float8 (it can cast 0.0 to int8)
         ce = tl.load(base + 2 * rd[None, :], mask=t_ok[:, None] & (2 * rd < D)[None, :], other=0.0)
         co = tl.load(base + 2 * rd[None, :] + 1, mask=t_ok[:, None] & (2 * rd + 1 < D)[None, :], other=0.0)
-        return ce.to(tl.float32), co.to(tl.float32)
+        return ce, co
+
+
+@triton.jit
+def decode_raw_codes(raw_even, raw_odd, FMT: tl.constexpr):
+    """Even- and odd-channel values (fp32, scale not applied) of :func:`load_raw_codes`' result."""
+    if FMT == 0:
+        return (raw_even & 15).to(tl.float32) - 8.0, (raw_odd >> 4).to(tl.float32) - 8.0
+    return raw_even.to(tl.float32), raw_odd.to(tl.float32)
 
 
 @triton.jit
@@ -196,14 +215,15 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
                    kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
-                   APPEND: tl.constexpr = False, ROPE: tl.constexpr = False):
+                   APPEND: tl.constexpr = False, ROPE: tl.constexpr = False, V_AHEAD: tl.constexpr = False):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
 
     ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
     position ``len`` by the program whose split holds it, which then attends over it (see
     mmsdk.kernels._kv_subnormal_triton.decode_partial_int4_subnormal_mha); the combine kernel advances ``len``.
     ``ROPE``: q (and the appended K) are not rotated yet; the kernel rotates them by the step's cos / sin rows
-    (``[B, 1, D]``, batch stride ``sc_b``) as it loads them.
+    (``[B, 1, D]``, batch stride ``sc_b``) as it loads them. ``V_AHEAD``: each tile's V codes are loaded together
+    with its K codes (decoded after the scores) instead of after the softmax.
     """
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
@@ -239,12 +259,17 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     for t0 in range(t_begin, t_end, BLOCK_T):
         rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         ke, ko = load_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+        if V_AHEAD:
+            v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
         if USE_DOT:
             s = tl.dot(qe, tl.trans(ke)) + tl.dot(qo, tl.trans(ko))
         else:
             s = tl.sum(qe[:, None, :] * ke[None, :, :], 2) + tl.sum(qo[:, None, :] * ko[None, :, :], 2)
         p, alpha, m_new, l_i = softmax_step(s, t_ok, m_i, l_i)
-        ve, vo = load_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+        if V_AHEAD:
+            ve, vo = decode_raw_codes(v_raw_even, v_raw_odd, FMT)
+        else:
+            ve, vo = load_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
         if USE_DOT:
             acc_e = acc_e * alpha[:, None] + tl.dot(p, ve)
             acc_o = acc_o * alpha[:, None] + tl.dot(p, vo)
@@ -280,9 +305,11 @@ def combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h, len_ptr,
-                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr, ADVANCE: tl.constexpr = False):
+                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr, ADVANCE: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D];
-    ``ADVANCE`` as in :func:`decode_combine_natural`."""
+    ``ADVANCE`` and ``PDL`` as in :func:`decode_combine_natural`."""
+    let_next_launch(PDL)
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, BLOCK_HD)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]

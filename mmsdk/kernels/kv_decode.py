@@ -154,6 +154,10 @@ def _pick_variant(variant: str | None, words: bool, group: int) -> str:
     return "subnormal" if group == 1 else "magic"
 
 
+# The generic kernel loads each tile's V codes with its K codes ((..., num_stages, v_ahead) overrides it).
+_GENERIC_V_AHEAD = False
+
+
 def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool) -> tuple[int, int, int, int]:
     """(BLOCK_T, num_warps, target programs, num_stages) of the generic kernel: ``config`` completed by defaults.
 
@@ -187,7 +191,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages[, prefetch]]; prefetch, the next tile loaded ahead, for "subnormal" only)
+    target programs[, num_stages[, ahead]]; ahead: for "subnormal" the next tile loaded ahead, for "generic" each
+    tile's V loaded with its K; not for "magic")
     pick a kernel and override its defaults (tuning).
 
     ``append`` is the step's new token, K and V ``[B, H_kv, 1, D]``, not yet in the cache: it is quantized
@@ -222,6 +227,9 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     block_hd = _pow2(half)
     use_dot = group >= 3 and block_hd >= 16
     block_g = max(16, _pow2(group)) if use_dot else _pow2(group)
+    v_ahead = _GENERIC_V_AHEAD
+    if config is not None and len(config) == 5:  # (..., num_stages, V ahead): V's codes loaded with K's
+        config, v_ahead = config[:4], bool(config[4])
     block_t, warps, target, stages = _generic_config(config, use_dot, block_g * block_hd <= 64)
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
@@ -236,11 +244,13 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         split_t, float(scaling) * _kv_triton.LOG2E, new_key, new_value, value_scale, new_key.stride(0),
         new_key.stride(1), new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
-        BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, num_warps=warps, num_stages=stages,
+        BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, num_warps=warps,
+        num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
-        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, num_warps=4 if block_hd >= 64 else 1,
+        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl_ready(query),
+        num_warps=4 if block_hd >= 64 else 1,
     )
     return out
 
@@ -261,7 +271,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     if config is not None and len(config) == 5:  # (..., num_stages, prefetch): the subnormal kernel's tile prefetch
         if variant != "subnormal":
             raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
-                             "fifth entry (prefetch the next tile) is for variant 'subnormal' only")
+                             "fifth entry (load ahead) is for variants 'subnormal' and 'generic' only")
         config, prefetch = config[:4], bool(config[4])
     block_t, warps, target, *stages = _completed(config, _word_config(group, variant, t_max))
     stages = [s for s in stages if s is not None]
