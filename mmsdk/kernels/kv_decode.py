@@ -154,22 +154,31 @@ def _pick_variant(variant: str | None, words: bool, group: int) -> str:
     return "subnormal" if group == 1 else "magic"
 
 
-# The generic kernel loads each tile's V codes with its K codes ((..., num_stages, v_ahead) overrides it).
-_GENERIC_V_AHEAD = False
+# Caches of up to this many slots take the generic kernel's short-cache default (see _generic_config).
+_GENERIC_SHORT_CACHE = 4096
 
 
-def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_T, num_warps, target programs, num_stages) of the generic kernel: ``config`` completed by defaults.
+def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool,
+                    t_max: int) -> tuple[tuple[int, int, int, int], bool]:
+    """((BLOCK_T, num_warps, target programs, num_stages), V loaded with K) of the generic kernel: ``config``
+    completed by defaults.
 
     With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
     fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
-    64-token tiles; benchmarks/gpu_kernel_sweeps.py gqa).
+    64-token tiles; benchmarks/gpu_kernel_sweeps.py gqa). Up to 4k cache slots they take 8 warps and load each
+    tile's V codes with its K codes: in Qwen2-VL-7B's decode step (1280 slots, benchmarks/gpu_decode_reuse.py
+    --search-attention) that measured 2.076 against 2.086 ms; alone at 4k tokens 8 warps were as fast as 4 (8.27
+    against 8.34 µs), at 16k slower (15.9 against 14.0), so longer caches keep 4 warps and V after the softmax.
     """
-    if use_dot:
-        default = (128, 4, _TARGET_PROGRAMS // 2, 2)
+    if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
+        return _completed(config[:4], (0, 0, 0, 2)), bool(config[4])  # type: ignore[return-value]
+    if use_dot and t_max <= _GENERIC_SHORT_CACHE:
+        default, v_ahead = (128, 8, _TARGET_PROGRAMS // 2, 2), True
+    elif use_dot:
+        default, v_ahead = (128, 4, _TARGET_PROGRAMS // 2, 2), False
     else:
-        default = (64 if small_tile else 32, 4, _TARGET_PROGRAMS, 2)
-    return _completed(config, default)  # type: ignore[return-value]
+        default, v_ahead = (64 if small_tile else 32, 4, _TARGET_PROGRAMS, 2), False
+    return _completed(config, default), v_ahead  # type: ignore[return-value]
 
 
 def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -227,10 +236,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     block_hd = _pow2(half)
     use_dot = group >= 3 and block_hd >= 16
     block_g = max(16, _pow2(group)) if use_dot else _pow2(group)
-    v_ahead = _GENERIC_V_AHEAD
-    if config is not None and len(config) == 5:  # (..., num_stages, V ahead): V's codes loaded with K's
-        config, v_ahead = config[:4], bool(config[4])
-    block_t, warps, target, stages = _generic_config(config, use_dot, block_g * block_hd <= 64)
+    (block_t, warps, target, stages), v_ahead = _generic_config(config, use_dot, block_g * block_hd <= 64, t_max)
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
