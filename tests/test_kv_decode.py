@@ -87,7 +87,7 @@ def test_gqa_kernels_take_block_configs(device):
     # (variant, (BLOCK_T, warps, target programs[, stages])): defaults, a split per few tiles, one split over all
     # a fifth entry for "generic": each tile's V codes loaded with its K codes
     for variant, config in (("generic", None), ("generic", (32, 4, 4, 3)), ("generic", (64, 8, 1)),
-                            ("generic", (32, 4, 4, 2, True)), ("generic", (64, 8, 1, 2, False)),
+                            ("generic", (32, 4, 4, 2, True)), ("generic", (64, 8, 1, None, False)),
                             ("magic", (32, 4, 4, 2)), ("magic", (64, 4, 1))):
         # interpreter fp32 ~1e-6; CUDA runs the fp32 dots on TF32 tensor cores (~1e-3)
         _check(device, variant, config, 8, 2, 32, 100, 77, torch.float32, (None, mask), 1e-4 if device == "cpu" else 5e-3)

@@ -167,18 +167,21 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
     fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
     64-token tiles; benchmarks/gpu_kernel_sweeps.py gqa). Up to 4k cache slots they take 8 warps and load each
     tile's V codes with its K codes: in Qwen2-VL-7B's decode step (1280 slots, benchmarks/gpu_decode_reuse.py
-    --search-attention) that measured 2.076 against 2.086 ms; alone at 4k tokens 8 warps were as fast as 4 (8.27
+    --search-attention) that measured 2.077 against 2.089 ms; alone at 4k tokens 8 warps were as fast as 4 (8.27
     against 8.34 µs), at 16k slower (15.9 against 14.0), so longer caches keep 4 warps and V after the softmax.
     """
+    ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
-        return _completed(config[:4], (0, 0, 0, 2)), bool(config[4])  # type: ignore[return-value]
+        config, ahead = config[:4], bool(config[4])
     if use_dot and t_max <= _GENERIC_SHORT_CACHE:
         default, v_ahead = (128, 8, _TARGET_PROGRAMS // 2, 2), True
     elif use_dot:
         default, v_ahead = (128, 4, _TARGET_PROGRAMS // 2, 2), False
     else:
         default, v_ahead = (64 if small_tile else 32, 4, _TARGET_PROGRAMS, 2), False
-    return _completed(config, default), v_ahead  # type: ignore[return-value]
+    block_t, warps, target, stages = _completed(config, default)
+    stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
+    return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
 
 
 def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
