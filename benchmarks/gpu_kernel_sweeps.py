@@ -590,16 +590,19 @@ def _pdl_row(name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
     return row
 
 
-GQA_SPACE = {  # (BLOCK_T, warps, target programs[, stages]) per variant, around the first sweep's best
-    "generic": [None, (64, 4, 528, 2)] + [(bt, w, t, 2) for bt in (128, 256) for w in (4, 8) for t in (66, 132, 264)]
-    + [(512, 8, t, 2) for t in (66, 132)],
-    "magic": [(bt, w, t) for bt in (128, 256) for w in (4, 8) for t in (66, 132, 264)],
+GQA_SPACE = {  # (BLOCK_T, warps, target programs, stages, V loaded with K) of the generic kernel: the earlier sweeps'
+    # leaders (the "magic" kernel and shorter tiles lost there, h200_kernel_sweeps_tiles.json), V after the softmax
+    # and with K
+    "generic": [None] + [(bt, w, t, 2, ahead) for bt, w, t in ((128, 4, 264), (128, 4, 132), (128, 8, 264),
+                                                                (256, 8, 132), (512, 8, 132))
+                         for ahead in (False, True)],
 }
 
 
 def gqa() -> list[dict[str, Any]]:
-    """The int4 KV decode kernels' configurations on Qwen2-VL-7B heads (28/4, head_dim 128), 4k and 16k."""
-    return _kv_sweep(28, 4, GQA_SPACE)
+    """The int4 KV decode kernel's configurations on Qwen2-VL-7B heads (28/4, head_dim 128): 1280 tokens (the
+    decode-step benchmark's cache), 4k and 16k."""
+    return _kv_sweep(28, 4, GQA_SPACE, (1280, 4096, 16384))
 
 
 MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch) of the subnormal kernel, without and with the
