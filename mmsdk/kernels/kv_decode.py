@@ -165,10 +165,11 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
 
     With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
     fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
-    64-token tiles; benchmarks/gpu_kernel_sweeps.py gqa). Up to 4k cache slots they take 8 warps and load each
-    tile's V codes with its K codes: in Qwen2-VL-7B's decode step (1280 slots, benchmarks/gpu_decode_reuse.py
-    --search-attention) that measured 2.077 against 2.089 ms; alone at 4k tokens 8 warps were as fast as 4 (8.27
-    against 8.34 µs), at 16k slower (15.9 against 14.0), so longer caches keep 4 warps and V after the softmax.
+    64-token tiles; benchmarks/gpu_kernel_sweeps.py gqa), each tile's V codes loaded with its K codes (7.79 / 8.71 /
+    15.09 µs at 1280 / 4k / 16k tokens against 7.87 / 8.88 / 15.56 with V loaded after the softmax). Up to 4k cache
+    slots 8 warps: in Qwen2-VL-7B's decode step (1280 slots, benchmarks/gpu_decode_reuse.py --search-attention)
+    2.077 against 2.089 ms for 4 warps with V after the softmax; alone 7.56 µs at 1280 tokens, as fast as 4 warps
+    at 4k (8.76 against 8.71) and slower at 16k (17.07 against 15.09), so longer caches keep 4 warps.
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
@@ -176,8 +177,8 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
     if use_dot and t_max <= _GENERIC_SHORT_CACHE:
         default, v_ahead = (128, 8, _TARGET_PROGRAMS // 2, 2), True
     elif use_dot:
-        default, v_ahead = (128, 4, _TARGET_PROGRAMS // 2, 2), False
-    else:
+        default, v_ahead = (128, 4, _TARGET_PROGRAMS // 2, 2), True
+    else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
         default, v_ahead = (64 if small_tile else 32, 4, _TARGET_PROGRAMS, 2), False
     block_t, warps, target, stages = _completed(config, default)
     stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
