@@ -19,12 +19,12 @@ inside its q/k/v GEMV and their attention's o_proj leaves the post-attention nor
 ``qwen_g128_norm_in_qkv_only`` run the post-attention norm as a launch (``mlp_norm_in_gemv=False``) and
 ``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``); the keys of
 ``_PINNED`` pin some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` /
-``g32_combine_free`` time the g32 step with its norms or its attention combines replaced by nothing,
-``_FREE``: wrong outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone
-(one call to tune and capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the
-replayed step itself (:func:`search_step`: what the step reaches when its configs are ranked as the step runs them,
-not as the tuner times them alone); ``--search-attention`` times the step with each of the KV decode kernel's
-candidate configs (:func:`search_attention`).
+``g32_combine_free`` / ``qwen_g128_combine_free`` time a step with its norms or its attention combines replaced by
+nothing (``_FREE``: wrong outputs, a bound on what fusing them away could gain); ``--step-only`` measures
+``step_ms`` alone (one call to tune and capture, then the replays); ``--search`` then chooses each step GEMV's
+config by timing the replayed step itself (:func:`search_step`: what the step reaches when its configs are ranked as
+the step runs them, not as the tuner times them alone); ``--search-attention`` times the step with each of the KV
+decode kernel's candidate configs (:func:`search_attention`).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
@@ -124,8 +124,9 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     unfolded = RMSNormRoPEFusionConfig(norm_in_gemv=False)
     g128 = Int4WeightConfig(group_size=128)
     return {
-        **{key: (f"g32, timing only: the {kind} replaced by nothing", "llava",
-                 ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")) for key, kind in _FREE.items()},
+        **{key: (f"{'g32' if model == 'llava' else 'Qwen2-VL-7B shapes, g128'}, timing only: the {kind} replaced by "
+                 "nothing", model, ("qkv-fuse", "int4-weight" if model == "llava" else g128, "rmsnorm-rope-fusion"))
+           for key, (model, kind) in _FREE.items()},
         **{key: (f"{'g32' if model == 'llava' else 'Qwen2-VL-7B shapes, g128'}, pinned: {pins}", model,
                  ("qkv-fuse", "int4-weight" if model == "llava" else g128, "rmsnorm-rope-fusion"))
            for key, (model, pins) in _PINNED.items()},
@@ -304,11 +305,13 @@ def search_attention(model: Any, inputs: dict[str, Any], model_name: str) -> dic
     return out
 
 
-# Timing-only stacks (their outputs are wrong): the g32 stack with a kind of kernel replaced by nothing, to bound what
+# Timing-only stacks (their outputs are wrong): a default stack with a kind of kernel replaced by nothing, to bound what
 # removing or fusing it away could gain. "norms": every RMSNorm of the step (65: two per layer and the last) returns
-# its input; "combine": the attention's split merge (one per layer) is not launched, so its output is left unwritten
-# and the cache length does not advance (each replay attends over the same tokens).
-_FREE = {"g32_norms_free": "norms", "g32_combine_free": "combine"}
+# its input; "combine": the attention's split merge (one per layer; decode_combine_natural for MHA, decode_combine for
+# grouped heads) is not launched, so its output is left unwritten and the cache length does not advance (each replay
+# attends over the same tokens). Key -> (model, kind).
+_FREE = {"g32_norms_free": ("llava", "norms"), "g32_combine_free": ("llava", "combine"),
+         "qwen_g128_combine_free": ("qwen2-vl", "combine")}
 
 
 @contextmanager
@@ -317,19 +320,20 @@ def kernels_made_free(stack: str) -> Iterator[None]:
     import mmsdk.kernels._kv_triton as kv_triton
     import mmsdk.kernels.norm_rope_gpu as norm_ops
 
-    kind = _FREE.get(stack)
+    kind = _FREE.get(stack, (None, None))[1]
     saved = {"rms_norm": norm_ops.rms_norm, "add_rms_norm": norm_ops.add_rms_norm,
-             "decode_combine_natural": kv_triton.decode_combine_natural}
+             "decode_combine_natural": kv_triton.decode_combine_natural, "decode_combine": kv_triton.decode_combine}
     if kind == "norms":
         norm_ops.rms_norm = lambda x, weight, eps: x
         norm_ops.add_rms_norm = lambda x, residual, weight, eps: (x, x)
     elif kind == "combine":
-        kv_triton.decode_combine_natural = _NoLaunch()
+        kv_triton.decode_combine_natural = kv_triton.decode_combine = _NoLaunch()
     try:
         yield
     finally:
         norm_ops.rms_norm, norm_ops.add_rms_norm = saved["rms_norm"], saved["add_rms_norm"]
         kv_triton.decode_combine_natural = saved["decode_combine_natural"]
+        kv_triton.decode_combine = saved["decode_combine"]
 
 
 class _NoLaunch:
