@@ -11,20 +11,21 @@ before they wait; ``step_ms_without_pdl`` is the same step captured with ``MMSDK
 * ``step_ms``: the kept decode-step graph replayed 64 more times right after a warm call, timed with CUDA
   events (no Python, no prefill): the steady decode step itself, against its bandwidth floor.
 
-``--stacks`` picks stacks by key (default ``g32,g128``; ``g32_rope_outside`` / ``g128_rope_outside`` are the same
-with each step's RoPE in a launch of its own, rmsnorm-rope-fusion's ``rope_in_attention=False``; ``qwen_g128`` and
-``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes; the default stacks run each layer's input RMSNorm
-inside its q/k/v GEMV and their attention's o_proj leaves the post-attention norm's statistics for the gated GEMV
-(rmsnorm-rope-fusion's defaults ``norm_in_gemv=True``, ``mlp_norm_in_gemv=True``), ``g32_norm_in_qkv_only`` /
+``--stacks`` picks stacks by key (default ``g32,g128``; ``g32_rope_outside`` / ``g128_rope_outside`` are the same with
+each step's RoPE in a launch of its own, rmsnorm-rope-fusion's ``rope_in_attention=False``; ``qwen_g128`` and
+``qwen_g128_rope_outside`` the g128 stack on Qwen2-VL-7B shapes; ``g32_int4_head`` / ``qwen_g128_int4_head`` quantize
+the LM head too (int4-weight's ``lm_head=True``; their floor counts the int4 head); the default stacks run each layer's
+input RMSNorm inside its q/k/v GEMV and their attention's o_proj leaves the post-attention norm's statistics for the
+gated GEMV (rmsnorm-rope-fusion's defaults ``norm_in_gemv=True``, ``mlp_norm_in_gemv=True``), ``g32_norm_in_qkv_only`` /
 ``qwen_g128_norm_in_qkv_only`` run the post-attention norm as a launch (``mlp_norm_in_gemv=False``) and
-``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``); the keys of
-``_PINNED`` pin some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` /
-``g32_combine_free`` / ``qwen_g128_combine_free`` time a step with its norms or its attention combines replaced by
-nothing (``_FREE``: wrong outputs, a bound on what fusing them away could gain); ``--step-only`` measures
-``step_ms`` alone (one call to tune and capture, then the replays); ``--search`` then chooses each step GEMV's
-config by timing the replayed step itself (:func:`search_step`: what the step reaches when its configs are ranked as
-the step runs them, not as the tuner times them alone); ``--search-attention`` times the step with each of the KV
-decode kernel's candidate configs (:func:`search_attention`).
+``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``); the keys of ``_PINNED`` pin
+some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` / ``g32_combine_free`` /
+``qwen_g128_combine_free`` time a step with its norms or its attention combines replaced by nothing (``_FREE``: wrong
+outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone (one call to tune and
+capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the replayed step itself
+(:func:`search_step`: what the step reaches when its configs are ranked as the step runs them, not as the tuner times
+them alone); ``--search-attention`` times the step with each of the KV decode kernel's candidate configs
+(:func:`search_attention`).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
@@ -123,6 +124,7 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     qkv_only = RMSNormRoPEFusionConfig(mlp_norm_in_gemv=False)
     unfolded = RMSNormRoPEFusionConfig(norm_in_gemv=False)
     g128 = Int4WeightConfig(group_size=128)
+    g32_head, g128_head = Int4WeightConfig(lm_head=True), Int4WeightConfig(group_size=128, lm_head=True)
     return {
         **{key: (f"{'g32' if model == 'llava' else 'Qwen2-VL-7B shapes, g128'}, timing only: the {kind} replaced by "
                  "nothing", model, ("qkv-fuse", "int4-weight" if model == "llava" else g128, "rmsnorm-rope-fusion"))
@@ -147,6 +149,10 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
                               ("qkv-fuse", g128, outside)),
         "qwen_g128": ("Qwen2-VL-7B shapes, qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv", "qwen2-vl",
                       ("qkv-fuse", g128, "rmsnorm-rope-fusion")),
+        "g32_int4_head": ("g32, the LM head int4 too (int4-weight lm_head=True)", "llava",
+                          ("qkv-fuse", g32_head, "rmsnorm-rope-fusion")),
+        "qwen_g128_int4_head": ("Qwen2-VL-7B shapes, g128, the LM head int4 too (int4-weight lm_head=True)",
+                                "qwen2-vl", ("qkv-fuse", g128_head, "rmsnorm-rope-fusion")),
         "qwen_g128_rope_outside": ("Qwen2-VL-7B shapes, g128, RoPE in its own launch", "qwen2-vl",
                                    ("qkv-fuse", g128, outside)),
     }

@@ -16,6 +16,7 @@ from mmsdk.kernels import decode_state, fast_generate
 from mmsdk.kernels.decode_state import capacity_for, kept
 from mmsdk.kernels.fast_generate import _Generator, release, unsupported_reason
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
+from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 from mmsdk.testing import tiny_inputs
 
@@ -35,11 +36,18 @@ def _greedy(model, inputs, new_tokens, **kwargs):
     return type(model).generate(model, **inputs, max_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
+# the LM head quantized too (int4-weight's lm_head=True): the step's last GEMV is an int4 one
+INT4_HEAD = Int4WeightConfig(indivisible="pad", lm_head=True)
+
+
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:qwen2-vl", ()),
-                                         ("tiny:llava", ("token-prune",)), ("tiny:llava", ("int4-kv",))])
+                                         ("tiny:llava", ("token-prune",)), ("tiny:llava", ("int4-kv",)),
+                                         ("tiny:qwen2-vl", (INT4_HEAD, "int4-kv"))])
 def test_static_path_matches_transformers_greedy_on_cpu(name, passes, session, tiny):
     opt, inputs = _optimized(tiny, session, name, passes)
     model = opt.model
+    if INT4_HEAD in passes:
+        assert isinstance(model.lm_head, Int4Linear)
     expected = _greedy(model, inputs, 7)
     got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 7}, graphs=False).run()
     assert torch.equal(got, expected)
@@ -109,7 +117,8 @@ def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-weight",)),
                                          ("tiny:llava", ("int4-weight", "int4-kv")), ("tiny:llava", ("int8-kv",)),
-                                         ("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK)])
+                                         ("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK),
+                                         ("tiny:qwen2-vl", ("qkv-fuse", INT4_HEAD, "rmsnorm-rope-fusion", "int4-kv"))])
 def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, monkeypatch):
     loaded = tiny(name)
     opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
