@@ -35,6 +35,7 @@ them alone); ``--search-attention`` times the step with each of the KV decode ke
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -125,12 +126,13 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     unfolded = RMSNormRoPEFusionConfig(norm_in_gemv=False)
     g128 = Int4WeightConfig(group_size=128)
     g32_head, g128_head = Int4WeightConfig(lm_head=True), Int4WeightConfig(group_size=128, lm_head=True)
+    # each model's default stack (label, passes), which the timing-only and pinned stacks run
+    default = {"llava": ("g32", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+               "qwen2-vl": ("Qwen2-VL-7B shapes, g128", ("qkv-fuse", g128, "rmsnorm-rope-fusion"))}
     return {
-        **{key: (f"{'g32' if model == 'llava' else 'Qwen2-VL-7B shapes, g128'}, timing only: the {kind} replaced by "
-                 "nothing", model, ("qkv-fuse", "int4-weight" if model == "llava" else g128, "rmsnorm-rope-fusion"))
+        **{key: (f"{default[model][0]}, timing only: the {kind} replaced by nothing", model, default[model][1])
            for key, (model, kind) in _FREE.items()},
-        **{key: (f"{'g32' if model == 'llava' else 'Qwen2-VL-7B shapes, g128'}, pinned: {pins}", model,
-                 ("qkv-fuse", "int4-weight" if model == "llava" else g128, "rmsnorm-rope-fusion"))
+        **{key: (f"{default[model][0]}, pinned: {pins}", model, default[model][1])
            for key, (model, pins) in _PINNED.items()},
         "g32": ("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv", "llava",
                 ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
@@ -205,6 +207,15 @@ def search_candidates(shape: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
     return tuple(c for c in _paired_candidates(shape[3]) if c[4] == "gated")
 
 
+def step_ms_recaptured(model: Any, inputs: dict[str, Any]) -> float:
+    """The step with the kernels' settings as they are now: the kept graph dropped, a call captures it again, median
+    of three replays after a call (:func:`_replay_after_call`)."""
+    from mmsdk.kernels.fast_generate import release
+
+    release(model)
+    return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+
+
 def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str, Any]:
     """The step's GEMV configs chosen by timing the replayed step itself (one round of coordinate descent).
 
@@ -220,8 +231,7 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
     table = tuning().chosen
 
     def step_ms() -> float:
-        release(model)  # the next call captures the step again, with the table as it is now
-        return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+        return step_ms_recaptured(model, inputs)  # with the table as it is now
 
     out: dict[str, Any] = {"start_ms": step_ms(), "trials": [], "kept": {}}
     best_ms = out["start_ms"]
@@ -272,11 +282,13 @@ def attention_config(config: tuple[Any, ...] | None) -> Iterator[None]:
     import mmsdk.kernels.kv_decode as kv_decode
 
     original = kv_decode.decode_attention
+    signature = inspect.signature(original)
 
     def with_config(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if len(args) <= 9 and kwargs.get("config") is None:  # config is the tenth positional parameter
-            kwargs["config"] = config
-        return original(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        if call.arguments.get("config") is None:
+            call.arguments["config"] = config
+        return original(*call.args, **call.kwargs)
 
     kv_decode.decode_attention = with_config if config is not None else original
     try:
@@ -292,9 +304,8 @@ def search_attention(model: Any, inputs: dict[str, Any], model_name: str) -> dic
 
     def step_ms(config: tuple[Any, ...] | None) -> float:
         with attention_config(config):
-            release(model)
             try:
-                return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
+                return step_ms_recaptured(model, inputs)
             finally:
                 release(model)  # the graph captured with this config goes with it
 
