@@ -270,8 +270,8 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
 # / 128 x V ahead or not, h200_step_attention_qwen.json, found 8 warps with V ahead fastest.) LLaVA-1.5-7B (MHA,
 # "subnormal"): more or fewer programs, two warps, no next-tile prefetch.
 _ATTENTION_CANDIDATES = {
-    "qwen2-vl": [(128, 4, 264, 2, False), (128, 8, 264, 2, False), (128, 4, 264, 2, True), (128, 8, 264, 2, True),
-                 (128, 4, 264, 2, False)],
+    "qwen2-vl": [(128, 8, 264, 2, True), (128, 4, 264, 2, True), (64, 4, 528, 2, True), (64, 2, 528, 2, True),
+                 (128, 4, 528, 2, True), (32, 4, 528, 2, True), (256, 8, 132, 2, True)],
     "llava": [(16, 1, 1056), (32, 1, 1056), (32, 2, 528), (64, 2, 528), (32, 1, 528, None, False)],
 }
 

@@ -89,8 +89,10 @@ def test_gqa_kernels_take_block_configs(device):
     for variant, config in (("generic", None), ("generic", (32, 4, 4, 3)), ("generic", (64, 8, 1)),
                             ("generic", (32, 4, 4, 2, True)), ("generic", (64, 8, 1, None, False)),
                             ("magic", (32, 4, 4, 2)), ("magic", (64, 4, 1))):
-        # interpreter fp32 ~1e-6; CUDA runs the fp32 dots on TF32 tensor cores (~1e-3)
-        _check(device, variant, config, 8, 2, 32, 100, 77, torch.float32, (None, mask), 1e-4 if device == "cpu" else 5e-3)
+        # "generic" rounds q and the softmax weights to fp16 for its dots (~3e-4); "magic" computes in fp32
+        # (interpreter ~1e-6), which CUDA runs on TF32 tensor cores (~1e-3)
+        tol = 5e-3 if device != "cpu" else 2e-3 if variant == "generic" else 1e-4
+        _check(device, variant, config, 8, 2, 32, 100, 77, torch.float32, (None, mask), tol)
     from mmsdk.kernels.kv_decode import decode_attention
 
     query, codes, scales, count, _, _ = _problem(device, 8, 2, 32, 20, 10)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import note_fallback, pdl_ready, triton_ready
+from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
            "reference_decode_attention"]
@@ -254,8 +254,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         split_t, float(scaling) * _kv_triton.LOG2E, new_key, new_value, value_scale, new_key.stride(0),
         new_key.stride(1), new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
-        BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, num_warps=warps,
-        num_stages=stages,
+        BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, ASM=not interpreting(),
+        num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
