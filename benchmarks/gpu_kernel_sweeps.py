@@ -651,10 +651,33 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
                 results.append({"variant": variant, "cfg": cfg, "us": t, "ratio": t / sdpa,
                                 "rel_err": rel(out, reference)})
         results.sort(key=lambda r: r["us"])
+        floor = read_floor(codes)
         rows.append({"ctx": ctx, "sdpa_us": sdpa, "default": next(r for r in results if r["cfg"] is None),
+                     "read_floor": floor, "read_floor_ratio": floor["read_us"] / sdpa,
                      "best": results[:6], "all": results})
         print({k: v for k, v in rows[-1].items() if k != "all"}, flush=True)
     return rows
+
+
+def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """The fastest of a few grids of one kernel that only reads the K and V codes (each call its own copy, as the
+    decode kernels are timed), and the same launch reading nothing: the floor under any decode kernel in this
+    harness, in µs."""
+    from benchmarks._read_floor_triton import read_words
+
+    n_words = codes[0][0].numel() // 4
+    out = torch.empty(2112, dtype=torch.int32, device=codes[0][0].device)
+
+    def launch(k: torch.Tensor, v: torch.Tensor, programs: int, block: int, empty: bool = False) -> None:
+        read_words[(programs,)](k.view(torch.int32), v.view(torch.int32), out, n_words, BLOCK=block, EMPTY=empty,
+                                num_warps=4)
+
+    grids = {(p, b): gtime([lambda p=p, b=b, kv=kv: launch(*kv, p, b) for kv in codes])
+             for p in (132, 264, 528, 1056, 2112) for b in (512, 1024)}
+    (programs, block), best = min(grids.items(), key=lambda item: item[1])
+    empty = gtime([lambda kv=kv: launch(*kv, 132, 512, True) for kv in codes])
+    return {"read_us": best, "programs": programs, "block_words": block, "empty_launch_us": empty,
+            "read_tb_s": 8 * n_words / best / 1e6}
 
 
 def main() -> None:
