@@ -9,8 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._gemv_mma_triton import centred_nibbles
-from mmsdk.kernels._pdl_triton import let_next_launch
+from mmsdk.kernels._pdl_triton import let_next_launch, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -165,17 +164,6 @@ def decode_raw_codes(raw_even, raw_odd, FMT: tl.constexpr):
 
 
 @triton.jit
-def decode_dot_codes(raw_even, raw_odd, FMT: tl.constexpr, ASM: tl.constexpr):
-    """Even- and odd-channel values of :func:`load_raw_codes`' result as fp16 tensor-core operands (scale not
-    applied): exact for every format (int4 and int8 codes are small integers; e4m3 has fewer mantissa and exponent
-    bits than fp16). int4 bytes decode four at a time with ``ASM`` (two nibbles per ``lop3``, no int-to-float
-    conversions, which issue at a quarter of the fp32 rate)."""
-    if FMT == 0:
-        return centred_nibbles(raw_even, tl.float16, ASM)
-    return raw_even.to(tl.float16), raw_odd.to(tl.float16)
-
-
-@triton.jit
 def dequantize(c_ptr, s_ptr, out_ptr, H, TMAX, ROWS_B, T, D, HDP, so_b, so_h, so_t,
                FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
     """``BLOCK_T`` tokens of one (batch, head) row: ``code * scale`` in fp32, rounded once to out's dtype.
@@ -222,91 +210,6 @@ def softmax_total(m_i, l_i):
 
 
 @triton.jit
-def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
-                   sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
-                   kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
-                   FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
-                   APPEND: tl.constexpr = False, ROPE: tl.constexpr = False, V_AHEAD: tl.constexpr = False,
-                   ASM: tl.constexpr = False):
-    """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
-
-    ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
-    position ``len`` by the program whose split holds it, which then attends over it (see
-    mmsdk.kernels._kv_subnormal_triton.decode_partial_int4_subnormal_mha); the combine kernel advances ``len``.
-    ``ROPE``: q (and the appended K) are not rotated yet; the kernel rotates them by the step's cos / sin rows
-    (``[B, 1, D]``, batch stride ``sc_b``) as it loads them. ``V_AHEAD``: each tile's V codes are loaded together
-    with its K codes (decoded after the scores) instead of after the softmax. ``USE_DOT`` (grouped-query heads):
-    the scores and the weighted V sum on the tensor cores, fp16 operands (q, already scaled, and the softmax
-    weights rounded to fp16; the codes exact), fp32 accumulators; ``ASM``: int4 bytes decoded by
-    :func:`centred_nibbles`' PTX (CUDA only, not Triton's interpreter).
-    """
-    bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
-    cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
-    if APPEND:
-        length = tl.load(len_ptr)
-        if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
-            row = bh.to(tl.int64) * TMAX + length
-            store_token(kn_ptr + b * sk_b + hk * sk_h, ks_ptr, kc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
-                        BLOCK_HD, ROPE)
-            store_token(vn_ptr + b * sv_b + hk * sv_h, vs_ptr, vc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
-                        BLOCK_HD)
-            tl.debug_barrier()  # the codes are read back below by other threads of this program
-        t_end = tl.minimum(t_begin + SPLIT_T, length + 1)
-    else:
-        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
-    rg = tl.arange(0, BLOCK_G)
-    g_ok = rg < G
-    heads = hk * G + rg
-    rd = tl.arange(0, BLOCK_HD)
-    de, do = (2 * rd) < D, (2 * rd + 1) < D
-    q_row = q_ptr + b * sq_b + heads[:, None] * sq_h
-    even = 2 * rd[None, :] + 0 * rg[:, None]  # [BLOCK_G, BLOCK_HD]: every load below has the mask's shape
-    qe = load_rotated(q_row, even, g_ok[:, None] & de[None, :], cos_row, sin_row, D // 2, ROPE)
-    qo = load_rotated(q_row, even + 1, g_ok[:, None] & do[None, :], cos_row, sin_row, D // 2, ROPE)
-    # K's per-channel scale and the softmax scale fold into q once; exp2 replaces exp.
-    qe = qe * (tl.load(ks_ptr + hk * D + 2 * rd, mask=de, other=0.0) * qk_scale)[None, :]
-    qo = qo * (tl.load(ks_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0) * qk_scale)[None, :]
-    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc_e = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
-    acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
-    base = bh.to(tl.int64) * TMAX
-    if USE_DOT:  # fp16 operands: one 16-deep tensor-core step where fp32 ones take two (tf32)
-        qe, qo = qe.to(tl.float16), qo.to(tl.float16)
-    for t0 in range(t_begin, t_end, BLOCK_T):
-        rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-        k_raw_even, k_raw_odd = load_raw_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
-        if V_AHEAD:
-            v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
-        if USE_DOT:
-            ke, ko = decode_dot_codes(k_raw_even, k_raw_odd, FMT, ASM)
-            s = tl.dot(qo, tl.trans(ko), tl.dot(qe, tl.trans(ke)))
-        else:
-            ke, ko = decode_raw_codes(k_raw_even, k_raw_odd, FMT)
-            s = tl.sum(qe[:, None, :] * ke[None, :, :], 2) + tl.sum(qo[:, None, :] * ko[None, :, :], 2)
-        p, alpha, m_new, l_i = softmax_step(s, t_ok, m_i, l_i)
-        if not V_AHEAD:
-            v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
-        if USE_DOT:
-            ve, vo = decode_dot_codes(v_raw_even, v_raw_odd, FMT, ASM)
-            p = p.to(tl.float16)
-            acc_e = tl.dot(p, ve, acc_e * alpha[:, None])
-            acc_o = tl.dot(p, vo, acc_o * alpha[:, None])
-        else:
-            ve, vo = decode_raw_codes(v_raw_even, v_raw_odd, FMT)
-            acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
-            acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
-        m_i = m_new
-    l_safe, lse = softmax_total(m_i, l_i)
-    slot = (b * (H_KV * G) + heads).to(tl.int64) * n_splits + split
-    out = po_ptr + slot[:, None] * (2 * BLOCK_HD) + rd[None, :]
-    tl.store(out, acc_e / l_safe[:, None], mask=g_ok[:, None])
-    tl.store(out + BLOCK_HD, acc_o / l_safe[:, None], mask=g_ok[:, None])
-    tl.store(pl_ptr + slot, lse, mask=g_ok)
-
-
-@triton.jit
 def combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S: tl.constexpr):
     """A combine program's (row, batch, query head, KV head) and its splits' (ids, valid mask, weights, weight sum).
 
@@ -329,8 +232,10 @@ def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so
                    BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr, ADVANCE: tl.constexpr = False,
                    PDL: tl.constexpr = False):
     """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D];
-    ``ADVANCE`` and ``PDL`` as in :func:`decode_combine_natural`."""
-    let_next_launch(PDL)
+    ``ADVANCE`` as in :func:`decode_combine_natural`. With ``PDL`` the kernel is launched as a dependent of the
+    partial kernel (mmsdk.kernels._kv_grouped_triton.decode_partial): it waits for the partials, then lets the next
+    kernel launch."""
+    wait_for_inputs(PDL)
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, BLOCK_HD)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]

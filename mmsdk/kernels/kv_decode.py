@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
+from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
            "reference_decode_attention"]
@@ -217,7 +217,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     rotated yet: the "subnormal" and "generic" kernels rotate them as they load them (rotate-half RoPE, rounded as
     the RoPE kernel rounds), which saves the step a RoPE launch; "magic" rotates them first (one RoPE kernel).
     """
-    from mmsdk.kernels import _kv_triton
+    from mmsdk.kernels import _kv_grouped_triton, _kv_triton
 
     b, hq, _, d = query.shape
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
@@ -247,7 +247,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
     mask_arg = mask if mask is not None else lse
     new_key, new_value = _new_token(append, query)
-    _kv_triton.decode_partial[(b * h_kv, n_splits)](
+    pdl = pdl_ready(query)
+    _kv_grouped_triton.decode_partial[(b * h_kv, n_splits)](
         query, key_codes, value_codes, key_scale, length, mask_arg, partial, lse,
         query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
         mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
@@ -255,11 +256,11 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         new_key.stride(1), new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
         BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, ASM=not interpreting(),
-        num_warps=warps, num_stages=stages,
+        PDL=pdl, PRELOAD=pdl_preload_ready(query), launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
-        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl_ready(query),
+        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl, launch_pdl=pdl,
         num_warps=4 if block_hd >= 64 else 1,
     )
     return out

@@ -1,0 +1,150 @@
+"""The byte-code decode attention kernel behind mmsdk.kernels.kv_decode (variant "generic": every code format, and
+grouped-query heads on the tensor cores). Imported only when the kernel is launched.
+
+Its partials (even channels, then odd ones, per slot) and log-sum-exps are merged by
+:func:`mmsdk.kernels._kv_triton.decode_combine`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mmsdk.kernels._gemv_mma_triton import centred_nibbles
+from mmsdk.kernels._kv_triton import (decode_raw_codes, load_raw_codes, load_rotated, softmax_step, softmax_total,
+                                      split_program, store_token, token_tile)
+from mmsdk.kernels._pdl_triton import wait_for_inputs
+
+
+@triton.jit
+def decode_dot_codes(raw_even, raw_odd, FMT: tl.constexpr, ASM: tl.constexpr):
+    """Even- and odd-channel values of :func:`load_raw_codes`' result as fp16 tensor-core operands (scale not
+    applied): exact for every format (int4 and int8 codes are small integers; e4m3 has fewer mantissa and exponent
+    bits than fp16). int4 bytes decode four at a time with ``ASM`` (two nibbles per ``lop3``, no int-to-float
+    conversions, which issue at a quarter of the fp32 rate)."""
+    if FMT == 0:
+        return centred_nibbles(raw_even, tl.float16, ASM)
+    return raw_even.to(tl.float16), raw_odd.to(tl.float16)
+
+
+@triton.jit
+def attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, vc_ptr, rows, t_ok, rd, D, HDP,
+                m_i, l_i, acc_e, acc_o, FMT: tl.constexpr, USE_DOT: tl.constexpr, V_LOADED: tl.constexpr,
+                ASM: tl.constexpr):
+    """One tile of tokens (code rows ``rows``, valid where ``t_ok``) folded into the online softmax's state
+    ``(m_i, l_i, acc_e, acc_o)``, which is returned updated. The K codes come loaded; the V codes too with
+    ``V_LOADED``, else they are loaded here after the scores (``v_raw_*`` are then ignored)."""
+    if USE_DOT:
+        ke, ko = decode_dot_codes(k_raw_even, k_raw_odd, FMT, ASM)
+        s = tl.dot(qo, tl.trans(ko), tl.dot(qe, tl.trans(ke)))
+    else:
+        ke, ko = decode_raw_codes(k_raw_even, k_raw_odd, FMT)
+        s = tl.sum(qe[:, None, :] * ke[None, :, :], 2) + tl.sum(qo[:, None, :] * ko[None, :, :], 2)
+    p, alpha, m_new, l_i = softmax_step(s, t_ok, m_i, l_i)
+    if not V_LOADED:
+        v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, rows, t_ok, rd, D, HDP, FMT)
+    if USE_DOT:
+        ve, vo = decode_dot_codes(v_raw_even, v_raw_odd, FMT, ASM)
+        p = p.to(tl.float16)
+        acc_e = tl.dot(p, ve, acc_e * alpha[:, None])
+        acc_o = tl.dot(p, vo, acc_o * alpha[:, None])
+    else:
+        ve, vo = decode_raw_codes(v_raw_even, v_raw_odd, FMT)
+        acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
+        acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
+    return m_new, l_i, acc_e, acc_o
+
+
+@triton.jit
+def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
+                   sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
+                   kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
+                   FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+                   APPEND: tl.constexpr = False, ROPE: tl.constexpr = False, V_AHEAD: tl.constexpr = False,
+                   ASM: tl.constexpr = False, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+    """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
+
+    ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
+    position ``len`` by the program whose split holds it, which then attends over it (see
+    mmsdk.kernels._kv_subnormal_triton.decode_partial_int4_subnormal_mha); the combine kernel advances ``len``.
+    ``ROPE``: q (and the appended K) are not rotated yet; the kernel rotates them by the step's cos / sin rows
+    (``[B, 1, D]``, batch stride ``sc_b``) as it loads them. ``V_AHEAD``: each tile's V codes are loaded together
+    with its K codes (decoded after the scores) instead of after the softmax. ``USE_DOT`` (grouped-query heads):
+    the scores and the weighted V sum on the tensor cores, fp16 operands (q, already scaled, and the softmax
+    weights rounded to fp16; the codes exact), fp32 accumulators; ``ASM``: int4 bytes decoded by
+    :func:`centred_nibbles`' PTX (CUDA only, not Triton's interpreter).
+
+    ``PDL``: launched as a dependent of the kernel before it (programmatic dependent launch), the program waits for
+    that kernel before it reads q or writes anything, and lets the combine kernel launch. ``PRELOAD``: the split's
+    first tile of K and V codes (and the token count) are loaded before that wait, so their memory round trip
+    overlaps the kernel in front; only where those were written before it started (a captured decode step: earlier
+    steps wrote them). The program that appends the step's token into its first tile loads that tile again.
+    """
+    bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
+    base = bh.to(tl.int64) * TMAX
+    rd = tl.arange(0, BLOCK_HD)
+    if PRELOAD:
+        first = t_begin + tl.arange(0, BLOCK_T)
+        filled = tl.load(len_ptr)
+        if APPEND:
+            filled += 1
+        first_ok = first < tl.minimum(t_begin + SPLIT_T, filled)
+        pk_even, pk_odd = load_raw_codes(kc_ptr, base + first, first_ok, rd, D, HDP, FMT)
+        pv_even, pv_odd = load_raw_codes(vc_ptr, base + first, first_ok, rd, D, HDP, FMT)
+    wait_for_inputs(PDL)
+    cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
+    if APPEND:
+        length = tl.load(len_ptr)
+        if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
+            row = base + length
+            store_token(kn_ptr + b * sk_b + hk * sk_h, ks_ptr, kc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
+                        BLOCK_HD, ROPE)
+            store_token(vn_ptr + b * sv_b + hk * sv_h, vs_ptr, vc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
+                        BLOCK_HD)
+            tl.debug_barrier()  # the codes are read back below by other threads of this program
+            if PRELOAD:
+                if length < t_begin + BLOCK_T:  # the preloaded first tile holds the slot just written
+                    pk_even, pk_odd = load_raw_codes(kc_ptr, base + first, first_ok, rd, D, HDP, FMT)
+                    pv_even, pv_odd = load_raw_codes(vc_ptr, base + first, first_ok, rd, D, HDP, FMT)
+        t_end = tl.minimum(t_begin + SPLIT_T, length + 1)
+    else:
+        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
+    rg = tl.arange(0, BLOCK_G)
+    g_ok = rg < G
+    heads = hk * G + rg
+    de, do = (2 * rd) < D, (2 * rd + 1) < D
+    q_row = q_ptr + b * sq_b + heads[:, None] * sq_h
+    even = 2 * rd[None, :] + 0 * rg[:, None]  # [BLOCK_G, BLOCK_HD]: every load below has the mask's shape
+    qe = load_rotated(q_row, even, g_ok[:, None] & de[None, :], cos_row, sin_row, D // 2, ROPE)
+    qo = load_rotated(q_row, even + 1, g_ok[:, None] & do[None, :], cos_row, sin_row, D // 2, ROPE)
+    # K's per-channel scale and the softmax scale fold into q once; exp2 replaces exp.
+    qe = qe * (tl.load(ks_ptr + hk * D + 2 * rd, mask=de, other=0.0) * qk_scale)[None, :]
+    qo = qo * (tl.load(ks_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0) * qk_scale)[None, :]
+    if USE_DOT:  # fp16 operands: one 16-deep tensor-core step where fp32 ones take two (tf32)
+        qe, qo = qe.to(tl.float16), qo.to(tl.float16)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc_e = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
+    acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
+    t_rest = t_begin
+    if PRELOAD:
+        t_rest = t_begin + BLOCK_T
+        if t_begin < t_end:
+            rt, t_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+            m_i, l_i, acc_e, acc_o = attend_tile(qe, qo, pk_even, pk_odd, pv_even, pv_odd, vc_ptr, base + rt, t_ok,
+                                                 rd, D, HDP, m_i, l_i, acc_e, acc_o, FMT, USE_DOT, True, ASM)
+    for t0 in range(t_rest, t_end, BLOCK_T):
+        rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+        k_raw_even, k_raw_odd = load_raw_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+        v_raw_even, v_raw_odd = k_raw_even, k_raw_odd  # placeholders, ignored unless V_AHEAD
+        if V_AHEAD:
+            v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+        m_i, l_i, acc_e, acc_o = attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, vc_ptr, base + rt,
+                                             t_ok, rd, D, HDP, m_i, l_i, acc_e, acc_o, FMT, USE_DOT, V_AHEAD, ASM)
+    l_safe, lse = softmax_total(m_i, l_i)
+    slot = (b * (H_KV * G) + heads).to(tl.int64) * n_splits + split
+    out = po_ptr + slot[:, None] * (2 * BLOCK_HD) + rd[None, :]
+    tl.store(out, acc_e / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(out + BLOCK_HD, acc_o / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(pl_ptr + slot, lse, mask=g_ok)
