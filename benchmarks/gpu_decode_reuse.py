@@ -270,17 +270,32 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
 # / 128 x V ahead or not, h200_step_attention_qwen.json, found 8 warps with V ahead fastest.) LLaVA-1.5-7B (MHA,
 # "subnormal"): more or fewer programs, two warps, no next-tile prefetch.
 _ATTENTION_CANDIDATES = {
-    "qwen2-vl": [(128, 8, 264, 2, True), (128, 4, 264, 2, True), (64, 4, 528, 2, True), (64, 2, 528, 2, True),
-                 (128, 4, 528, 2, True), (32, 4, 528, 2, True), (256, 8, 132, 2, True)],
+    "qwen2-vl": [(128, 4, 264, 2, True), (64, 4, 528, 2, True), "no_preload", "no_pdl"],
     "llava": [(16, 1, 1056), (32, 1, 1056), (32, 2, 528), (64, 2, 528), (32, 1, 528, None, False)],
 }
 
 
+# Launch trials among the candidates (the default config): the grouped kernel's first tile not loaded before its wait
+# for the kernel in front ("no_preload"), or neither partial nor combine launched with PDL ("no_pdl").
+_LAUNCH_TRIALS = {"no_preload": ("pdl_preload_ready",), "no_pdl": ("pdl_preload_ready", "pdl_ready")}
+
+
 @contextmanager
-def attention_config(config: tuple[Any, ...] | None) -> Iterator[None]:
-    """Every decode_attention call without a ``config`` takes ``config`` while the block runs (None: unchanged)."""
+def attention_config(config: tuple[Any, ...] | str | None) -> Iterator[None]:
+    """Every decode_attention call without a ``config`` takes ``config`` while the block runs (None: unchanged; a key
+    of ``_LAUNCH_TRIALS``: the default config with those PDL checks of mmsdk.kernels.kv_decode answering False)."""
     import mmsdk.kernels.kv_decode as kv_decode
 
+    if isinstance(config, str):
+        checks = {name: getattr(kv_decode, name) for name in _LAUNCH_TRIALS[config]}
+        for name in checks:
+            setattr(kv_decode, name, lambda tensor: False)
+        try:
+            yield
+        finally:
+            for name, check in checks.items():
+                setattr(kv_decode, name, check)
+        return
     original = kv_decode.decode_attention
     signature = inspect.signature(original)
 

@@ -54,12 +54,14 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
 
 def test_attention_search_times_each_kv_config_and_restores_the_kernel(monkeypatch):
     """--search-attention: every candidate reaches decode_attention as its config (unless a caller passes one), a
-    failing candidate is recorded, and decode_attention is the original function afterwards."""
+    launch trial turns the kernel's PDL checks off for its step only, a failing candidate is recorded, and
+    decode_attention and the checks are the original functions afterwards."""
     import benchmarks.gpu_decode_reuse as reuse
     import mmsdk.kernels.kv_decode as kv_decode
     from mmsdk.kernels import fast_generate
 
     original = kv_decode.decode_attention
+    checks = {name: getattr(kv_decode, name) for name in ("pdl_preload_ready", "pdl_ready")}
     seen = []
 
     def fake_attention(*args, config=None, **kwargs):
@@ -68,24 +70,32 @@ def test_attention_search_times_each_kv_config_and_restores_the_kernel(monkeypat
 
     monkeypatch.setattr(kv_decode, "decode_attention", fake_attention)
     candidates = reuse._ATTENTION_CANDIDATES["qwen2-vl"]
-    failing = candidates[1]
+    assert {c for c in candidates if isinstance(c, str)} == set(reuse._LAUNCH_TRIALS)
+    # what each candidate looks like from inside the step: its config, or the checks answering False
+    keys = [c if not isinstance(c, str) else reuse._LAUNCH_TRIALS[c] for c in candidates]
+    failing = keys[1]
 
     def step_ms(model, inputs):  # the step "calls" the kernel as static_kv does: nine positional arguments
         config = kv_decode.decode_attention(*range(9), append=None, rope=None)
         assert kv_decode.decode_attention(*range(9), config=(1, 2, 3)) == (1, 2, 3)  # a caller's config stays
-        if config == failing:
+        off = tuple(name for name, check in checks.items() if getattr(kv_decode, name) is not check)
+        assert all(getattr(kv_decode, name)(None) is False for name in off)
+        key = config if config is not None else off or None
+        if key == failing:
             raise RuntimeError("out of resources")
-        return 2.0 if config is None else 1.0 + candidates.index(config) / 100
+        return 2.0 if key is None else 1.0 + keys.index(key) / 100
 
     monkeypatch.setattr(reuse, "_replay_after_call", step_ms)
     monkeypatch.setattr(fast_generate, "release", lambda model: None)
     out = reuse.search_attention(object(), {}, "qwen2-vl")
     assert out["default_ms"] == out["default_again_ms"] == 2.0
     assert [t["cfg"] for t in out["trials"]] == candidates
-    assert out["trials"][1] == {"cfg": failing, "error": "RuntimeError('out of resources')"}
-    assert out["trials"][0]["step_ms"] == 1.0 and out["trials"][2]["step_ms"] == pytest.approx(1.02)
+    assert out["trials"][1] == {"cfg": candidates[1], "error": "RuntimeError('out of resources')"}
+    assert [t.get("step_ms") for t in out["trials"]] == [pytest.approx(1.0 + i / 100) if i != 1 else None
+                                                         for i in range(len(candidates))]
     assert kv_decode.decode_attention is fake_attention
-    assert set(seen) >= {None, *candidates, (1, 2, 3)}
+    assert all(getattr(kv_decode, name) is check for name, check in checks.items())
+    assert set(seen) >= {None, (1, 2, 3), *(c for c in candidates if not isinstance(c, str))}
     monkeypatch.undo()
     assert kv_decode.decode_attention is original
 
