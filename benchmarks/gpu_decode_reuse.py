@@ -270,14 +270,14 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
 # / 128 x V ahead or not, h200_step_attention_qwen.json, found 8 warps with V ahead fastest.) LLaVA-1.5-7B (MHA,
 # "subnormal"): more or fewer programs, two warps, no next-tile prefetch.
 _ATTENTION_CANDIDATES = {
-    "qwen2-vl": [(128, 4, 264, 2, True), (64, 4, 528, 2, True), "no_preload", "no_pdl"],
+    "qwen2-vl": [(128, 4, 264, 2, True), (64, 4, 528, 2, True), "no_pdl"],
     "llava": [(16, 1, 1056), (32, 1, 1056), (32, 2, 528), (64, 2, 528), (32, 1, 528, None, False)],
 }
 
 
-# Launch trials among the candidates (the default config): the grouped kernel's first tile not loaded before its wait
-# for the kernel in front ("no_preload"), or neither partial nor combine launched with PDL ("no_pdl").
-_LAUNCH_TRIALS = {"no_preload": ("pdl_preload_ready",), "no_pdl": ("pdl_preload_ready", "pdl_ready")}
+# Launch trials among the candidates (the default config): the attention kernels launched without programmatic
+# dependent launch ("no_pdl"). (A "no_preload" trial timed the grouped kernel's first-tile preload, since removed.)
+_LAUNCH_TRIALS = {"no_pdl": ("pdl_ready",)}
 
 
 @contextmanager

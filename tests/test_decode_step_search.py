@@ -61,7 +61,7 @@ def test_attention_search_times_each_kv_config_and_restores_the_kernel(monkeypat
     from mmsdk.kernels import fast_generate
 
     original = kv_decode.decode_attention
-    checks = {name: getattr(kv_decode, name) for name in ("pdl_preload_ready", "pdl_ready")}
+    checks = {name: getattr(kv_decode, name) for names in reuse._LAUNCH_TRIALS.values() for name in names}
     seen = []
 
     def fake_attention(*args, config=None, **kwargs):

@@ -202,41 +202,6 @@ def test_attention_appends_the_new_token_itself(device):
         assert torch.equal(plain, expected), v_ahead  # where V is loaded changes no arithmetic
 
 
-def test_grouped_kernel_preloads_its_first_tile(device, monkeypatch):
-    """With its first tile loaded before the wait for the kernel in front (PRELOAD, as in a captured decode step)
-    the "generic" kernel gives bitwise what it gives without, also where the appended token lands in a split's
-    preloaded first tile (loaded again after the append), in a later tile, with a mask, without tensor cores and
-    for int8 codes."""
-    import mmsdk.kernels.kv_decode as kv_decode
-
-    torch.manual_seed(7)
-    # (query heads, KV heads, format, length, append, masked): config (16, 4, 4) gives 2 splits of 64 slots, 4 tiles
-    cases = ((8, 2, "int4", 77, True, False), (8, 2, "int4", 64, True, True), (8, 2, "int4", 40, True, False),
-             (8, 2, "int4", 77, False, True), (4, 2, "int4", 70, True, False), (8, 2, "int8", 65, True, True))
-    for hq, hkv, fmt, length, append, masked in cases:
-        dim, t_max = 32, 100
-        if fmt == "int4":
-            codes = [torch.randint(0, 256, (1, hkv, t_max, dim // 2), dtype=torch.uint8, device=device)
-                     for _ in range(2)]
-        else:
-            codes = [torch.randint(-128, 128, (1, hkv, t_max, dim), dtype=torch.int8, device=device) for _ in range(2)]
-        scales = [torch.rand(hkv, dim, device=device) * 0.05 + 0.01 for _ in range(2)]
-        query = torch.randn(1, hq, 1, dim, device=device)
-        new = [torch.randn(1, hkv, 1, dim, device=device) for _ in range(2)] if append else None
-        mask = torch.rand(1, length + 1, device=device) > 0.3 if masked else None
-        results = []
-        for preload in (False, True):
-            monkeypatch.setattr(kv_decode, "pdl_preload_ready", lambda tensor, on=preload: on)
-            mine, count = [c.clone() for c in codes], torch.tensor([length], device=device)
-            out = kv_decode.decode_attention(query, *mine, *scales, count, fmt, dim**-0.5, mask, (16, 4, 4),
-                                             "generic", append=tuple(new) if append else None)
-            results.append((out, mine, int(count)))
-        (plain, plain_codes, plain_count), (pre, pre_codes, pre_count) = results
-        assert plain_count == pre_count == length + append
-        assert all(torch.equal(a, b) for a, b in zip(plain_codes, pre_codes, strict=True))
-        assert torch.equal(plain, pre), (hq, fmt, length, append, masked)
-
-
 def test_attention_rotates_the_query_and_the_new_key_itself(device):
     """decode_attention(..., rope=(cos, sin)) on an unrotated query and new K equals the RoPE op followed by
     decode_attention: the same codes and bitwise the same output for every variant ("magic" rotates first), with and
@@ -375,7 +340,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "11 passed" in result.stdout, result.stdout[-2000:]
+    assert "10 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

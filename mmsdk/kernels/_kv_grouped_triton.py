@@ -2,7 +2,11 @@
 grouped-query heads on the tensor cores). Imported only when the kernel is launched.
 
 Its partials (even channels, then odd ones, per slot) and log-sum-exps are merged by
-:func:`mmsdk.kernels._kv_triton.decode_combine`.
+:func:`mmsdk.kernels._kv_triton.decode_combine`. (Loading each split's first K/V tile before the wait for the kernel
+in front, as the batch-1 GEMVs load their first weights, took the kernel alone from 6.97 to 5.15 µs at 1280 tokens
+together with PDL, but made Qwen2-VL-7B's decode step 16 µs slower, where the kernel in front is the q/k/v GEMV, so
+that code was removed: benchmarks/results/h200_kernel_sweeps_gqa_pdl.json, h200_step_attention_qwen_pdl.json, made at
+commit 4e69d66.)
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
                    APPEND: tl.constexpr = False, ROPE: tl.constexpr = False, V_AHEAD: tl.constexpr = False,
-                   ASM: tl.constexpr = False, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+                   ASM: tl.constexpr = False, PDL: tl.constexpr = False):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
 
     ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
@@ -75,24 +79,13 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     weights rounded to fp16; the codes exact), fp32 accumulators; ``ASM``: int4 bytes decoded by
     :func:`centred_nibbles`' PTX (CUDA only, not Triton's interpreter).
 
-    ``PDL``: launched as a dependent of the kernel before it (programmatic dependent launch), the program waits for
-    that kernel before it reads q or writes anything, and lets the combine kernel launch. ``PRELOAD``: the split's
-    first tile of K and V codes (and the token count) are loaded before that wait, so their memory round trip
-    overlaps the kernel in front; only where those were written before it started (a captured decode step: earlier
-    steps wrote them). The program that appends the step's token into its first tile loads that tile again.
+    ``PDL``: launched as a dependent of the kernel before it (programmatic dependent launch), so its programs are
+    resident when that kernel ends; each waits for it before reading anything, then lets the combine kernel launch.
     """
+    wait_for_inputs(PDL)
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     base = bh.to(tl.int64) * TMAX
     rd = tl.arange(0, BLOCK_HD)
-    if PRELOAD:
-        first = t_begin + tl.arange(0, BLOCK_T)
-        filled = tl.load(len_ptr)
-        if APPEND:
-            filled += 1
-        first_ok = first < tl.minimum(t_begin + SPLIT_T, filled)
-        pk_even, pk_odd = load_raw_codes(kc_ptr, base + first, first_ok, rd, D, HDP, FMT)
-        pv_even, pv_odd = load_raw_codes(vc_ptr, base + first, first_ok, rd, D, HDP, FMT)
-    wait_for_inputs(PDL)
     cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
     if APPEND:
         length = tl.load(len_ptr)
@@ -103,10 +96,6 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
             store_token(vn_ptr + b * sv_b + hk * sv_h, vs_ptr, vc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
                         BLOCK_HD)
             tl.debug_barrier()  # the codes are read back below by other threads of this program
-            if PRELOAD:
-                if length < t_begin + BLOCK_T:  # the preloaded first tile holds the slot just written
-                    pk_even, pk_odd = load_raw_codes(kc_ptr, base + first, first_ok, rd, D, HDP, FMT)
-                    pv_even, pv_odd = load_raw_codes(vc_ptr, base + first, first_ok, rd, D, HDP, FMT)
         t_end = tl.minimum(t_begin + SPLIT_T, length + 1)
     else:
         t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
@@ -127,14 +116,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc_e = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
     acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
-    t_rest = t_begin
-    if PRELOAD:
-        t_rest = t_begin + BLOCK_T
-        if t_begin < t_end:
-            rt, t_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-            m_i, l_i, acc_e, acc_o = attend_tile(qe, qo, pk_even, pk_odd, pv_even, pv_odd, vc_ptr, base + rt, t_ok,
-                                                 rd, D, HDP, m_i, l_i, acc_e, acc_o, FMT, USE_DOT, True, ASM)
-    for t0 in range(t_rest, t_end, BLOCK_T):
+    for t0 in range(t_begin, t_end, BLOCK_T):
         rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         k_raw_even, k_raw_odd = load_raw_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
         v_raw_even, v_raw_odd = k_raw_even, k_raw_odd  # placeholders, ignored unless V_AHEAD

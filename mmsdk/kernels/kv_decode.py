@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
+from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
            "reference_decode_attention"]
@@ -256,7 +256,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         new_key.stride(1), new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
         BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, ASM=not interpreting(),
-        PDL=pdl, PRELOAD=pdl_preload_ready(query), launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
