@@ -265,12 +265,13 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
 
 # What ``--search-attention`` tries for the step's int4 KV decode kernel (decode_attention's ``config``; None = its
 # default). Qwen2-VL-7B (grouped heads, "generic"; the cache holds 1280 slots, so 128-token tiles give 10 splits, 40
-# programs): the short-cache default's parts one at a time (8 warps, V loaded with K) against the earlier default
-# (128, 4, 264, 2, V after the softmax), which is timed twice for the spread. (A first search over token tiles 32 / 64
-# / 128 x V ahead or not, h200_step_attention_qwen.json, found 8 warps with V ahead fastest.) LLaVA-1.5-7B (MHA,
+# programs): 64-token tiles over twice the programs, the fastest alternative with fp16 operands and PDL (the default,
+# 128 x 8 warps with V loaded with K, is timed twice for the spread), and the default without PDL. (Earlier searches:
+# h200_step_attention_qwen.json, h200_step_attention_confirm_qwen.json with tf32 operands; h200_step_attention_qwen_fp16
+# and _pdl.json with fp16 operands, the second also with a first-tile preload since removed.) LLaVA-1.5-7B (MHA,
 # "subnormal"): more or fewer programs, two warps, no next-tile prefetch.
 _ATTENTION_CANDIDATES = {
-    "qwen2-vl": [(128, 4, 264, 2, True), (64, 4, 528, 2, True), "no_pdl"],
+    "qwen2-vl": [(64, 4, 528, 2, True), "no_pdl"],
     "llava": [(16, 1, 1056), (32, 1, 1056), (32, 2, 528), (64, 2, 528), (32, 1, 528, None, False)],
 }
 

@@ -117,7 +117,8 @@ STEP_TILES = ((8, 128, 4, "quad"), (16, 64, 2, "quad"), (8, 64, 2, "quad"), (8, 
               # 16 quads (64 words) per row and step: Qwen2-VL's K = 3584 (448 words per row) in 7 whole steps, where
               # 128 quads take one step with 64 of its 512 words masked off and 64 quads take 1.75 steps (not yet run)
               (16, 16, 1, "quad"), (32, 16, 2, "quad"), (16, 16, 2, "quad"))
-# the same for the gated kernel (rows, quads, warps), next to its own tiles (mmsdk.kernels.w4a16_gated._GATED_TILES)
+# the same for the gated kernel (rows, quads, warps), next to its own tiles (mmsdk.kernels.w4a16_gated._GATED_TILES,
+# the same four tiles for every group size)
 STEP_WHOLE_STEP_GATED_TILES = ((16, 16, 1), (8, 16, 1), (32, 16, 2))
 STEP_TARGETS = (264, 528, 1056, 2112)
 
@@ -379,7 +380,7 @@ def _step_gated_row(label: str, weights: list[Any], group: int, n: int, k: int) 
         x.float() @ dequantize_int4(up, torch.float32).T)
     configs: list[Any] = [None]
     seen = set()
-    for block_n, block_c, warps in (*w4a16_gated._GATED_TILES, *STEP_WHOLE_STEP_GATED_TILES):
+    for block_n, block_c, warps in (*w4a16_gated._GATED_TILES[128], *STEP_WHOLE_STEP_GATED_TILES):
         for target in STEP_TARGETS:
             slices = w4a16_gated.k_slices(n, k // group, block_n, block_c, target, None)
             if (block_n, block_c, warps, slices) not in seen:
@@ -525,7 +526,7 @@ def _gated_rows() -> dict[str, Any]:
         parts = [(w.qweight, w.scales, w.zero_points) for w in (gate, up)]
         expected = torch.nn.functional.silu(x.float() @ dequantize_int4(gate, torch.float32).T) * (
             x.float() @ dequantize_int4(up, torch.float32).T)
-        for cfg in (None, *[(*tile, 1, "gated", 528) for tile in _GATED_TILES], (8, 128, 4, 1, "quad", 528),
+        for cfg in (None, *[(*tile, 1, "gated", 528) for tile in _GATED_TILES[128]], (8, 128, 4, 1, "quad", 528),
                     (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528), (32, 16, 4, 1, "quad", 1056),
                     (16, 64, 4, 1, "quadp", 528)):
             got = w4a16_gated_silu(x, parts[0], parts[1], k, 128, config=cfg)

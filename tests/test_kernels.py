@@ -401,6 +401,37 @@ def test_tuning_off_takes_the_first_candidate_untimed(monkeypatch):
     assert picked == (8, 2, 2, 1, "quad") and launched == [] and key not in tuning().chosen
 
 
+def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
+    """``within``: the first candidate in the given order that times within that fraction of the fastest is kept
+    (the gated tiles, listed in the decode step's order); without it the fastest."""
+    from mmsdk.kernels import w4a16_gated, w4a16_tuning
+
+    times = {"a": 10.4, "b": 10.1, "c": 10.0, "d": 9.0}
+    timed = []
+
+    def graph_time_ms(calls):
+        calls[0]()
+        return times[timed[-1]]
+
+    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
+    monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    candidates = tuple((name,) for name in times)
+    pick = {}
+    for within, key in ((0.0, "fastest"), (0.03, "3%"), (0.2, "20%")):
+        pick[key] = w4a16_tuning.tuned_config(("test", "within", key), lambda cfg, w: timed.append(cfg[0]), candidates,
+                                              32, (torch.zeros(4),), within)
+    assert pick == {"fastest": ("d",), "3%": ("d",), "20%": ("a",)}
+    times.update(d=10.2)
+    assert w4a16_tuning.tuned_config(("test", "within", "close"), lambda cfg, w: timed.append(cfg[0]), candidates,
+                                     32, (torch.zeros(4),), 0.03) == ("b",)
+    # the gated tiles' order follows the group size (the step's ranking); the tuner takes them with that margin
+    assert [c[:3] for c in w4a16_gated._paired_candidates(128)[:3]] == [(8, 128, 4), (8, 64, 2), (8, 32, 1)]
+    assert [c[:3] for c in w4a16_gated._paired_candidates(32)[:3]] == [(8, 32, 1), (8, 64, 2), (8, 128, 4)]
+    assert 0 < w4a16_gated.GATED_WITHIN < 0.1
+
+
 def test_one_row_tuner_times_each_candidate_followed_by_a_norm(monkeypatch):
     """The one-row GEMV's timed launch runs the candidate, then an add + RMSNorm of its output (buffers made once),
     as a decoder layer's step runs a GEMV between norms; an output wider than NORMED_MAX_N is timed alone."""

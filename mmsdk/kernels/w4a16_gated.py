@@ -56,7 +56,14 @@ PAIRED_KINDS = ("gated", *QUAD_KINDS)
 # registers, 16x64x2 255, none spill (4x128x1 spills; 4x64x1, 168 registers for 8x32x1's bytes, left out untimed).
 # The 528-program target leaves the 7B MLPs one K slice (direct store). The per-weight "quad" candidates follow (see
 # the module docstring).
-_GATED_TILES = ((8, 64, 2), (8, 32, 1), (8, 128, 4), (16, 64, 2))
+# Alone the three small tiles time within a few percent of each other, and which one the tuner kept changed from one
+# process to the next, while in the decode step they rank by group size (H200, benchmarks/gpu_decode_reuse.py
+# --search, each tile pinned in the replayed step): LLaVA-1.5-7B g32 8x32x1 1.816 ms, 8x64x2 1.846, 8x128x4 1.872;
+# Qwen2-VL-7B g128 8x128x4 2.107, 8x64x2 2.165, 8x32x1 2.204 (16x64x2 2.50 / 2.92). So the tiles are listed in the
+# step's order for the group size, and the tuner keeps the first that times within GATED_WITHIN of the fastest.
+_GATED_TILES = {32: ((8, 32, 1), (8, 64, 2), (8, 128, 4), (16, 64, 2)),
+                128: ((8, 128, 4), (8, 64, 2), (8, 32, 1), (16, 64, 2))}
+GATED_WITHIN = 0.03
 
 
 def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
@@ -110,7 +117,8 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
                        norm, statistics)
 
     weights = (*gate, *up)
-    launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size, weights), weights)
+    launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size, weights, GATED_WITHIN),
+           weights)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -119,7 +127,8 @@ def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
     """What the tuner times for a paired GEMV: the "gated" tiles first (taken untimed under capture or the
     interpreter), then the one-row "quad" kinds of the plain GEMV (groups >= 32 throughout)."""
     per_weight = tuple(c for c in gemv_candidates(1, group) if len(c) > 4 and c[4] in QUAD_KINDS)
-    return tuple((*tile, 1, "gated", 528) for tile in _GATED_TILES) + per_weight
+    tiles = _GATED_TILES[128 if group >= 128 else 32]  # other group sizes not measured: the nearer order
+    return tuple((*tile, 1, "gated", 528) for tile in tiles) + per_weight
 
 
 def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,

@@ -40,9 +40,11 @@ def tuning() -> Tuning:
 
 
 def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int,
-                 weights: tuple[torch.Tensor | None, ...]) -> Any:
+                 weights: tuple[torch.Tensor | None, ...], within: float = 0.0) -> Any:
     """The fastest candidate for ``key`` (timed once on CUDA; the first one, not kept, under the interpreter, a
-    capture or ``MMSDK_TUNE=0``).
+    capture or ``MMSDK_TUNE=0``); with ``within`` > 0 the first candidate, in the given order, whose time is within
+    that fraction of the fastest (for candidates that time alike alone but not in the decode step, listed in the
+    step's order).
 
     ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
     timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
@@ -61,8 +63,14 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
             timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies]), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
             note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
-    table[key] = min(timings)[1] if timings else candidates[0]
+    table[key] = _first_within(timings, within) if timings else candidates[0]
     return table[key]
+
+
+def _first_within(timings: list[tuple[float, tuple[Any, ...]]], within: float) -> tuple[Any, ...]:
+    """The first config of ``timings`` ((ms, config) in candidate order) within ``within`` of the fastest."""
+    fastest = min(ms for ms, _ in timings)
+    return next(cfg for ms, cfg in timings if ms <= fastest * (1.0 + within))
 
 
 def followed_by_norm(launch: Any, out: torch.Tensor) -> Any:
