@@ -169,7 +169,9 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
     15.09 µs at 1280 / 4k / 16k tokens against 7.87 / 8.88 / 15.56 with V loaded after the softmax). Up to 4k cache
     slots 8 warps: in Qwen2-VL-7B's decode step (1280 slots, benchmarks/gpu_decode_reuse.py --search-attention)
     2.077 against 2.089 ms for 4 warps with V after the softmax; alone 7.56 µs at 1280 tokens, as fast as 4 warps
-    at 4k (8.76 against 8.71) and slower at 16k (17.07 against 15.09), so longer caches keep 4 warps.
+    at 4k (8.76 against 8.71) and slower at 16k (17.07 against 15.09), so longer caches keep 4 warps. With fp16
+    operands the step kept 8 warps (2.061 against 2.085 ms, no PDL); with PDL, alone, 4 warps were faster (5.64 / 7.99
+    against 5.80 / 8.62 µs at 1280 / 4k tokens; h200_kernel_sweeps_gqa_final.json), not yet timed in the step.
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
