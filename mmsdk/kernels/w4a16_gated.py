@@ -124,10 +124,11 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
 
 @cache
 def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
-    """What the tuner times for a paired GEMV: the "gated" tiles first (taken untimed under capture or the
-    interpreter), then the one-row "quad" kinds of the plain GEMV (groups >= 32 throughout)."""
+    """What the tuner times for a paired GEMV: the "gated" tiles first, in the decode step's order for the group size
+    (the first taken untimed under capture or the interpreter), then the one-row "quad" kinds of the plain GEMV
+    (groups >= 32 throughout)."""
     per_weight = tuple(c for c in gemv_candidates(1, group) if len(c) > 4 and c[4] in QUAD_KINDS)
-    tiles = _GATED_TILES[128 if group >= 128 else 32]  # other group sizes not measured: the nearer order
+    tiles = _GATED_TILES[128 if group >= 128 else 32]  # groups of 64 (not measured in the step) take g32's order
     return tuple((*tile, 1, "gated", 528) for tile in tiles) + per_weight
 
 
