@@ -24,7 +24,8 @@
 * ``pdl``: what programmatic dependent launch buys the tuned batch-1 GEMVs (their first weight tiles load
   while the previous kernel still runs), alone and after an add + RMSNorm.
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
-  (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache.
+  (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache, the default without PDL, and a kernel that
+  only reads the codes (``read_floor``: the floor under any decode kernel in this harness).
 * ``mha``: the same for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
   program instead of a second, combine kernel measured slower for every configuration, MHA and GQA, at
   1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
