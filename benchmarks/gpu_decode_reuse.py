@@ -315,15 +315,12 @@ def attention_config(config: tuple[Any, ...] | str | None) -> Iterator[None]:
 
 def search_attention(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str, Any]:
     """The step timed (median of three replays after a call, graph captured again) with each of the model's
-    ``_ATTENTION_CANDIDATES`` as the KV decode kernel's config; the GEMV configs stay as the tuner chose them."""
-    from mmsdk.kernels.fast_generate import release
+    ``_ATTENTION_CANDIDATES`` as the KV decode kernel's config; the GEMV configs stay as the tuner chose them. Each
+    timing drops the graph kept before it (:func:`step_ms_recaptured`), so no trial replays another's."""
 
-    def step_ms(config: tuple[Any, ...] | None) -> float:
+    def step_ms(config: tuple[Any, ...] | str | None) -> float:
         with attention_config(config):
-            try:
-                return step_ms_recaptured(model, inputs)
-            finally:
-                release(model)  # the graph captured with this config goes with it
+            return step_ms_recaptured(model, inputs)
 
     out: dict[str, Any] = {"default_ms": step_ms(None), "trials": []}
     for config in _ATTENTION_CANDIDATES[model_name]:

@@ -653,7 +653,7 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
                 results.append({"variant": variant, "cfg": cfg, "us": t, "ratio": t / sdpa,
                                 "rel_err": rel(out, reference)})
         results.sort(key=lambda r: r["us"])
-        with pdl_setting(False):  # the default without programmatic dependent launch (nor the first tile preloaded)
+        with pdl_setting(False):  # the default without programmatic dependent launch
             no_pdl = gtime([lambda kv=kv: run(None, next(iter(space)), *kv) for kv in codes])
         floor = read_floor(codes)
         rows.append({"ctx": ctx, "sdpa_us": sdpa, "default": next(r for r in results if r["cfg"] is None),
