@@ -25,7 +25,8 @@ outputs, a bound on what fusing them away could gain); ``--step-only`` measures 
 capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the replayed step itself
 (:func:`search_step`: what the step reaches when its configs are ranked as the step runs them, not as the tuner times
 them alone); ``--search-attention`` times the step with each of the KV decode kernel's candidate configs
-(:func:`search_attention`).
+(:func:`search_attention`); ``--against-tuner`` times it again with the tuner's own picks where
+mmsdk.kernels.step_configs answered (benchmarks/_step_against_tuner.py).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 import benchmarks.gpu_suite as suite
+from benchmarks._step_against_tuner import step_with_tuner_picks
 
 REPLAYS = 64
 
@@ -265,13 +267,14 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
 
 # What ``--search-attention`` tries for the step's int4 KV decode kernel (decode_attention's ``config``; None = its
 # default). Qwen2-VL-7B (grouped heads, "generic"; the cache holds 1280 slots, so 128-token tiles give 10 splits, 40
-# programs): 64-token tiles over twice the programs, the fastest alternative with fp16 operands and PDL (the default,
-# 128 x 8 warps with V loaded with K, is timed twice for the spread), and the default without PDL. (Earlier searches:
+# programs): 64-token tiles over twice the programs, the fastest alternative with fp16 operands and PDL, the default's
+# tile on 4 warps (faster alone with PDL; the default, 128 x 8 warps with V loaded with K, is timed twice for the
+# spread), and the default without PDL. (Earlier searches:
 # h200_step_attention_qwen.json, h200_step_attention_confirm_qwen.json with tf32 operands; h200_step_attention_qwen_fp16
 # and _pdl.json with fp16 operands, the second also with a first-tile preload since removed.) LLaVA-1.5-7B (MHA,
 # "subnormal"): more or fewer programs, two warps, no next-tile prefetch.
 _ATTENTION_CANDIDATES = {
-    "qwen2-vl": [(64, 4, 528, 2, True), "no_pdl"],
+    "qwen2-vl": [(64, 4, 528, 2, True), (128, 4, 264, 2, True), "no_pdl"],
     "llava": [(16, 1, 1056), (32, 1, 1056), (32, 2, 528), (64, 2, 528), (32, 1, 528, None, False)],
 }
 
@@ -395,11 +398,14 @@ def main() -> None:
                         help="then choose the step's GEMV configs by timing the replayed step (search_step)")
     parser.add_argument("--search-attention", action="store_true",
                         help="then time the step with each of the KV decode kernel's candidate configs")
+    parser.add_argument("--against-tuner", action="store_true",
+                        help="then time the step with the tuner's own picks where the step-measured table answered")
     args = parser.parse_args()
     chosen = {key: stacks()[key] for key in args.stacks.split(",")}
     command = f"python benchmarks/gpu_decode_reuse.py --reps {args.reps} --stacks {args.stacks}"
     command += (" --step-only" if args.step_only else "") + (" --search" if args.search else "")
-    command += " --search-attention" if args.search_attention else ""
+    command += (" --search-attention" if args.search_attention else "") + (" --against-tuner" if args.against_tuner
+                                                                           else "")
     results: dict[str, Any] = {"command": command,
                                "env": suite.section_env(), "rows": []}
     for key, (name, model_name, passes) in chosen.items():
@@ -424,6 +430,8 @@ def main() -> None:
             row["search"]["floor_ms"] = floor_ms
         if args.search_attention:
             row["search_attention"] = search_attention(model, inputs, model_name)
+        if args.against_tuner:
+            row["against_tuner"] = step_with_tuner_picks(model, inputs, _replay_after_call, call_ms)
         for shape in pins:
             tuning().chosen.pop(shape, None)
         results["rows"].append(row)

@@ -432,6 +432,62 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
     assert 0 < w4a16_gated.GATED_WITHIN < 0.1
 
 
+class _OnDevice:
+    """Stands in for a packed weight on a CUDA device (the tuner reads only its ``device``)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+
+def test_step_measured_configs_answer_for_their_gpu_untimed(monkeypatch):
+    """On the GPU a decode-step config was measured on, the tuner keeps it without timing anything (also under a
+    capture); another GPU, a CPU tensor, ``MMSDK_STEP_CONFIGS=0`` or an entry no longer among the candidates fall back
+    to timing."""
+    from mmsdk.kernels import step_configs, w4a16_tuning
+    from mmsdk.kernels.w4a16 import gemv_candidates
+
+    key = ("gemv", 1, 4608, 28, 128, torch.bfloat16, False, True, True)  # Qwen2-VL-7B's q/k/v, g128
+    measured = step_configs._measured()["NVIDIA H200"][key]
+    candidates = gemv_candidates(1, 128)
+    assert measured in candidates and measured != candidates[0]
+    gpu_name = {"name": "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: gpu_name["name"])
+    cuda, cpu = _OnDevice("cuda"), _OnDevice("cpu")
+    assert step_configs.step_measured_config(key, cuda.device, candidates) == measured
+    assert step_configs.step_measured_config(key, cpu.device, candidates) is None
+    assert step_configs.step_measured_config(key, cuda.device, candidates[:1]) is None
+    assert step_configs.step_measured_config(("gemv", 1, 4608, 28, 128, torch.float16, False, True, True),
+                                             cuda.device, candidates) is None
+    monkeypatch.setenv(step_configs.STEP_CONFIGS_ENV, "0")
+    assert step_configs.step_measured_config(key, cuda.device, candidates) is None
+    monkeypatch.delenv(step_configs.STEP_CONFIGS_ENV)
+    gpu_name["name"] = "NVIDIA H100 80GB HBM3"
+    assert step_configs.step_measured_config(key, cuda.device, candidates) is None
+    gpu_name["name"] = "NVIDIA H200"
+
+    def never_timed(*args):
+        raise AssertionError("a step-measured config is taken untimed")
+
+    monkeypatch.setattr(w4a16_tuning, "graph_time_ms", never_timed)
+    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    launched = []
+    w4a16_tuning.tuning().chosen.pop(key, None)
+    try:
+        assert w4a16_tuning.tuned_config(key, lambda cfg, w: launched.append(cfg), candidates, 128, (cuda,)) == measured
+        assert launched == [] and w4a16_tuning.tuning().chosen[key] == measured
+    finally:
+        w4a16_tuning.tuning().chosen.pop(key, None)
+    # every entry is a candidate of the kernels it names (a changed candidate list would silently retire it)
+    from mmsdk.kernels.w4a16_gated import _paired_candidates
+
+    for table in step_configs._measured().values():
+        for entry_key, config in table.items():
+            group = entry_key[4] if entry_key[0] == "gemv" else entry_key[3]
+            pool = gemv_candidates(entry_key[1], group) if entry_key[0] == "gemv" else _paired_candidates(group)
+            assert config in pool, (entry_key, config)
+
+
 def test_one_row_tuner_times_each_candidate_followed_by_a_norm(monkeypatch):
     """The one-row GEMV's timed launch runs the candidate, then an add + RMSNorm of its output (buffers made once),
     as a decoder layer's step runs a GEMV between norms; an output wider than NORMED_MAX_N is timed alone."""

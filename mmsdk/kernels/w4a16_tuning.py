@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
+from mmsdk.kernels.step_configs import step_measured_config
 
 __all__ = ["NORMED_MAX_N", "Tuning", "fit_config", "followed_by_norm", "tuned_config", "tuning"]
 
@@ -42,9 +43,10 @@ def tuning() -> Tuning:
 def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int,
                  weights: tuple[torch.Tensor | None, ...], within: float = 0.0) -> Any:
     """The fastest candidate for ``key`` (timed once on CUDA; the first one, not kept, under the interpreter, a
-    capture or ``MMSDK_TUNE=0``); with ``within`` > 0 the first candidate, in the given order, whose time is within
-    that fraction of the fastest (for candidates that time alike alone but not in the decode step, listed in the
-    step's order).
+    capture or ``MMSDK_TUNE=0``), or the configuration measured for it inside the decode step on this GPU
+    (mmsdk.kernels.step_configs: taken untimed); with ``within`` > 0 the first candidate, in the given order, whose
+    time is within that fraction of the fastest (for candidates that time alike alone but not in the decode step,
+    listed in the step's order).
 
     ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
     timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
@@ -54,6 +56,10 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     table = tuning().chosen
     if key in table:
         return table[key]
+    measured = step_measured_config(key, weights[0].device, candidates)
+    if measured is not None:
+        table[key] = measured
+        return measured
     if not timing_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     copies = l2_spill_copies(weights)

@@ -1,0 +1,45 @@
+"""The decode step with the tuner's own picks instead of the step-measured configs (mmsdk.kernels.step_configs), in
+the same process: what the table buys the step (``gpu_decode_reuse.py --against-tuner``)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+import torch
+
+
+def step_with_tuner_picks(model: Any, inputs: dict[str, Any], replay_after_call: Any,
+                          call_ms: Any) -> dict[str, Any]:
+    """The step (median of three replays after a call, graph captured again) after the tuner timed, alone as it
+    does, every GEMV key the step-measured table answered; the table's answers are put back afterwards.
+
+    ``replay_after_call(model, inputs)`` and ``call_ms(model, inputs, new, reps)`` are gpu_decode_reuse's."""
+    from mmsdk.kernels.fast_generate import release
+    from mmsdk.kernels.step_configs import STEP_CONFIGS_ENV, step_measured_config
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    table = tuning().chosen
+    device = torch.device("cuda", torch.cuda.current_device())
+    answered = {key: cfg for key, cfg in table.items() if step_measured_config(key, device, (cfg,)) == cfg}
+    if not answered:
+        return {"note": "no GEMV of this step has a step-measured config on this GPU"}
+    previous = os.environ.get(STEP_CONFIGS_ENV)
+    os.environ[STEP_CONFIGS_ENV] = "0"
+    try:
+        for key in answered:
+            del table[key]
+        release(model)
+        call_ms(model, inputs, 128, 1)  # the tuner times the keys again, then the step is captured
+        out = {"step_ms": statistics.median(replay_after_call(model, inputs) for _ in range(3)),
+               "tuner_picks": {str(key): table.get(key) for key in answered},
+               "step_measured": {str(key): cfg for key, cfg in answered.items()}}
+    finally:
+        if previous is None:
+            os.environ.pop(STEP_CONFIGS_ENV, None)
+        else:
+            os.environ[STEP_CONFIGS_ENV] = previous
+        table.update(answered)
+        release(model)
+    return out

@@ -1,0 +1,60 @@
+"""W4A16 configurations measured inside the decode step, per GPU: the tuner's answer for the shapes they cover.
+
+The tuner (mmsdk.kernels.w4a16_tuning) times each candidate alone. For the batch-1 GEMVs of a decode step that does not
+rank the candidates as the step does: what runs next (the attention's kernels after q/k/v, the gated MLP after o_proj)
+fills the multiprocessors while a GEMV's last programs finish, and which tile wins alone changed from one process to
+the next. On an H200 the step's q/k/v pick alone moved Qwen2-VL-7B's step by ~45 µs between processes
+(docs/benchmarks.md, seventeenth pass). The configurations below were each chosen by timing the replayed step itself
+with every candidate pinned in turn (benchmarks/gpu_decode_reuse.py ``--search``: coordinate descent over q/k/v, o_proj,
+down and the gated MLP); the tuner returns them for these keys on that GPU instead of timing. Other shapes, dtypes and
+GPUs are timed as before. ``MMSDK_STEP_CONFIGS=0`` turns the table off (to measure the tuner's own picks).
+
+Keys are the tuner's: ``("gemv", rows bucket, N, K groups, group, dtype, zero points, bias, norm folded)`` and
+``("gated", N, K groups, group, dtype, zero points, norm folded)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["STEP_CONFIGS_ENV", "step_measured_config"]
+
+STEP_CONFIGS_ENV = "MMSDK_STEP_CONFIGS"  # "0" turns the table off
+
+
+def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
+    """Device name (``torch.cuda.get_device_name``) -> tuner key -> configuration (built per call: no module state)."""
+    bf16 = torch.bfloat16
+    return {
+        "NVIDIA H200": {
+            # LLaVA-1.5-7B, int4-weight g32, rmsnorm-rope-fusion's defaults (h200_step_search_g32.json in
+            # benchmarks/results: the step 1.816 ms with these; q/k/v 8x64x2 +29 µs, 8x128x4 +34, 16x32x2 +60;
+            # o_proj's other tiles +230-365 µs except 8x128x4 at 264 programs, equal; down 8x128x4 at 528 programs
+            # +44; gated 8x64x2 +30)
+            ("gemv", 1, 12288, 128, 32, bf16, False, False, True): (16, 64, 2, 1, "quad", 528),
+            ("gemv", 1, 4096, 128, 32, bf16, False, False, False): (8, 128, 4, 1, "quad", 528),
+            ("gemv", 1, 4096, 344, 32, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
+            ("gated", 11008, 128, 32, bf16, False, False): (8, 32, 1, 1, "gated", 528),
+            # Qwen2-VL-7B, int4-weight g128, same passes (h200_step_search_qwen.json: 2.107 ms with these; q/k/v
+            # 8x64x2 +47 µs, 16x64x4 +31, 16x64x2 +144; o_proj 8x128x4 at 264 programs equal, the others +42-233;
+            # down 8x128x4 at 264 programs +8, the others +33-443; gated 8x64x2 +59, 8x32x1 +98)
+            ("gemv", 1, 4608, 28, 128, bf16, False, True, True): (8, 128, 4, 1, "quad", 264),
+            ("gemv", 1, 3584, 28, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 528),
+            ("gemv", 1, 3584, 148, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 528),
+            ("gated", 18944, 28, 128, bf16, False, False): (8, 128, 4, 1, "gated", 528),
+        },
+    }
+
+
+def step_measured_config(key: tuple[Any, ...], device: torch.device,
+                         candidates: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...] | None:
+    """The step-measured configuration for ``key`` on ``device``'s GPU, or None (not CUDA, no entry, the table off
+    with ``MMSDK_STEP_CONFIGS=0``, or an entry that is not among ``candidates``: the candidates changed since it was
+    measured, so the tuner times them instead)."""
+    if device.type != "cuda" or os.environ.get(STEP_CONFIGS_ENV, "1") == "0":
+        return None
+    config = _measured().get(torch.cuda.get_device_name(device), {}).get(key)
+    return config if config in candidates else None
