@@ -160,10 +160,8 @@ _GENERIC_SHORT_CACHE = 4096
 
 def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool,
                     t_max: int) -> tuple[tuple[int, int, int, int], bool]:
-    """((BLOCK_T, num_warps, target programs, num_stages), V loaded with K) of the generic kernel: ``config``
-    completed by defaults.
-
-    With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
+    """((BLOCK_T, num_warps, target programs, num_stages), V loaded with K) of the generic kernel: ``config``, the rest
+    from defaults. With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
     fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
     64-token tiles; benchmarks/gpu_kernel_sweeps.py gqa), each tile's V codes loaded with its K codes (7.79 / 8.71 /
     15.09 µs at 1280 / 4k / 16k tokens against 7.87 / 8.88 / 15.56 with V loaded after the softmax). Up to 4k cache
@@ -171,7 +169,8 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
     2.077 against 2.089 ms for 4 warps with V after the softmax; alone 7.56 µs at 1280 tokens, as fast as 4 warps
     at 4k (8.76 against 8.71) and slower at 16k (17.07 against 15.09), so longer caches keep 4 warps. With fp16
     operands the step kept 8 warps (2.061 against 2.085 ms, no PDL); with PDL, alone, 4 warps were faster (5.64 / 7.99
-    against 5.80 / 8.62 µs at 1280 / 4k tokens; h200_kernel_sweeps_gqa_final.json), not yet timed in the step.
+    against 5.80 / 8.62 µs at 1280 / 4k tokens; h200_kernel_sweeps_gqa_final.json), in the step not (2.004 against
+    1.996 / 1.999 ms; h200_step_qwen_table.json).
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
