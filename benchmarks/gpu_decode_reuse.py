@@ -272,10 +272,11 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
 # spread), and the default without PDL. (Earlier searches:
 # h200_step_attention_qwen.json, h200_step_attention_confirm_qwen.json with tf32 operands; h200_step_attention_qwen_fp16
 # and _pdl.json with fp16 operands, the second also with a first-tile preload since removed.) LLaVA-1.5-7B (MHA,
-# "subnormal"): more or fewer programs, two warps, no next-tile prefetch.
+# "subnormal"): V's sums folded to a quarter of each tile's tokens, over the default's programs, twice as many, and
+# two warps (earlier: more or fewer programs, two warps, no prefetch, h200_step_attention_g32.json).
 _ATTENTION_CANDIDATES = {
     "qwen2-vl": [(64, 4, 528, 2, True), (128, 4, 264, 2, True), "no_pdl"],
-    "llava": [(16, 1, 1056), (32, 1, 1056), (32, 2, 528), (64, 2, 528), (32, 1, 528, None, False)],
+    "llava": [(32, 1, 528, None, True, True), (32, 1, 1056, None, True, True), (64, 2, 528, None, True, True)],
 }
 
 

@@ -97,10 +97,50 @@ def store_nibble_out(po_ptr, slot, rw, acc, l_i, l_safe, J: tl.constexpr, W: tl.
 
 
 @triton.jit
-def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7):
+def token_quarters(x):
+    """``[BLOCK_T, W]`` as four ``[BLOCK_T / 4, W]`` tiles, tokens ``t`` with the same ``t mod BLOCK_T / 4`` summed
+    by the caller. Triton lays a one-warp ``[BLOCK_T, W]`` tile out as repeats of an 8-token block in each thread's
+    registers (``t = 8 rep + lane row``), so with 32-token tiles the quarters are those repeats: reshape, permute and
+    split only rename registers."""
+    rows: tl.constexpr = x.shape[0] // 4
+    y = tl.permute(tl.reshape(x, (4, rows, x.shape[1])), (1, 2, 0))
+    a, b = tl.split(tl.reshape(y, (rows, x.shape[1], 2, 2)))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, a1, b0, b1
+
+
+@triton.jit
+def add_folded(acc, c, p):
+    """``acc`` ``[BLOCK_T / 4, W]`` plus ``c * p`` (``[BLOCK_T, W]`` each) summed over token quarters, as four FMAs
+    per element (:func:`token_quarters`)."""
+    c0, c1, c2, c3 = token_quarters(c)
+    p0, p1, p2, p3 = token_quarters(tl.broadcast_to(p, c.shape))
+    acc += c0 * p0
+    acc += c1 * p1
+    acc += c2 * p2
+    acc += c3 * p3
+    return acc
+
+
+@triton.jit
+def add_products(acc, c, p, FOLD: tl.constexpr):
+    """``acc + c * p``, the token axis folded into quarters with ``FOLD`` (:func:`add_folded`)."""
+    if FOLD:
+        out = add_folded(acc, c, p)
+    else:
+        out = acc + c * p
+    return out
+
+
+@triton.jit
+def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7,
+                FOLD: tl.constexpr = False):
     """One tile of K / V words ``[BLOCK_T, W]`` folded into the online softmax: the updated (m_ref, l_acc, v0..v7).
 
     Tokens outside ``t_ok`` get probability 0 (their words may be anything: a nibble read as a subnormal is finite).
+    With ``FOLD`` the V sums ``v*`` hold a quarter of the tile's tokens (:func:`add_folded`): a quarter of the
+    registers, the same FMAs.
     """
     s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
     s = tl.where(t_ok, s, float("-inf"))
@@ -124,14 +164,14 @@ def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_ac
     p0 = (p * SUB_F0)[:, None]
     p1 = (p * SUB_F1)[:, None]
     p2 = (p * SUB_F2)[:, None]
-    v0 += c0 * p0
-    v1 += c1 * p1
-    v2 += c2 * p2
-    v3 += c3 * (p * SUB_F3)[:, None]
-    v4 += c4 * (p * SUB_F4)[:, None]
-    v5 += c5 * (p * SUB_F5)[:, None]
-    v6 += c6 * p1
-    v7 += c7 * p0
+    v0 = add_products(v0, c0, p0, FOLD)
+    v1 = add_products(v1, c1, p1, FOLD)
+    v2 = add_products(v2, c2, p2, FOLD)
+    v3 = add_products(v3, c3, (p * SUB_F3)[:, None], FOLD)
+    v4 = add_products(v4, c4, (p * SUB_F4)[:, None], FOLD)
+    v5 = add_products(v5, c5, (p * SUB_F5)[:, None], FOLD)
+    v6 = add_products(v6, c6, p1, FOLD)
+    v7 = add_products(v7, c7, p0, FOLD)
     return m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7
 
 
@@ -158,7 +198,7 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
                                       kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
                                       HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
                                       PREFETCH: tl.constexpr = False, APPEND: tl.constexpr = False,
-                                      ROPE: tl.constexpr = False):
+                                      ROPE: tl.constexpr = False, FOLD: tl.constexpr = False):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
@@ -197,14 +237,15 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     q_off = 8.0 * tl.sum((a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7).to(tl.float64), 0).to(tl.float32)
     m_ref = tl.full([], float("-inf"), tl.float32)
     l_acc = tl.zeros((BLOCK_T,), tl.float32)
-    v0 = tl.zeros((BLOCK_T, W), tl.float32)
-    v1 = tl.zeros((BLOCK_T, W), tl.float32)
-    v2 = tl.zeros((BLOCK_T, W), tl.float32)
-    v3 = tl.zeros((BLOCK_T, W), tl.float32)
-    v4 = tl.zeros((BLOCK_T, W), tl.float32)
-    v5 = tl.zeros((BLOCK_T, W), tl.float32)
-    v6 = tl.zeros((BLOCK_T, W), tl.float32)
-    v7 = tl.zeros((BLOCK_T, W), tl.float32)
+    V_ROWS: tl.constexpr = BLOCK_T // 4 if FOLD else BLOCK_T
+    v0 = tl.zeros((V_ROWS, W), tl.float32)
+    v1 = tl.zeros((V_ROWS, W), tl.float32)
+    v2 = tl.zeros((V_ROWS, W), tl.float32)
+    v3 = tl.zeros((V_ROWS, W), tl.float32)
+    v4 = tl.zeros((V_ROWS, W), tl.float32)
+    v5 = tl.zeros((V_ROWS, W), tl.float32)
+    v6 = tl.zeros((V_ROWS, W), tl.float32)
+    v7 = tl.zeros((V_ROWS, W), tl.float32)
     base = bh.to(tl.int64) * TMAX
     length = tl.load(len_ptr)  # read after the query (as measured on the H200)
     if APPEND:
@@ -235,7 +276,7 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
             kw = tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0)
             vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
         m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(
-            kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7)
+            kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7, FOLD)
     l_i = tl.sum(l_acc, 0)
     l_safe, lse = softmax_total(m_ref, l_i)
     slot = (b * H_KV + hk).to(tl.int64) * n_splits + split

@@ -103,17 +103,12 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
 # nibbles decoded as subnormal floats, per-thread V sums, lazy rescaling) and "magic" (nibbles OR-ed into
 # 2**23, V reduced every tile); "generic" is the byte kernel every format can use.
 VARIANTS = ("subnormal", "magic", "generic")
-# (BLOCK_T, num_warps, target programs) worth timing for the subnormal kernel. On an H200 (MHA 32 heads,
-# head_dim 128, benchmarks/gpu_tune.py sweep_kv) (32, 1, 1056) was fastest at 4k and 16k tokens before the
-# kernel loaded tiles ahead; since then 528 programs win up to about 2k tokens (see _word_config).
-# More tokens per thread (BLOCK_T / warps) means more loads in flight and
-# more accumulator registers; one warp needs no barrier for the per-tile max. Compiled offline for sm_90
-# (Triton 3.6), every MHA candidate below fits in registers (128-228) without spills. The subnormal kernel
-# loads the next tile's K and V ahead by default (_SUBNORMAL_PREFETCH): with (32, 1, 1056) on the H200, 28.3
-# against 32.8 µs at 16k tokens, 10.8 against 10.7 at 4k (benchmarks/gpu_kernel_sweeps.py mha); 239 registers.
+# The subnormal kernel loads the next tile's K and V ahead by default (_SUBNORMAL_PREFETCH): with (32, 1, 1056) on the
+# H200, 28.3 against 32.8 µs at 16k tokens, 10.8 against 10.7 at 4k (benchmarks/gpu_kernel_sweeps.py mha); 239
+# registers. _SUBNORMAL_FOLD: its V sums keep a quarter of each tile's tokens (158 registers in an offline sm_90 build,
+# Triton 3.9: 12 warps per multiprocessor instead of 8; the same FMAs).
 _SUBNORMAL_PREFETCH = True
-_WORD_CANDIDATES = ((16, 1, 1056), (16, 1, 2112), (32, 1, 1056), (32, 2, 1056), (32, 2, 2112), (64, 2, 1056),
-                    (64, 4, 528), (64, 4, 1056), (128, 4, 528), (128, 8, 528))
+_SUBNORMAL_FOLD = False
 
 
 def _word_config(group: int, variant: str, t_max: int) -> tuple[int, int, int]:
@@ -205,8 +200,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages[, ahead]]; ahead: for "subnormal" the next tile loaded ahead, for "generic" each
-    tile's V loaded with its K; not for "magic")
+    target programs[, num_stages[, ahead[, fold]]]; ahead: for "subnormal" the next tile loaded ahead, for "generic"
+    each tile's V loaded with its K, not for "magic"; fold: "subnormal"'s V sums over a quarter of the tile's tokens)
     pick a kernel and override its defaults (tuning).
 
     ``append`` is the step's new token, K and V ``[B, H_kv, 1, D]``, not yet in the cache: it is quantized
@@ -279,12 +274,13 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
-    prefetch = _SUBNORMAL_PREFETCH
-    if config is not None and len(config) == 5:  # (..., num_stages, prefetch): the subnormal kernel's tile prefetch
-        if variant != "subnormal":
+    prefetch, fold = _SUBNORMAL_PREFETCH, _SUBNORMAL_FOLD
+    if config is not None and len(config) > 4:  # (..., num_stages, prefetch[, fold]): the subnormal kernel's options
+        if variant != "subnormal" or len(config) > 6:
             raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
-                             "fifth entry (load ahead) is for variants 'subnormal' and 'generic' only")
-        config, prefetch = config[:4], bool(config[4])
+                             "fifth entry (load ahead) is for variants 'subnormal' and 'generic' only, a sixth (fold "
+                             "V's tokens) for 'subnormal'")
+        config, prefetch, fold = config[:4], bool(config[4]), bool(config[5]) if len(config) > 5 else fold
     block_t, warps, target, *stages = _completed(config, _word_config(group, variant, t_max))
     stages = [s for s in stages if s is not None]
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
@@ -303,7 +299,8 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
             new_value.stride(1), *(rope_args or _no_rope(query)), HAS_MASK=mask is not None, BLOCK_T=block_t,
-            W=d // 8, PREFETCH=prefetch, APPEND=append is not None, ROPE=rope_args is not None, **launch_options)
+            W=d // 8, PREFETCH=prefetch, APPEND=append is not None, ROPE=rope_args is not None, FOLD=fold,
+            **launch_options)
     elif append is not None or rope_args is not None:
         raise ValueError(f"decode variant {variant!r} cannot append or rotate the new token itself: call append_kv "
                          "(and the RoPE op) first")
