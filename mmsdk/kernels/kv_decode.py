@@ -106,9 +106,10 @@ VARIANTS = ("subnormal", "magic", "generic")
 # The subnormal kernel loads the next tile's K and V ahead by default (_SUBNORMAL_PREFETCH): with (32, 1, 1056) on the
 # H200, 28.3 against 32.8 µs at 16k tokens, 10.8 against 10.7 at 4k (benchmarks/gpu_kernel_sweeps.py mha); 239
 # registers. _SUBNORMAL_FOLD: its V sums keep a quarter of each tile's tokens (158 registers in an offline sm_90 build,
-# Triton 3.9: 12 warps per multiprocessor instead of 8; the same FMAs).
+# Triton 3.9: 12 warps per multiprocessor instead of 8; the same FMAs): 8.02 / 11.81 / 28.23 against 8.18 / 12.09 /
+# 28.32 µs at 1280 / 4k / 16k tokens, LLaVA-1.5-7B's step 1.821 against 1.827 ms (h200_*_fold.json).
 _SUBNORMAL_PREFETCH = True
-_SUBNORMAL_FOLD = False
+_SUBNORMAL_FOLD = True
 
 
 def _word_config(group: int, variant: str, t_max: int) -> tuple[int, int, int]:
