@@ -193,6 +193,17 @@ def store_token_words(new_row, scale_row, codes_ptr, word_row, rw, cos_row, sin_
 
 
 @triton.jit
+def tile_words(kc_ptr, vc_ptr, base, t0, t_end, rw, mask_ptr, b, sm_b, mask_len, HAS_MASK: tl.constexpr,
+               BLOCK_T: tl.constexpr, W: tl.constexpr):
+    """The K and V words ``[BLOCK_T, W]`` of the tile at token ``t0`` (rows from ``base``) and its valid tokens (words
+    of invalid ones read as 0)."""
+    rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
+    rows = (base + rt)[:, None] * W + rw[None, :]
+    return (tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0), tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0),
+            t_ok)
+
+
+@triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
                                       kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
@@ -205,7 +216,8 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
 
-    ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles).
+    ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles); with
+    ``PREFETCH == 2`` the tile after it (three tiles).
 
     With ``APPEND`` the step's new token is not in the cache yet: ``kn`` / ``vn`` hold its K and V (bf16/fp16
     ``[B, H, 1, 8W]``, strides ``sk_*`` / ``sv_*``) and ``len`` counts the tokens before it. The program whose
@@ -257,24 +269,27 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
             tl.debug_barrier()  # the words are read back below by other threads of this program
         length += 1
     t_end = tl.minimum(t_begin + SPLIT_T, length)
-    if PREFETCH:  # the first tile; each tile then loads the next one's before its arithmetic
-        ahead, next_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-        ahead_rows = (base + ahead)[:, None] * W + rw[None, :]
-        next_k = tl.load(kc_ptr + ahead_rows, mask=next_ok[:, None], other=0)
-        next_v = tl.load(vc_ptr + ahead_rows, mask=next_ok[:, None], other=0)
+    if PREFETCH:  # the first tile (and with PREFETCH == 2 the second); each tile then loads one PREFETCH tiles on
+        next_k, next_v, next_ok = tile_words(kc_ptr, vc_ptr, base, t_begin, t_end, rw, mask_ptr, b, sm_b, mask_len,
+                                             HAS_MASK, BLOCK_T, W)
+        if PREFETCH == 2:
+            far_k, far_v, far_ok = tile_words(kc_ptr, vc_ptr, base, t_begin + BLOCK_T, t_end, rw, mask_ptr, b, sm_b,
+                                              mask_len, HAS_MASK, BLOCK_T, W)
     for t0 in range(t_begin, t_end, BLOCK_T):
-        if PREFETCH:
+        # new names for what a tile loads ahead: a token index inside the loop may be int64 (the count is), so the
+        # tile ids cannot carry over
+        if PREFETCH == 2:
             kw, vw, t_ok = next_k, next_v, next_ok
-            # new names: a token index inside the loop may be int64 (the count is), so it cannot carry over
-            upcoming, next_ok = token_tile(t0 + BLOCK_T, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-            upcoming_rows = (base + upcoming)[:, None] * W + rw[None, :]
-            next_k = tl.load(kc_ptr + upcoming_rows, mask=next_ok[:, None], other=0)
-            next_v = tl.load(vc_ptr + upcoming_rows, mask=next_ok[:, None], other=0)
+            next_k, next_v, next_ok = far_k, far_v, far_ok
+            far_k, far_v, far_ok = tile_words(kc_ptr, vc_ptr, base, t0 + 2 * BLOCK_T, t_end, rw, mask_ptr, b, sm_b,
+                                              mask_len, HAS_MASK, BLOCK_T, W)
+        elif PREFETCH:
+            kw, vw, t_ok = next_k, next_v, next_ok
+            next_k, next_v, next_ok = tile_words(kc_ptr, vc_ptr, base, t0 + BLOCK_T, t_end, rw, mask_ptr, b, sm_b,
+                                                 mask_len, HAS_MASK, BLOCK_T, W)
         else:
-            rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-            rows = (base + rt)[:, None] * W + rw[None, :]
-            kw = tl.load(kc_ptr + rows, mask=t_ok[:, None], other=0)
-            vw = tl.load(vc_ptr + rows, mask=t_ok[:, None], other=0)
+            kw, vw, t_ok = tile_words(kc_ptr, vc_ptr, base, t0, t_end, rw, mask_ptr, b, sm_b, mask_len, HAS_MASK,
+                                      BLOCK_T, W)
         m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(
             kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7, FOLD)
     l_i = tl.sum(l_acc, 0)

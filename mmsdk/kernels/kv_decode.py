@@ -201,7 +201,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages[, ahead[, fold]]]; ahead: for "subnormal" the next tile loaded ahead, for "generic"
+    target programs[, num_stages[, ahead[, fold]]]; ahead: for "subnormal" how many tiles load ahead, for "generic"
     each tile's V loaded with its K, not for "magic"; fold: "subnormal"'s V sums over a quarter of the tile's tokens)
     pick a kernel and override its defaults (tuning).
 
@@ -281,7 +281,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
                              "fifth entry (load ahead) is for variants 'subnormal' and 'generic' only, a sixth (fold "
                              "V's tokens) for 'subnormal'")
-        config, prefetch, fold = config[:4], bool(config[4]), bool(config[5]) if len(config) > 5 else fold
+        config, prefetch, fold = config[:4], int(config[4] or 0), bool(config[5]) if len(config) > 5 else fold
     block_t, warps, target, *stages = _completed(config, _word_config(group, variant, t_max))
     stages = [s for s in stages if s is not None]
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
