@@ -608,13 +608,13 @@ def gqa() -> list[dict[str, Any]]:
 
 
 MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch[, fold]) of the subnormal kernel: without and with
-    # the next tile's K and V loaded ahead (2: two tiles), and with V's sums over a quarter of each tile's tokens (fewer
+    # the next tile's K and V loaded ahead, and with V's sums over a quarter of each tile's tokens (fewer
     # registers, more warps per multiprocessor). The tensor-core kernel of grouped heads (fp16 operands, PDL) on one
     # query per KV head was 2.3-5x slower than the subnormal default on the H200 (its best 18.7 / 40.0 / 142.5 against
     # 8.1 / 12.0 / 28.2 µs at 1280 / 4k / 16k tokens, h200_kernel_sweeps_mha_generic.json), so it is no longer swept.
     "subnormal": [None] + [(bt, w, t, None, prefetch) for prefetch in (False, True)
                            for bt, w in ((16, 1), (32, 1), (32, 2), (64, 2)) for t in (132, 264, 528, 1056, 2112)]
-    + [(bt, w, t, None, prefetch, True) for prefetch in (False, True, 2)
+    + [(bt, w, t, None, prefetch, True) for prefetch in (False, True)
        for bt, w in ((32, 1), (64, 2)) for t in (264, 528, 1056, 1584, 2112)],
 }
 

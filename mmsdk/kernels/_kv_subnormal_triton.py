@@ -216,8 +216,9 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
 
-    ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles); with
-    ``PREFETCH == 2`` the tile after it (three tiles).
+    ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles). Two tiles
+    ahead (168 registers with ``FOLD``) measured slower on the H200 (29.6 against 28.1 µs at 16k tokens,
+    h200_kernel_sweeps_mha_ahead2.json; code in commit cca8c43).
 
     With ``APPEND`` the step's new token is not in the cache yet: ``kn`` / ``vn`` hold its K and V (bf16/fp16
     ``[B, H, 1, 8W]``, strides ``sk_*`` / ``sv_*``) and ``len`` counts the tokens before it. The program whose
@@ -269,22 +270,13 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
             tl.debug_barrier()  # the words are read back below by other threads of this program
         length += 1
     t_end = tl.minimum(t_begin + SPLIT_T, length)
-    if PREFETCH:  # the first tile (and with PREFETCH == 2 the second); each tile then loads one PREFETCH tiles on
+    if PREFETCH:  # the first tile; each tile then loads the next one's before its arithmetic
         next_k, next_v, next_ok = tile_words(kc_ptr, vc_ptr, base, t_begin, t_end, rw, mask_ptr, b, sm_b, mask_len,
                                              HAS_MASK, BLOCK_T, W)
-        if PREFETCH == 2:
-            far_k, far_v, far_ok = tile_words(kc_ptr, vc_ptr, base, t_begin + BLOCK_T, t_end, rw, mask_ptr, b, sm_b,
-                                              mask_len, HAS_MASK, BLOCK_T, W)
     for t0 in range(t_begin, t_end, BLOCK_T):
-        # new names for what a tile loads ahead: a token index inside the loop may be int64 (the count is), so the
-        # tile ids cannot carry over
-        if PREFETCH == 2:
+        if PREFETCH:
             kw, vw, t_ok = next_k, next_v, next_ok
-            next_k, next_v, next_ok = far_k, far_v, far_ok
-            far_k, far_v, far_ok = tile_words(kc_ptr, vc_ptr, base, t0 + 2 * BLOCK_T, t_end, rw, mask_ptr, b, sm_b,
-                                              mask_len, HAS_MASK, BLOCK_T, W)
-        elif PREFETCH:
-            kw, vw, t_ok = next_k, next_v, next_ok
+            # new names: a token index inside the loop may be int64 (the count is), so it cannot carry over
             next_k, next_v, next_ok = tile_words(kc_ptr, vc_ptr, base, t0 + BLOCK_T, t_end, rw, mask_ptr, b, sm_b,
                                                  mask_len, HAS_MASK, BLOCK_T, W)
         else:

@@ -106,8 +106,9 @@ VARIANTS = ("subnormal", "magic", "generic")
 # The subnormal kernel loads the next tile's K and V ahead by default (_SUBNORMAL_PREFETCH): with (32, 1, 1056) on the
 # H200, 28.3 against 32.8 µs at 16k tokens, 10.8 against 10.7 at 4k (benchmarks/gpu_kernel_sweeps.py mha); 239
 # registers. _SUBNORMAL_FOLD: its V sums keep a quarter of each tile's tokens (158 registers in an offline sm_90 build,
-# Triton 3.9: 12 warps per multiprocessor instead of 8; the same FMAs): 8.02 / 11.81 / 28.23 against 8.18 / 12.09 /
-# 28.32 µs at 1280 / 4k / 16k tokens, LLaVA-1.5-7B's step 1.821 against 1.827 ms (h200_*_fold.json).
+# Triton 3.9: 12 warps per multiprocessor instead of 8, though 1056 one-warp programs fill only ~8; the same FMAs):
+# 8.02 / 11.81 / 28.23 against 8.18 / 12.09 / 28.32 µs at 1280 / 4k / 16k tokens in one run, equal in the next
+# (h200_kernel_sweeps_mha_fold.json, _ahead2.json); LLaVA-1.5-7B's step 1.821 against 1.827 ms.
 _SUBNORMAL_PREFETCH = True
 _SUBNORMAL_FOLD = True
 
@@ -201,7 +202,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages[, ahead[, fold]]]; ahead: for "subnormal" how many tiles load ahead, for "generic"
+    target programs[, num_stages[, ahead[, fold]]]; ahead: for "subnormal" the next tile loaded ahead, for "generic"
     each tile's V loaded with its K, not for "magic"; fold: "subnormal"'s V sums over a quarter of the tile's tokens)
     pick a kernel and override its defaults (tuning).
 
@@ -281,7 +282,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
                              "fifth entry (load ahead) is for variants 'subnormal' and 'generic' only, a sixth (fold "
                              "V's tokens) for 'subnormal'")
-        config, prefetch, fold = config[:4], int(config[4] or 0), bool(config[5]) if len(config) > 5 else fold
+        config, prefetch, fold = config[:4], bool(config[4]), bool(config[5]) if len(config) > 5 else fold
     block_t, warps, target, *stages = _completed(config, _word_config(group, variant, t_max))
     stages = [s for s in stages if s is not None]
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
