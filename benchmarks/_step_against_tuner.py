@@ -4,18 +4,16 @@ the same process: what the table buys the step (``gpu_decode_reuse.py --against-
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Any
 
 import torch
 
 
-def step_with_tuner_picks(model: Any, inputs: dict[str, Any], replay_after_call: Any,
-                          call_ms: Any) -> dict[str, Any]:
-    """The step (median of three replays after a call, graph captured again) after the tuner timed, alone as it
-    does, every GEMV key the step-measured table answered; the table's answers are put back afterwards.
+def step_with_tuner_picks(model: Any, inputs: dict[str, Any], step_ms: Any) -> dict[str, Any]:
+    """The step after the tuner timed, alone as it does, every GEMV key the step-measured table answered; the table's
+    answers are put back afterwards and the graph captured with the tuner's picks is dropped.
 
-    ``replay_after_call(model, inputs)`` and ``call_ms(model, inputs, new, reps)`` are gpu_decode_reuse's."""
+    ``step_ms(model, inputs)`` is gpu_decode_reuse's ``step_ms_recaptured`` (its first call tunes the keys again)."""
     from mmsdk.kernels.fast_generate import release
     from mmsdk.kernels.step_configs import STEP_CONFIGS_ENV, step_measured_config
     from mmsdk.kernels.w4a16_tuning import tuning
@@ -30,9 +28,7 @@ def step_with_tuner_picks(model: Any, inputs: dict[str, Any], replay_after_call:
     try:
         for key in answered:
             del table[key]
-        release(model)
-        call_ms(model, inputs, 128, 1)  # the tuner times the keys again, then the step is captured
-        out = {"step_ms": statistics.median(replay_after_call(model, inputs) for _ in range(3)),
+        out = {"step_ms": step_ms(model, inputs),
                "tuner_picks": {str(key): table.get(key) for key in answered},
                "step_measured": {str(key): cfg for key, cfg in answered.items()}}
     finally:

@@ -432,7 +432,7 @@ def main() -> None:
         if args.search_attention:
             row["search_attention"] = search_attention(model, inputs, model_name)
         if args.against_tuner:
-            row["against_tuner"] = step_with_tuner_picks(model, inputs, _replay_after_call, call_ms)
+            row["against_tuner"] = step_with_tuner_picks(model, inputs, step_ms_recaptured)
         for shape in pins:
             tuning().chosen.pop(shape, None)
         results["rows"].append(row)

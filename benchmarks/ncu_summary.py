@@ -38,8 +38,10 @@ def summarise(path: str) -> list[dict[str, Any]]:
     """One entry per profiled launch of an ``ncu --page raw --csv`` export (header row, units row, then launches)."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
-    header, launches = rows[0], rows[2:]
+    header, units, launches = rows[0], rows[1], rows[2:]
     column = {name: i for i, name in enumerate(header)}
+    duration_unit = units[column[_FIELDS["duration_us"]]] if _FIELDS["duration_us"] in column else "us"
+    to_us = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(duration_unit, 1.0)
     out = []
     for row in launches:
         entry: dict[str, Any] = {"kernel": row[column["Kernel Name"]], "grid": row[column["Grid Size"]],
@@ -47,8 +49,8 @@ def summarise(path: str) -> list[dict[str, Any]]:
         for key, metric in _FIELDS.items():
             if metric in column:
                 entry[key] = _number(row[column[metric]])
-        if "duration_us" in entry and entry["duration_us"] is not None and entry["duration_us"] > 1000:
-            entry["duration_us"] /= 1000.0  # exported in ns
+        if entry.get("duration_us") is not None:
+            entry["duration_us"] *= to_us  # exported in the unit of the units row
         stalls = {name[len(_STALL_PREFIX):-len(_STALL_SUFFIX)]: _number(row[i]) for name, i in column.items()
                   if name.startswith(_STALL_PREFIX) and name.endswith(_STALL_SUFFIX)}
         entry["stalls_per_issue"] = dict(sorted(((k, round(v, 3)) for k, v in stalls.items() if v),

@@ -2,11 +2,12 @@
 
 The "quad" GEMV issues about 27 instructions per 4-byte weight word, 17 of them the nibble arithmetic (one AND and one
 fp32 FMA per nibble: docs/benchmarks.md). Packed ``fma.rn.bf16x2`` would do two nibbles per instruction: a nibble masked
-in place in each half of a 32-bit word is an exact bf16 subnormal (bits 0-7 of a half read linearly), so one AND and
-one packed FMA would do two nibbles, about 9 instructions per word instead of 17. The products and their running sums
-are then rounded to bf16 (8 significant bits) instead of fp32. This script emulates that rounding exactly (every
-product and sum rounded to bf16 as the packed FMA does) on a random 4096-wide row block and reports the error against
-the float64 product, next to the error of rounding the exact result to bf16 once (what any bf16 output carries):
+in place in each half of a 32-bit word is an exact bf16 subnormal (bits 0-7 of a half read linearly), so one AND and one
+packed FMA would do two nibbles, about 9 instructions per word instead of 17. The products and their running sums are
+then rounded to bf16 (8 significant bits) instead of fp32. This script emulates that rounding (every product and sum
+rounded to bf16 as the packed FMA does, through fp32: a rare tie may round twice) on a random 4096-wide row block and
+reports the error against the float64 product, next to the error of rounding the exact result to bf16 once (what any
+bf16 output carries):
 
 * ``uncentred_chain4``: each half-word lane sums its 4 products ``code * x`` (codes 0..15) in bf16, then fp32 takes
   over; the centring ``-8 * sum x`` is exact in fp32 (the subnormal trick cannot centre in place);
@@ -24,7 +25,7 @@ import torch
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (float64) rounded to bf16 (round to nearest even through fp32: exact for these magnitudes) and back."""
+    """``t`` (float64) rounded to bf16 (to nearest even, through fp32) and back."""
     return t.to(torch.float32).to(torch.bfloat16).double()
 
 

@@ -123,3 +123,37 @@ def test_timing_only_stacks_replace_their_kernels_and_restore_them():
     with reuse.kernels_made_free("qwen_g128"):  # a real stack: nothing replaced
         assert (kv_triton.decode_combine_natural, kv_triton.decode_combine) == combines
     assert (norm_ops.rms_norm, norm_ops.add_rms_norm) == norms
+
+
+def test_against_tuner_times_the_step_with_the_tuners_own_picks_and_restores_the_table(monkeypatch):
+    """--against-tuner: the keys the step-measured table answered are dropped and the table turned off while the
+    step is timed (so the tuner times them), then the table's answers and the environment are as before."""
+    import torch
+
+    from benchmarks._step_against_tuner import step_with_tuner_picks
+    from mmsdk.kernels import fast_generate, step_configs
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    answered, other = ("test", "answered"), ("test", "tuned alone")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(step_configs, "step_measured_config",
+                        lambda key, device, candidates: (1,) if key == answered and candidates == ((1,),) else None)
+    monkeypatch.setattr(fast_generate, "release", lambda model: None)
+    monkeypatch.delenv(step_configs.STEP_CONFIGS_ENV, raising=False)
+    table = tuning().chosen
+    table.update({answered: (1,), other: (5,)})
+
+    def step_ms(model, inputs):
+        assert step_configs.os.environ[step_configs.STEP_CONFIGS_ENV] == "0" and answered not in table
+        table[answered] = (2,)  # what the tuner picks when it times the key itself
+        return 3.5
+
+    try:
+        out = step_with_tuner_picks(object(), {}, step_ms)
+        assert out["step_ms"] == 3.5 and out["tuner_picks"] == {str(answered): (2,)}
+        assert out["step_measured"] == {str(answered): (1,)}
+        assert table[answered] == (1,) and table[other] == (5,)
+        assert step_configs.STEP_CONFIGS_ENV not in step_configs.os.environ
+    finally:
+        table.pop(answered, None)
+        table.pop(other, None)

@@ -452,9 +452,9 @@ def test_step_measured_configs_answer_for_their_gpu_untimed(monkeypatch):
     assert measured in candidates and measured != candidates[0]
     gpu_name = {"name": "NVIDIA H200"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: gpu_name["name"])
-    cuda, cpu = _OnDevice("cuda"), _OnDevice("cpu")
+    cuda = _OnDevice("cuda")
     assert step_configs.step_measured_config(key, cuda.device, candidates) == measured
-    assert step_configs.step_measured_config(key, cpu.device, candidates) is None
+    assert step_configs.step_measured_config(key, torch.device("cpu"), candidates) is None
     assert step_configs.step_measured_config(key, cuda.device, candidates[:1]) is None
     assert step_configs.step_measured_config(("gemv", 1, 4608, 28, 128, torch.float16, False, True, True),
                                              cuda.device, candidates) is None
