@@ -607,15 +607,18 @@ def gqa() -> list[dict[str, Any]]:
     return _kv_sweep(28, 4, GQA_SPACE, (1280, 4096, 16384))
 
 
-MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch[, fold]) of the subnormal kernel: without and with
-    # the next tile's K and V loaded ahead, and with V's sums over a quarter of each tile's tokens (fewer
-    # registers, more warps per multiprocessor). The tensor-core kernel of grouped heads (fp16 operands, PDL) on one
-    # query per KV head was 2.3-5x slower than the subnormal default on the H200 (its best 18.7 / 40.0 / 142.5 against
-    # 8.1 / 12.0 / 28.2 µs at 1280 / 4k / 16k tokens, h200_kernel_sweeps_mha_generic.json), so it is no longer swept.
-    "subnormal": [None] + [(bt, w, t, None, prefetch) for prefetch in (False, True)
-                           for bt, w in ((16, 1), (32, 1), (32, 2), (64, 2)) for t in (132, 264, 528, 1056, 2112)]
-    + [(bt, w, t, None, prefetch, True) for prefetch in (False, True)
-       for bt, w in ((32, 1), (64, 2)) for t in (264, 528, 1056, 1584, 2112)],
+MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch, fold, kdot) of the subnormal kernel. Earlier
+    # passes swept tiles of 16-64 tokens on 1-2 warps over 132-2112 programs, with and without the next tile loaded
+    # ahead and V's sums folded (h200_kernel_sweeps_mha_fold.json): (32, 1, 1056, prefetch, fold) won from 4k tokens
+    # on. This one weighs the scores as integer dots (kdot) against float ones, and the tile loop pipelined by
+    # Triton (stages: tiles loaded ahead through shared memory) against the next tile loaded ahead in registers
+    # (prefetch). The tensor-core kernel of grouped heads (fp16 operands, PDL) on one query per KV head was 2.3-5x
+    # slower than the subnormal default on the H200 (its best 18.7 / 40.0 / 142.5 against 8.1 / 12.0 / 28.2 µs at
+    # 1280 / 4k / 16k tokens, h200_kernel_sweeps_mha_generic.json), so it is no longer swept.
+    "subnormal": [None] + [(32, 1, t, None, True, True, kdot) for kdot in (False, True) for t in (528, 1056, 2112)]
+    + [(32, 1, t, stages, False, True, True) for stages in (2, 3, 4) for t in (528, 1056, 2112)]
+    + [(16, 1, t, 4, False, True, True) for t in (1056, 2112)]
+    + [(64, 2, t, 3, False, True, True) for t in (528, 1056)],
 }
 
 

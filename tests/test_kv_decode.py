@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import os
 from pathlib import Path
 
@@ -128,6 +129,34 @@ def test_lazy_rescaling_follows_growing_scores(device):
         assert _rel(out, expected) < 1e-4, config
 
 
+def test_integer_key_dots_only_round_the_query(device):
+    """The "subnormal" kernel's integer K dots (config entry 7) equal attention with the query rounded as
+    _kv_intdot_triton.py documents (one scale per head, 16-bit integers) and stay near the exact reference with a few
+    K channels 15x larger than the rest; the float dots stay at fp32 error."""
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+
+    torch.manual_seed(5)
+    dim, t_max, length, heads = 128, 96, 90, 2
+    query, codes, scales, count, k_deq, v_deq = _problem(device, heads, heads, dim, t_max, length)
+    scales[0][:, :4] *= 15  # outlier channels: the head's largest query product sets the integer scale
+    k_deq[..., :4] *= 15
+    log2_scale = dim**-0.5 * 1.4426950408889634
+    a = query[:, :, 0].float() * scales[0][None] * log2_scale  # the kernel's pre-scaled query [1, H, D]
+    top = a.abs().amax(-1, keepdim=True)
+    rounded = torch.floor(a.double() * (32767.0 / top.double()) + 0.5)  # == fma(a, 32767 / top, 0.5) in fp64
+    codes_k = torch.stack([codes[0][:, :, :length] & 15, codes[0][:, :, :length] >> 4], -1).flatten(-2).double() - 8
+    scores = torch.einsum("bhd,bhtd->bht", rounded, codes_k) * (top.double() / 32767)
+    modelled = (torch.softmax(scores * math.log(2), -1)[:, :, None] @ v_deq.double()).transpose(1, 2)
+    exact = reference_decode_attention(query, k_deq, v_deq, dim**-0.5)
+    for config in ((32, 1, 2, None, True, True, True), (16, 1, 4, None, False, False, True)):
+        out = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, config=config, variant="subnormal")
+        assert _rel(out, modelled) < 1e-5, config  # interpreter fp32 ~2e-7
+        assert _rel(out, exact) < 2e-3, config  # the query's rounding: ~1e-4 here
+    out = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, config=(32, 1, 2, None, True, True, False),
+                           variant="subnormal")
+    assert _rel(out, exact) < 1e-4
+
+
 def test_leading_masked_tiles_and_empty_rows(device):
     """Whole tiles masked before the first kept token, and a batch row whose mask keeps nothing, give no NaN."""
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
@@ -158,9 +187,12 @@ def test_variant_choice_is_validated(device):
     gqa_query = torch.randn(1, 4, 1, 32, device=device)  # 4 query heads over 2 KV heads
     with pytest.raises(ValueError, match="one KV head per query head"):
         decode_attention(gqa_query, *codes, *scales, count, "int4", 0.1, variant="subnormal")
-    with pytest.raises(ValueError, match="a sixth"):  # fold is the subnormal kernel's only; nothing past it
-        decode_attention(query, *codes, *scales, count, "int4", 0.1, config=(16, 1, 2, None, True, True, 1),
+    with pytest.raises(ValueError, match="a seventh"):  # fold and kdot are the subnormal kernel's; nothing past them
+        decode_attention(query, *codes, *scales, count, "int4", 0.1, config=(16, 1, 2, None, True, True, True, 1),
                          variant="subnormal")
+    with pytest.raises(ValueError, match="a seventh"):
+        decode_attention(query, *codes, *scales, count, "int4", 0.1, config=(16, 1, 2, None, True, True, True),
+                         variant="magic")
 
 
 def test_attention_appends_the_new_token_itself(device):
@@ -345,7 +377,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "10 passed" in result.stdout, result.stdout[-2000:]
+    assert "11 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmsdk.kernels._kv_intdot_triton import integer_query, integer_scores
 from mmsdk.kernels._kv_triton import encode, rope_rotate, softmax_total, split_program, token_tile
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
@@ -134,15 +135,14 @@ def add_products(acc, c, p, FOLD: tl.constexpr):
 
 
 @triton.jit
-def attend_tile(kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7,
-                FOLD: tl.constexpr = False):
-    """One tile of K / V words ``[BLOCK_T, W]`` folded into the online softmax: the updated (m_ref, l_acc, v0..v7).
+def attend_tile(s, vw, t_ok, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7, FOLD: tl.constexpr = False):
+    """One tile's scores ``s`` [BLOCK_T] and V words ``[BLOCK_T, W]`` folded into the online softmax: the updated
+    (m_ref, l_acc, v0..v7).
 
     Tokens outside ``t_ok`` get probability 0 (their words may be anything: a nibble read as a subnormal is finite).
     With ``FOLD`` the V sums ``v*`` hold a quarter of the tile's tokens (:func:`add_folded`): a quarter of the
     registers, the same FMAs.
     """
-    s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
     s = tl.where(t_ok, s, float("-inf"))
     m_tile = tl.max(s, 0)
     if m_tile > m_ref + RESCALE_SLACK:  # also the first tile with a valid token (m_ref = -inf)
@@ -209,12 +209,17 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
                                       kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
                                       HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
                                       PREFETCH: tl.constexpr = False, APPEND: tl.constexpr = False,
-                                      ROPE: tl.constexpr = False, FOLD: tl.constexpr = False):
+                                      ROPE: tl.constexpr = False, FOLD: tl.constexpr = False,
+                                      KDOT: tl.constexpr = False, ASM: tl.constexpr = False,
+                                      STAGES: tl.constexpr = None):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
     costs shared-memory round trips; the 2-D word tile keeps four consecutive words (a 16-byte load)
     of a token per thread from the load through the V sums. The rescale test is a scalar branch.
+
+    ``STAGES`` (None: not pipelined) has Triton pipeline the tile loop: the loads of ``STAGES - 1`` tiles ahead go
+    through shared memory (``cp.async``), costing no registers.
 
     ``PREFETCH`` loads the next tile's K and V before this tile's arithmetic (registers for two tiles). Two tiles
     ahead (168 registers with ``FOLD``) measured slower on the H200 (29.6 against 28.1 µs at 16k tokens,
@@ -228,6 +233,10 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
 
     With ``ROPE`` q and the new K are not rotated yet: the kernel rotates them as it loads them, by the step's
     cos / sin rows (``[B, 1, 8W]``, batch stride ``sc_b``), which saves the step the RoPE launch.
+
+    With ``KDOT`` the scores are integer dot products of K's codes with the query rounded to 16-bit integers
+    (mmsdk/kernels/_kv_intdot_triton.py: 7 instructions per word of K instead of ~18; ``ASM``: through PTX ``dp2a``,
+    CUDA only, else by integer arithmetic with the same values).
     """
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     rw = tl.arange(0, W)
@@ -248,6 +257,10 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     # summed in fp64 and rounded once, so that it is the same fp32 value whichever order the reduction takes: the
     # order follows q's register layout, which ROPE changes, and a last-bit change here showed in fp16 outputs
     q_off = 8.0 * tl.sum((a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7).to(tl.float64), 0).to(tl.float32)
+    if KDOT:  # K's codes against the query rounded to 16-bit integers (_kv_intdot_triton.py)
+        qe01, qe23, qo01, qo23, q_int_off, q_unit = integer_query(a0, a1, a2, a3, a4, a5, a6, a7)
+    else:  # stand-ins: the loop below takes the float query
+        qe01, qe23, qo01, qo23, q_int_off, q_unit = rw, rw, rw, rw, tl.sum(rw, 0), q_off
     m_ref = tl.full([], float("-inf"), tl.float32)
     l_acc = tl.zeros((BLOCK_T,), tl.float32)
     V_ROWS: tl.constexpr = BLOCK_T // 4 if FOLD else BLOCK_T
@@ -273,7 +286,7 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     if PREFETCH:  # the first tile; each tile then loads the next one's before its arithmetic
         next_k, next_v, next_ok = tile_words(kc_ptr, vc_ptr, base, t_begin, t_end, rw, mask_ptr, b, sm_b, mask_len,
                                              HAS_MASK, BLOCK_T, W)
-    for t0 in range(t_begin, t_end, BLOCK_T):
+    for t0 in tl.range(t_begin, t_end, BLOCK_T, num_stages=STAGES):
         if PREFETCH:
             kw, vw, t_ok = next_k, next_v, next_ok
             # new names: a token index inside the loop may be int64 (the count is), so it cannot carry over
@@ -282,8 +295,12 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
         else:
             kw, vw, t_ok = tile_words(kc_ptr, vc_ptr, base, t0, t_end, rw, mask_ptr, b, sm_b, mask_len, HAS_MASK,
                                       BLOCK_T, W)
-        m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(
-            kw, vw, t_ok, q0, q1, q2, q3, q4, q5, q6, q7, q_off, m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7, FOLD)
+        if KDOT:
+            s = integer_scores(kw, qe01, qe23, qo01, qo23, q_int_off, q_unit, ASM)
+        else:
+            s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
+        m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(s, vw, t_ok, m_ref, l_acc, v0, v1, v2, v3, v4, v5,
+                                                                   v6, v7, FOLD)
     l_i = tl.sum(l_acc, 0)
     l_safe, lse = softmax_total(m_ref, l_i)
     slot = (b * H_KV + hk).to(tl.int64) * n_splits + split

@@ -111,6 +111,8 @@ VARIANTS = ("subnormal", "magic", "generic")
 # (h200_kernel_sweeps_mha_fold.json, _ahead2.json); LLaVA-1.5-7B's step 1.821 against 1.827 ms.
 _SUBNORMAL_PREFETCH = True
 _SUBNORMAL_FOLD = True
+# _SUBNORMAL_KDOT: K's codes dotted with the query rounded to 16-bit integers (dp2a; _kv_intdot_triton.py).
+_SUBNORMAL_KDOT = True
 
 
 def _word_config(group: int, variant: str, t_max: int) -> tuple[int, int, int]:
@@ -202,9 +204,9 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages[, ahead[, fold]]]; ahead: for "subnormal" the next tile loaded ahead, for "generic"
-    each tile's V loaded with its K, not for "magic"; fold: "subnormal"'s V sums over a quarter of the tile's tokens)
-    pick a kernel and override its defaults (tuning).
+    target programs[, num_stages[, ahead[, fold[, kdot]]]]; ahead: for "subnormal" the next tile loaded ahead, for
+    "generic" each tile's V loaded with its K, not for "magic"; fold: "subnormal"'s V sums over a quarter of the tile's
+    tokens; kdot: "subnormal"'s scores as integer dots with a 16-bit query) pick a kernel and override its defaults.
 
     ``append`` is the step's new token, K and V ``[B, H_kv, 1, D]``, not yet in the cache: it is quantized
     into the cache at position ``length``, ``length`` grows by one, and the query attends over it too. The
@@ -276,13 +278,15 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
-    prefetch, fold = _SUBNORMAL_PREFETCH, _SUBNORMAL_FOLD
-    if config is not None and len(config) > 4:  # (..., num_stages, prefetch[, fold]): the subnormal kernel's options
-        if variant != "subnormal" or len(config) > 6:
+    options = [_SUBNORMAL_PREFETCH, _SUBNORMAL_FOLD, _SUBNORMAL_KDOT]
+    if config is not None and len(config) > 4:  # (..., num_stages, prefetch[, fold[, kdot]]): the subnormal kernel's
+        if variant != "subnormal" or len(config) > 7:
             raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
                              "fifth entry (load ahead) is for variants 'subnormal' and 'generic' only, a sixth (fold "
-                             "V's tokens) for 'subnormal'")
-        config, prefetch, fold = config[:4], bool(config[4]), bool(config[5]) if len(config) > 5 else fold
+                             "V's tokens) and a seventh (integer K dots) for 'subnormal'")
+        options[:len(config) - 4] = [bool(x) for x in config[4:]]
+        config = config[:4]
+    prefetch, fold, kdot = options
     block_t, warps, target, *stages = _completed(config, _word_config(group, variant, t_max))
     stages = [s for s in stages if s is not None]
     launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
@@ -302,7 +306,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
             new_value.stride(1), *(rope_args or _no_rope(query)), HAS_MASK=mask is not None, BLOCK_T=block_t,
             W=d // 8, PREFETCH=prefetch, APPEND=append is not None, ROPE=rope_args is not None, FOLD=fold,
-            **launch_options)
+            KDOT=kdot, ASM=not interpreting(), STAGES=stages[0] if stages else None, **launch_options)
     elif append is not None or rope_args is not None:
         raise ValueError(f"decode variant {variant!r} cannot append or rotate the new token itself: call append_kv "
                          "(and the RoPE op) first")
