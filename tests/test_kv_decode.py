@@ -123,8 +123,10 @@ def test_lazy_rescaling_follows_growing_scores(device):
     for variant in WORD_VARIANTS:
         out = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, config=(16, 1, 2), variant=variant)
         assert _rel(out, expected) < 1e-4  # interpreter fp32: subnormal ~1.4e-6, magic ~6e-7
-    # the next tile's K/V loaded ahead; V's sums over a quarter of each tile's tokens (rescaled as the tiles go)
-    for config in ((16, 1, 2, None, True, False), (16, 1, 2, None, True, True), (32, 1, 2, None, False, True)):
+    # the next tile's K/V loaded ahead; V's sums over a quarter of each tile's tokens (rescaled as the tiles go); the
+    # tile loop pipelined by Triton (3 stages: through shared memory on CUDA)
+    for config in ((16, 1, 2, None, True, False), (16, 1, 2, None, True, True), (32, 1, 2, None, False, True),
+                   (16, 1, 2, 3, False, True, True)):
         out = decode_attention(query, *codes, *scales, count, "int4", dim**-0.5, config=config, variant="subnormal")
         assert _rel(out, expected) < 1e-4, config
 
