@@ -372,6 +372,23 @@ def test_packed_layer_lets_attention_rotate_a_decode_step(device):
         refused.update(key.clone(), value)
 
 
+def test_word_launch_defaults_follow_the_cache_size():
+    """The subnormal kernel's defaults by cache size, a config's entries (None = the default) and its length checks."""
+    from mmsdk.kernels.kv_word_config import WordLaunch, word_launch
+
+    assert word_launch(None, "subnormal", 1, 1280) == WordLaunch(32, 1, 528, None, True, True, True)
+    assert word_launch(None, "subnormal", 1, 4096) == WordLaunch(32, 1, 528, 3, False, True, True)
+    assert word_launch(None, "subnormal", 1, 16384) == WordLaunch(32, 1, 1056, 3, False, True, True)
+    assert word_launch((16, 2, 64), "subnormal", 1, 16384) == WordLaunch(16, 2, 64, 3, False, True, True)
+    assert word_launch((16, 1, 8, None, 1, 0, 0), "subnormal", 1, 100) == WordLaunch(16, 1, 8, None, True, False, False)
+    assert word_launch(None, "magic", 2, 100) == WordLaunch(32, 2, 1056, None, False, False, False)
+    assert word_launch((64, 4, 8, 2), "magic", 4, 100) == WordLaunch(64, 4, 8, 2, False, False, False)
+    too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
+    for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):
+        with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):
+            word_launch(config, variant, 1, 100)
+
+
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 def test_kv_decode_under_the_interpreter():
     """Runs this file's kernel checks in a process where TRITON_INTERPRET=1 is set from the start (~25 s)."""
@@ -379,7 +396,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "11 passed" in result.stdout, result.stdout[-2000:]
+    assert "12 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

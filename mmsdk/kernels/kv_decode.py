@@ -22,12 +22,13 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
+from mmsdk.kernels.kv_word_config import TARGET_PROGRAMS as _TARGET_PROGRAMS
+from mmsdk.kernels.kv_word_config import word_launch
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
            "reference_decode_attention"]
 
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
-_TARGET_PROGRAMS = 528  # about four per multiprocessor on an H100/H200
 _PREFIX = "mmsdk_packed_kv_"
 # dequantized K + V bytes of one group of heads in a packed prefill (see _prefill_by_heads)
 PREFILL_GROUP_BYTES = 64 << 20
@@ -103,32 +104,6 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
 # nibbles decoded as subnormal floats, per-thread V sums, lazy rescaling) and "magic" (nibbles OR-ed into
 # 2**23, V reduced every tile); "generic" is the byte kernel every format can use.
 VARIANTS = ("subnormal", "magic", "generic")
-# The subnormal kernel loads the next tile's K and V ahead by default (_SUBNORMAL_PREFETCH): with (32, 1, 1056) on the
-# H200, 28.3 against 32.8 µs at 16k tokens, 10.8 against 10.7 at 4k (benchmarks/gpu_kernel_sweeps.py mha); 239
-# registers. _SUBNORMAL_FOLD: its V sums keep a quarter of each tile's tokens (158 registers in an offline sm_90 build,
-# Triton 3.9: 12 warps per multiprocessor instead of 8, though 1056 one-warp programs fill only ~8; the same FMAs):
-# 8.02 / 11.81 / 28.23 against 8.18 / 12.09 / 28.32 µs at 1280 / 4k / 16k tokens in one run, equal in the next
-# (h200_kernel_sweeps_mha_fold.json, _ahead2.json); LLaVA-1.5-7B's step 1.821 against 1.827 ms.
-_SUBNORMAL_PREFETCH = True
-_SUBNORMAL_FOLD = True
-# _SUBNORMAL_KDOT: K's codes dotted with the query rounded to 16-bit integers (dp2a; _kv_intdot_triton.py).
-_SUBNORMAL_KDOT = True
-
-
-def _word_config(group: int, variant: str, t_max: int) -> tuple[int, int, int]:
-    """(BLOCK_T, num_warps, target programs) for an int4 word kernel ("magic": fastest in a sweep on an H200, MHA).
-
-    The subnormal kernel takes half the programs for caches of up to 2k tokens. On the H200 (32 heads), with
-    each call reading its cache from HBM as each layer does (benchmarks/gpu_kernel_sweeps.py mha, ninth pass),
-    528 programs against 1056 measured 8.1 against 8.5 µs at 1280 tokens, 13.3 against 12.0 at 4k and 37.5
-    against 28.5 at 16k; between 1280 and 4k tokens not measured, the switch is set at 2k. (Repeated on one
-    L2-resident cache, as earlier sweeps timed it, 528 programs had also won at 4k.)
-    """
-    if variant == "subnormal":
-        return 32, 1, _TARGET_PROGRAMS if t_max <= 2048 else 2 * _TARGET_PROGRAMS
-    if group >= 3:
-        return 64, 4, _TARGET_PROGRAMS
-    return 32, 2, 2 * _TARGET_PROGRAMS
 
 
 def _pick_variant(variant: str | None, words: bool, group: int) -> str:
@@ -204,9 +179,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
     (one of :data:`VARIANTS`, None = the default for these inputs) and ``config`` (BLOCK_T, num_warps,
-    target programs[, num_stages[, ahead[, fold[, kdot]]]]; ahead: for "subnormal" the next tile loaded ahead, for
-    "generic" each tile's V loaded with its K, not for "magic"; fold: "subnormal"'s V sums over a quarter of the tile's
-    tokens; kdot: "subnormal"'s scores as integer dots with a 16-bit query) pick a kernel and override its defaults.
+    target programs[, num_stages[, ahead]]; ahead: for "generic" each tile's V loaded with its K; for the word kernels
+    see :mod:`mmsdk.kernels.kv_word_config`) pick a kernel and override its defaults (tuning).
 
     ``append`` is the step's new token, K and V ``[B, H_kv, 1, D]``, not yet in the cache: it is quantized
     into the cache at position ``length``, ``length`` grows by one, and the query attends over it too. The
@@ -278,19 +252,8 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
-    options = [_SUBNORMAL_PREFETCH, _SUBNORMAL_FOLD, _SUBNORMAL_KDOT]
-    if config is not None and len(config) > 4:  # (..., num_stages, prefetch[, fold[, kdot]]): the subnormal kernel's
-        if variant != "subnormal" or len(config) > 7:
-            raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages]); a "
-                             "fifth entry (load ahead) is for variants 'subnormal' and 'generic' only, a sixth (fold "
-                             "V's tokens) and a seventh (integer K dots) for 'subnormal'")
-        options[:len(config) - 4] = [bool(x) for x in config[4:]]
-        config = config[:4]
-    prefetch, fold, kdot = options
-    block_t, warps, target, *stages = _completed(config, _word_config(group, variant, t_max))
-    stages = [s for s in stages if s is not None]
-    launch_options = {"num_warps": warps, **({"num_stages": stages[0]} if stages else {})}
-    n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
+    launch = word_launch(config, variant, group, t_max)
+    n_splits, split_t = _splits(b * h_kv, t_max, launch.block_t, launch.target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
@@ -304,9 +267,9 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         new_key, new_value = _new_token(append, query)
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
-            new_value.stride(1), *(rope_args or _no_rope(query)), HAS_MASK=mask is not None, BLOCK_T=block_t,
-            W=d // 8, PREFETCH=prefetch, APPEND=append is not None, ROPE=rope_args is not None, FOLD=fold,
-            KDOT=kdot, ASM=not interpreting(), STAGES=stages[0] if stages else None, **launch_options)
+            new_value.stride(1), *(rope_args or _no_rope(query)), HAS_MASK=mask is not None, BLOCK_T=launch.block_t,
+            W=d // 8, PREFETCH=launch.prefetch, APPEND=append is not None, ROPE=rope_args is not None,
+            FOLD=launch.fold, KDOT=launch.kdot, ASM=not interpreting(), STAGES=launch.stages, num_warps=launch.warps)
     elif append is not None or rope_args is not None:
         raise ValueError(f"decode variant {variant!r} cannot append or rotate the new token itself: call append_kv "
                          "(and the RoPE op) first")
@@ -314,7 +277,8 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
             *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, _pow2(group)) if use_dot else
-            _pow2(group), BLOCK_T=block_t, W=d // 8, **launch_options)
+            _pow2(group), BLOCK_T=launch.block_t, W=d // 8, num_warps=launch.warps,
+            **({"num_stages": launch.stages} if launch.stages is not None else {}))
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2), length,
         BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), ADVANCE=append is not None,
