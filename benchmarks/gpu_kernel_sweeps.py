@@ -594,10 +594,14 @@ def _pdl_row(name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
 
 GQA_SPACE = {  # (BLOCK_T, warps, target programs, stages, V loaded with K) of the generic kernel, fp16 operands:
     # tiles of 32 to 512 tokens over 132 to 1056 programs, V with K (and the short-cache leader with V after the
-    # softmax). Earlier sweeps: h200_kernel_sweeps_gqa_v_ahead.json (tf32 operands), h200_kernel_sweeps_tiles.json.
+    # softmax), 2 stages, and some with 3 and 4. Earlier sweeps: h200_kernel_sweeps_gqa_v_ahead.json (tf32
+    # operands), h200_kernel_sweeps_tiles.json.
     "generic": [None, (128, 8, 264, 2, False)] + [(bt, w, t, 2, True) for bt, w, t in (
         (32, 2, 1056), (32, 4, 528), (64, 2, 528), (64, 4, 528), (64, 4, 1056), (128, 4, 264), (128, 4, 528),
-        (128, 8, 264), (128, 8, 528), (128, 4, 132), (256, 8, 132), (256, 8, 264), (256, 4, 132), (512, 8, 132))],
+        (128, 8, 264), (128, 8, 528), (128, 4, 132), (256, 8, 132), (256, 8, 264), (256, 4, 132), (512, 8, 132))]
+    # deeper pipelines: 2 or 3 tiles loaded ahead through shared memory
+    + [(bt, w, t, stages, True) for stages in (3, 4) for bt, w, t in (
+        (64, 2, 528), (64, 4, 264), (64, 4, 528), (128, 4, 132), (128, 4, 264), (128, 8, 132))],
 }
 
 
