@@ -373,7 +373,8 @@ def test_packed_layer_lets_attention_rotate_a_decode_step(device):
 
 
 def test_word_launch_defaults_follow_the_cache_size():
-    """The subnormal kernel's defaults by cache size, a config's entries (None = the default) and its length checks."""
+    """The word kernels' and the generic kernel's defaults by cache size, a config's entries (None = the default) and
+    the length checks."""
     from mmsdk.kernels.kv_word_config import WordLaunch, word_launch
 
     assert word_launch(None, "subnormal", 1, 1280) == WordLaunch(32, 1, 528, None, True, True, True)
@@ -383,6 +384,13 @@ def test_word_launch_defaults_follow_the_cache_size():
     assert word_launch((16, 1, 8, None, 1, 0, 0), "subnormal", 1, 100) == WordLaunch(16, 1, 8, None, True, False, False)
     assert word_launch(None, "magic", 2, 100) == WordLaunch(32, 2, 1056, None, False, False, False)
     assert word_launch((64, 4, 8, 2), "magic", 4, 100) == WordLaunch(64, 4, 8, 2, False, False, False)
+    from mmsdk.kernels.kv_decode import _generic_config
+
+    # the generic kernel on grouped-query heads: 8 warps up to 4k slots, 256-token tiles from 2k, 4 warps beyond 4k
+    assert _generic_config(None, True, False, 1280) == ((128, 8, 264, 2), True)
+    assert _generic_config(None, True, False, 4096) == ((256, 8, 264, 2), True)
+    assert _generic_config(None, True, False, 16384) == ((128, 4, 264, 2), True)
+    assert _generic_config((64, 4, 8, None, False), True, False, 4096) == ((64, 4, 8, 2), False)
     too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
     for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):
         with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):

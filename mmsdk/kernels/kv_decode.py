@@ -128,8 +128,9 @@ def _pick_variant(variant: str | None, words: bool, group: int) -> str:
     return "subnormal" if group == 1 else "magic"
 
 
-# Caches of up to this many slots take the generic kernel's short-cache default (see _generic_config).
-_GENERIC_SHORT_CACHE = 4096
+# Caches of up to these many slots take the generic kernel's short- and middle-cache defaults (see _generic_config).
+_GENERIC_SHORT_CACHE = 2048
+_GENERIC_MIDDLE_CACHE = 4096
 
 
 def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool,
@@ -144,13 +145,17 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
     at 4k (8.76 against 8.71) and slower at 16k (17.07 against 15.09), so longer caches keep 4 warps. With fp16
     operands the step kept 8 warps (2.061 against 2.085 ms, no PDL); with PDL, alone, 4 warps were faster (5.64 / 7.99
     against 5.80 / 8.62 µs at 1280 / 4k tokens; h200_kernel_sweeps_gqa_final.json), in the step not (2.004 against
-    1.996 / 1.999 ms; h200_step_qwen_table.json).
+    1.996 / 1.999 ms; h200_step_qwen_table.json). Caches of 2k-4k slots: 256-token tiles on 8 warps, 7.02 against 8.59
+    µs for the short-cache default at 4k (h200_kernel_sweeps_gqa_stages.json; 7.07 against 8.62 in _gqa_final), but
+    6.76 against 5.80 at 1280 and 15.07 against 12.00 at 16k; between 2k and 4k not measured.
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
         config, ahead = config[:4], bool(config[4])
     if use_dot and t_max <= _GENERIC_SHORT_CACHE:
         default, v_ahead = (128, 8, _TARGET_PROGRAMS // 2, 2), True
+    elif use_dot and t_max <= _GENERIC_MIDDLE_CACHE:
+        default, v_ahead = (256, 8, _TARGET_PROGRAMS // 2, 2), True
     elif use_dot:
         default, v_ahead = (128, 4, _TARGET_PROGRAMS // 2, 2), True
     else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
