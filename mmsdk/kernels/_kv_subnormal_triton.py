@@ -12,7 +12,6 @@ import triton.language as tl
 
 from mmsdk.kernels._kv_intdot_triton import integer_query, integer_scores
 from mmsdk.kernels._kv_triton import encode, rope_rotate, softmax_total, split_program, token_tile
-from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -205,28 +204,6 @@ def tile_words(kc_ptr, vc_ptr, base, t0, t_end, rw, mask_ptr, b, sm_b, mask_len,
 
 
 @triton.jit
-def slot_words(kc_ptr, vc_ptr, base, t0, TMAX, rw, BLOCK_T: tl.constexpr, W: tl.constexpr):
-    """The K and V words ``[BLOCK_T, W]`` of the tile at token ``t0`` bounded by the cache's ``TMAX`` slots only, so
-    that they load before the token count arrives. Slots past the count hold stale words (finite either way: a
-    nibble read as a subnormal is finite, and integer dots are exact); the caller masks them out."""
-    rt = t0 + tl.arange(0, BLOCK_T)
-    rows = (base + rt)[:, None] * W + rw[None, :]
-    in_cache = (rt < TMAX)[:, None]
-    return tl.load(kc_ptr + rows, mask=in_cache, other=0), tl.load(vc_ptr + rows, mask=in_cache, other=0)
-
-
-@triton.jit
-def tile_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7, q_off, qe01, qe23, qo01, qo23, q_int_off, q_unit,
-                KDOT: tl.constexpr, ASM: tl.constexpr):
-    """One tile's scores (log2 units, [BLOCK_T]): integer dots with ``KDOT``, else subnormal float dots."""
-    if KDOT:
-        s = integer_scores(kw, qe01, qe23, qo01, qo23, q_int_off, q_unit, ASM)
-    else:
-        s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
-    return s
-
-
-@triton.jit
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
                                       kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
@@ -234,7 +211,7 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
                                       PREFETCH: tl.constexpr = False, APPEND: tl.constexpr = False,
                                       ROPE: tl.constexpr = False, FOLD: tl.constexpr = False,
                                       KDOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                                      STAGES: tl.constexpr = None, PDL: tl.constexpr = False):
+                                      STAGES: tl.constexpr = None):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
@@ -257,20 +234,12 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     With ``ROPE`` q and the new K are not rotated yet: the kernel rotates them as it loads them, by the step's
     cos / sin rows (``[B, 1, 8W]``, batch stride ``sc_b``), which saves the step the RoPE launch.
 
-    ``PDL``: launched as a dependent of the kernel before it (programmatic dependent launch): every program waits
-    for it before loading anything, then lets the combine kernel launch. The split's first tile is loaded before the
-    token count (its loads bounded by the cache's slots), so one memory round trip less precedes the first tile.
-
     With ``KDOT`` the scores are integer dot products of K's codes with the query rounded to 16-bit integers
     (mmsdk/kernels/_kv_intdot_triton.py: 7 instructions per word of K instead of ~18; ``ASM``: through PTX ``dp2a``,
     CUDA only, else by integer arithmetic with the same values).
     """
-    wait_for_inputs(PDL)
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     rw = tl.arange(0, W)
-    base = bh.to(tl.int64) * TMAX
-    first_k, first_v = slot_words(kc_ptr, vc_ptr, base, t_begin, TMAX, rw, BLOCK_T, W)
-    tl.debug_barrier()  # keeps the compiler from moving these loads after the query's and the count's (sinking)
     q_row = q_ptr + b * sq_b + hk * sq_h
     ks_row = ks_ptr + hk * (8 * W)
     cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
@@ -303,43 +272,35 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     v5 = tl.zeros((V_ROWS, W), tl.float32)
     v6 = tl.zeros((V_ROWS, W), tl.float32)
     v7 = tl.zeros((V_ROWS, W), tl.float32)
-    length = tl.load(len_ptr)
+    base = bh.to(tl.int64) * TMAX
+    length = tl.load(len_ptr)  # read after the query (as measured on the H200)
     if APPEND:
         if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
-            store_token_words(kn_ptr + b * sk_b + hk * sk_h, ks_row, kc_ptr, base + length, rw, cos_row, sin_row, W,
-                              ROPE)
-            store_token_words(vn_ptr + b * sv_b + hk * sv_h, vs_ptr + hk * (8 * W), vc_ptr, base + length, rw,
-                              cos_row, sin_row, W)
+            store_token_words(kn_ptr + b * sk_b + hk * sk_h, ks_row, kc_ptr, bh.to(tl.int64) * TMAX + length, rw,
+                              cos_row, sin_row, W, ROPE)
+            store_token_words(vn_ptr + b * sv_b + hk * sv_h, vs_ptr + hk * (8 * W), vc_ptr,
+                              bh.to(tl.int64) * TMAX + length, rw, cos_row, sin_row, W)
             tl.debug_barrier()  # the words are read back below by other threads of this program
-            if length < t_begin + BLOCK_T:  # the first tile was loaded before the new token was written
-                first_k, first_v = slot_words(kc_ptr, vc_ptr, base, t_begin, TMAX, rw, BLOCK_T, W)
         length += 1
     t_end = tl.minimum(t_begin + SPLIT_T, length)
-    first_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)[1]
-    if PREFETCH:  # each tile loads the next one's words before its arithmetic
-        next_k, next_v, next_ok = first_k, first_v, first_ok
-        for t0 in range(t_begin, t_end, BLOCK_T):
+    if PREFETCH:  # the first tile; each tile then loads the next one's before its arithmetic
+        next_k, next_v, next_ok = tile_words(kc_ptr, vc_ptr, base, t_begin, t_end, rw, mask_ptr, b, sm_b, mask_len,
+                                             HAS_MASK, BLOCK_T, W)
+    for t0 in tl.range(t_begin, t_end, BLOCK_T, num_stages=STAGES):
+        if PREFETCH:
             kw, vw, t_ok = next_k, next_v, next_ok
             # new names: a token index inside the loop may be int64 (the count is), so it cannot carry over
             next_k, next_v, next_ok = tile_words(kc_ptr, vc_ptr, base, t0 + BLOCK_T, t_end, rw, mask_ptr, b, sm_b,
                                                  mask_len, HAS_MASK, BLOCK_T, W)
-            s = tile_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7, q_off, qe01, qe23, qo01, qo23, q_int_off, q_unit,
-                            KDOT, ASM)
-            m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(s, vw, t_ok, m_ref, l_acc, v0, v1, v2, v3, v4,
-                                                                       v5, v6, v7, FOLD)
-    else:
-        if t_begin < t_end:
-            s = tile_scores(first_k, q0, q1, q2, q3, q4, q5, q6, q7, q_off, qe01, qe23, qo01, qo23, q_int_off, q_unit,
-                            KDOT, ASM)
-            m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(s, first_v, first_ok, m_ref, l_acc, v0, v1, v2,
-                                                                       v3, v4, v5, v6, v7, FOLD)
-        for t0 in tl.range(t_begin + BLOCK_T, t_end, BLOCK_T, num_stages=STAGES):
+        else:
             kw, vw, t_ok = tile_words(kc_ptr, vc_ptr, base, t0, t_end, rw, mask_ptr, b, sm_b, mask_len, HAS_MASK,
                                       BLOCK_T, W)
-            s = tile_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7, q_off, qe01, qe23, qo01, qo23, q_int_off, q_unit,
-                            KDOT, ASM)
-            m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(s, vw, t_ok, m_ref, l_acc, v0, v1, v2, v3, v4,
-                                                                       v5, v6, v7, FOLD)
+        if KDOT:
+            s = integer_scores(kw, qe01, qe23, qo01, qo23, q_int_off, q_unit, ASM)
+        else:
+            s = subnormal_scores(kw, q0, q1, q2, q3, q4, q5, q6, q7) * SUB_UNDO - q_off
+        m_ref, l_acc, v0, v1, v2, v3, v4, v5, v6, v7 = attend_tile(s, vw, t_ok, m_ref, l_acc, v0, v1, v2, v3, v4, v5,
+                                                                   v6, v7, FOLD)
     l_i = tl.sum(l_acc, 0)
     l_safe, lse = softmax_total(m_ref, l_i)
     slot = (b * H_KV + hk).to(tl.int64) * n_splits + split

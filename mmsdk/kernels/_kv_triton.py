@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._pdl_triton import wait_for_inputs
+from mmsdk.kernels._pdl_triton import let_next_launch, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -322,11 +322,10 @@ def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_
                            ADVANCE: tl.constexpr = False):
     """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine).
 
-    With ``PDL`` it is launched as a dependent of the partial kernel (which lets it launch early): it waits for the
-    partials, then lets the next kernel (the output projection's GEMV) launch. With ``ADVANCE`` program 0 adds the
-    step's token to the cache length ``len`` (the partial kernel appended it: its ``APPEND``).
+    With ``PDL`` the next kernel (the output projection's GEMV) may launch at once. With ``ADVANCE`` program 0
+    adds the step's token to the cache length ``len`` (the partial kernel appended it: its ``APPEND``).
     """
-    wait_for_inputs(PDL)
+    let_next_launch(PDL)
     bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, D)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]

@@ -258,7 +258,6 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     launch = word_launch(config, variant, group, t_max)
-    pdl = pdl_ready(query)
     n_splits, split_t = _splits(b * h_kv, t_max, launch.block_t, launch.target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
@@ -275,8 +274,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
             new_value.stride(1), *(rope_args or _no_rope(query)), HAS_MASK=mask is not None, BLOCK_T=launch.block_t,
             W=d // 8, PREFETCH=launch.prefetch, APPEND=append is not None, ROPE=rope_args is not None,
-            FOLD=launch.fold, KDOT=launch.kdot, ASM=not interpreting(), STAGES=launch.stages, PDL=pdl, launch_pdl=pdl,
-            num_warps=launch.warps)
+            FOLD=launch.fold, KDOT=launch.kdot, ASM=not interpreting(), STAGES=launch.stages, num_warps=launch.warps)
     elif append is not None or rope_args is not None:
         raise ValueError(f"decode variant {variant!r} cannot append or rotate the new token itself: call append_kv "
                          "(and the RoPE op) first")
@@ -288,7 +286,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             **({"num_stages": launch.stages} if launch.stages is not None else {}))
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2), length,
-        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl, launch_pdl=pdl, ADVANCE=append is not None,
+        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), ADVANCE=append is not None,
         num_warps=4 if d >= 64 else 1,
     )
     return out
