@@ -210,21 +210,28 @@ def softmax_total(m_i, l_i):
 
 
 @triton.jit
-def combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S: tl.constexpr):
-    """A combine program's (row, batch, query head, KV head) and its splits' (ids, valid mask, weights, weight sum).
-
-    One program per (batch, query head); each split's partial weighs ``2**(lse - max lse)``.
-    """
+def combine_program(HQ, G, n_splits, BLOCK_S: tl.constexpr):
+    """A combine program's (row, batch, query head, KV head) and its splits' (ids, valid mask): one program per
+    (batch, query head)."""
     bh = tl.program_id(0)
     h = bh % HQ
     rs = tl.arange(0, BLOCK_S)
-    s_ok = rs < n_splits
+    return bh, bh // HQ, h, h // G, rs, rs < n_splits
+
+
+@triton.jit
+def split_weights(pl_ptr, bh, rs, s_ok, n_splits):
+    """Each split's weight ``2**(lse - max lse)`` and their sum (1 for a row with no keys).
+
+    The combine kernels load their partials and V's scales before calling this: every load of the kernel is then
+    in flight at once, where loads written after the weights waited for them (one memory round trip each).
+    """
     lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # a row with no keys: every weight 0, total 1
     w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
     total = tl.sum(w, 0)
-    return bh, bh // HQ, h, h // G, rs, s_ok, w, tl.where(total == 0.0, 1.0, total)
+    return w, tl.where(total == 0.0, 1.0, total)
 
 
 @triton.jit
@@ -236,14 +243,18 @@ def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so
     partial kernel (mmsdk.kernels._kv_grouped_triton.decode_partial): it waits for the partials, then lets the next
     kernel launch."""
     wait_for_inputs(PDL)
-    bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
+    bh, b, h, hk, rs, s_ok = combine_program(HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, BLOCK_HD)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]
-    oe = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
-    oo = tl.sum(w[:, None] * tl.load(rows + BLOCK_HD, mask=s_ok[:, None], other=0.0), 0) / total
+    part_e = tl.load(rows, mask=s_ok[:, None], other=0.0)
+    part_o = tl.load(rows + BLOCK_HD, mask=s_ok[:, None], other=0.0)
     de, do = (2 * rd) < D, (2 * rd + 1) < D
-    oe = oe * tl.load(vs_ptr + hk * D + 2 * rd, mask=de, other=0.0)
-    oo = oo * tl.load(vs_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0)
+    scale_e = tl.load(vs_ptr + hk * D + 2 * rd, mask=de, other=0.0)
+    scale_o = tl.load(vs_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0)
+    tl.debug_barrier()  # keeps the compiler from moving these loads after the weights' (see split_weights)
+    w, total = split_weights(pl_ptr, bh, rs, s_ok, n_splits)
+    oe = tl.sum(w[:, None] * part_e, 0) / total * scale_e
+    oo = tl.sum(w[:, None] * part_o, 0) / total * scale_o
     dst = out_ptr + b * so_b + h * so_h
     tl.store(dst + 2 * rd, oe.to(out_ptr.dtype.element_ty), mask=de)
     tl.store(dst + 2 * rd + 1, oo.to(out_ptr.dtype.element_ty), mask=do)
@@ -326,11 +337,14 @@ def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_
     adds the step's token to the cache length ``len`` (the partial kernel appended it: its ``APPEND``).
     """
     let_next_launch(PDL)
-    bh, b, h, hk, rs, s_ok, w, total = combine_program(pl_ptr, HQ, G, n_splits, BLOCK_S)
+    bh, b, h, hk, rs, s_ok = combine_program(HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, D)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
-    o = tl.sum(w[:, None] * tl.load(rows, mask=s_ok[:, None], other=0.0), 0) / total
-    o = o * tl.load(vs_ptr + hk * D + rd)
+    parts = tl.load(rows, mask=s_ok[:, None], other=0.0)
+    scale = tl.load(vs_ptr + hk * D + rd)
+    tl.debug_barrier()  # keeps the compiler from moving these loads after the weights' (see split_weights)
+    w, total = split_weights(pl_ptr, bh, rs, s_ok, n_splits)
+    o = tl.sum(w[:, None] * parts, 0) / total * scale
     tl.store(out_ptr + b * so_b + h * so_h + rd, o.to(out_ptr.dtype.element_ty))
     if ADVANCE:
         if bh == 0:  # every partial program has read the length: the partial kernel has finished
