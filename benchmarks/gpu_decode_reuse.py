@@ -272,11 +272,14 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str) -> dict[str
 # spread), and the default without PDL. (Earlier searches:
 # h200_step_attention_qwen.json, h200_step_attention_confirm_qwen.json with tf32 operands; h200_step_attention_qwen_fp16
 # and _pdl.json with fp16 operands, the second also with a first-tile preload since removed.) LLaVA-1.5-7B (MHA,
-# "subnormal"): V's sums folded to a quarter of each tile's tokens, over the default's programs, twice as many, and
-# two warps (earlier: more or fewer programs, two warps, no prefetch, h200_step_attention_g32.json).
+# "subnormal"): the tile loop pipelined by Triton instead of the next tile in registers, 16- and 32-token tiles over
+# the default's programs and twice as many (16-token tiles with 4 stages over 1056 programs led the kernel alone at
+# 1280 tokens once the combine kernel loaded its partials first, h200_kernel_sweeps_kv_combine.json). Earlier: V's
+# sums folded, more or fewer programs, two warps, no prefetch (h200_step_attention_g32.json, _g32_fold.json).
 _ATTENTION_CANDIDATES = {
     "qwen2-vl": [(64, 4, 528, 2, True), (128, 4, 264, 2, True), "no_pdl"],
-    "llava": [(32, 1, 528, None, True, True), (32, 1, 1056, None, True, True), (64, 2, 528, None, True, True)],
+    "llava": [(16, 1, 1056, 4, False, True, True), (32, 1, 1056, 3, False, True, True),
+              (16, 1, 528, 4, False, True, True)],
 }
 
 
