@@ -204,10 +204,14 @@ def test_attention_appends_the_new_token_itself(device):
 
     torch.manual_seed(4)
     # (query heads, KV heads, dim, t_max, length, variant, config): the new token inside a split, at a split's
-    # first position, the last cache slot, with a mask, and grouped heads (appended before the kernel)
+    # first position, the last cache slot, with a mask, through the tile loop pipelined by Triton (its loads, through
+    # shared memory on CUDA, come after the program's barrier that follows the new token's stores), and grouped heads
+    # (appended before the kernel)
     cases = ((2, 2, 32, 100, 77, "subnormal", (16, 1, 8)), (2, 2, 32, 96, 48, "subnormal", (16, 1, 4)),
              (2, 2, 128, 48, 47, "subnormal", None), (3, 3, 32, 64, 20, "subnormal", (16, 1, 64, None, False)),
              (2, 2, 32, 100, 77, "subnormal", (32, 1, 8, None, True, True)),
+             (2, 2, 32, 100, 77, "subnormal", (16, 1, 8, 4, False, True, True)),
+             (2, 2, 128, 96, 48, "subnormal", (16, 1, 4, 3, False, True, True)),
              (4, 2, 32, 64, 30, "magic", None), (4, 2, 32, 64, 30, "generic", None))
     for hq, hkv, dim, t_max, length, variant, config in cases:
         query, codes, scales, count, _, _ = _problem(device, hq, hkv, dim, t_max, length)
