@@ -1,4 +1,6 @@
-"""Subnormal-nibble int4 decode attention for MHA (one KV head per query head), behind mmsdk.kernels.kv_decode.
+"""Subnormal-nibble int4 decode attention for MHA (one KV head per query head), behind mmsdk.kernels.kv_decode: V's
+nibbles (and, without ``KDOT``, K's) decoded as exact subnormal floats; with ``KDOT`` (the default) K's scores are
+integer dot products (mmsdk/kernels/_kv_intdot_triton.py).
 
 Imported only when the kernel is launched. Partials and log-sum-exps have the layout of
 :func:`mmsdk.kernels._kv_triton.decode_partial_int4`, so :func:`~mmsdk.kernels._kv_triton.decode_combine_natural`
@@ -276,10 +278,10 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     length = tl.load(len_ptr)  # read after the query (as measured on the H200)
     if APPEND:
         if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
-            store_token_words(kn_ptr + b * sk_b + hk * sk_h, ks_row, kc_ptr, bh.to(tl.int64) * TMAX + length, rw,
-                              cos_row, sin_row, W, ROPE)
-            store_token_words(vn_ptr + b * sv_b + hk * sv_h, vs_ptr + hk * (8 * W), vc_ptr,
-                              bh.to(tl.int64) * TMAX + length, rw, cos_row, sin_row, W)
+            store_token_words(kn_ptr + b * sk_b + hk * sk_h, ks_row, kc_ptr, base + length, rw, cos_row, sin_row, W,
+                              ROPE)
+            store_token_words(vn_ptr + b * sv_b + hk * sv_h, vs_ptr + hk * (8 * W), vc_ptr, base + length, rw,
+                              cos_row, sin_row, W)
             tl.debug_barrier()  # the words are read back below by other threads of this program
         length += 1
     t_end = tl.minimum(t_begin + SPLIT_T, length)

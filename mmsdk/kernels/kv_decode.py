@@ -100,9 +100,10 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
             and all(c.is_contiguous() and c.data_ptr() % 4 == 0 for c in (key_codes, value_codes)))
 
 
-# Decode kernels for int4 codes that read as int32 words: "subnormal" (MHA only, _kv_subnormal_triton.py:
-# nibbles decoded as subnormal floats, per-thread V sums, lazy rescaling) and "magic" (nibbles OR-ed into
-# 2**23, V reduced every tile); "generic" is the byte kernel every format can use.
+# Decode kernels for int4 codes that read as int32 words: "subnormal" (MHA only, _kv_subnormal_triton.py: K
+# scored by integer dot products, V's nibbles decoded as subnormal floats, per-thread V sums, lazy rescaling; launch
+# defaults in kv_word_config.py) and "magic" (nibbles OR-ed into 2**23, V reduced every tile); "generic" is the byte
+# kernel every format can use.
 VARIANTS = ("subnormal", "magic", "generic")
 
 

@@ -38,9 +38,10 @@ def _subnormal_default(t_max: int) -> WordLaunch:
 
     Up to 2k slots: 528 one-warp programs, the next tile loaded ahead in registers (8.1 against 8.5 µs for 1056
     programs at 1280 tokens, ninth pass; 7.88 µs now, as fast as the pipelined loop's 7.89, and the setting the
-    decode-step measurements used; loading ahead took 16k tokens from 32.8 to 28.3 µs when it came in). Longer caches: the loop pipelined in 3 stages, 528 programs up to 4k slots and 1056
-    beyond (nineteenth pass, h200_kernel_sweeps_mha_stages.json: 11.22 µs at 4k against 11.63 for 1056 programs with
-    the tile ahead in registers; 24.89 at 16k against 26.45 and 29.79 for 528 pipelined programs; 8k not measured).
+    decode-step measurements used; loading ahead took 16k tokens from 32.8 to 28.3 µs when it came in). Longer
+    caches: the loop pipelined in 3 stages, 528 programs up to 4k slots and 1056 beyond (nineteenth pass,
+    h200_kernel_sweeps_mha_stages.json: 11.22 µs at 4k against 11.63 for 1056 programs with the tile ahead in
+    registers; 24.89 at 16k against 26.45 and 29.79 for 528 pipelined programs; 8k not measured).
     Not yet the default, for want of a GPU test run: 16-token tiles over 1056 programs pipelined in 4 stages, after the
     combine kernels came to load their partials first, 7.34 against 7.82 µs at 1280 tokens and 10.54 against 10.96 at
     4k (h200_kernel_sweeps_kv_combine.json), LLaVA-1.5-7B's step 1.803 against 1.819-1.824 ms
