@@ -381,11 +381,11 @@ def test_word_launch_defaults_follow_the_cache_size():
     the length checks."""
     from mmsdk.kernels.kv_word_config import WordLaunch, word_launch
 
-    assert word_launch(None, "subnormal", 1, 1280) == WordLaunch(32, 1, 528, None, True, True, True)
-    assert word_launch(None, "subnormal", 1, 4096) == WordLaunch(32, 1, 528, 3, False, True, True)
+    assert word_launch(None, "subnormal", 1, 1280) == WordLaunch(16, 1, 1056, 4, False, True, True)
+    assert word_launch(None, "subnormal", 1, 4096) == WordLaunch(16, 1, 1056, 4, False, True, True)
     assert word_launch(None, "subnormal", 1, 16384) == WordLaunch(32, 1, 1056, 3, False, True, True)
     assert word_launch((16, 2, 64), "subnormal", 1, 16384) == WordLaunch(16, 2, 64, 3, False, True, True)
-    assert word_launch((16, 1, 8, None, 1, 0, 0), "subnormal", 1, 100) == WordLaunch(16, 1, 8, None, True, False, False)
+    assert word_launch((16, 1, 8, None, 1, 0, 0), "subnormal", 1, 100) == WordLaunch(16, 1, 8, 4, True, False, False)
     assert word_launch(None, "magic", 2, 100) == WordLaunch(32, 2, 1056, None, False, False, False)
     assert word_launch((64, 4, 8, 2), "magic", 4, 100) == WordLaunch(64, 4, 8, 2, False, False, False)
     from mmsdk.kernels.kv_decode import _generic_config

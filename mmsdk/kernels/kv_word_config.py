@@ -36,23 +36,20 @@ class WordLaunch:
 def _subnormal_default(t_max: int) -> WordLaunch:
     """The subnormal kernel's defaults for a cache of ``t_max`` slots (32 MHA heads of LLaVA-1.5-7B, H200).
 
-    Up to 2k slots: 528 one-warp programs, the next tile loaded ahead in registers (8.1 against 8.5 µs for 1056
-    programs at 1280 tokens, ninth pass; 7.88 µs now, as fast as the pipelined loop's 7.89, and the setting the
-    decode-step measurements used; loading ahead took 16k tokens from 32.8 to 28.3 µs when it came in). Longer
-    caches: the loop pipelined in 3 stages, 528 programs up to 4k slots and 1056 beyond (nineteenth pass,
-    h200_kernel_sweeps_mha_stages.json: 11.22 µs at 4k against 11.63 for 1056 programs with the tile ahead in
-    registers; 24.89 at 16k against 26.45 and 29.79 for 528 pipelined programs; 8k not measured).
-    Not yet the default, for want of a GPU test run: 16-token tiles over 1056 programs pipelined in 4 stages, after the
-    combine kernels came to load their partials first, 7.34 against 7.82 µs at 1280 tokens and 10.54 against 10.96 at
-    4k (h200_kernel_sweeps_kv_combine.json), LLaVA-1.5-7B's step 1.803 against 1.819-1.824 ms
-    (h200_step_attention_g32_19.json); before that change the same tile had lost (8.17 against 7.88, 11.37 / 11.22).
+    Up to 4k slots: 16-token tiles over 1056 one-warp programs, the loop pipelined in 4 stages (twentieth pass:
+    7.34 against 7.82 µs for 32-token tiles over 528 programs with the tile ahead in registers at 1280 tokens, 10.54
+    against 10.96 at 4k, h200_kernel_sweeps_kv_combine.json; LLaVA-1.5-7B's step 1.803 against 1.819-1.824 ms,
+    h200_step_attention_g32_19.json; before the combine kernels came to load their partials first the same tile had
+    lost, 8.17 against 7.88 and 11.37 against 11.22). Longer caches: 32-token tiles pipelined in 3 stages over 1056
+    programs (nineteenth pass, h200_kernel_sweeps_mha_stages.json: 24.89 µs at 16k against 26.45 with the tile ahead
+    in registers and 29.79 for 528 pipelined programs; 8k not measured).
     Integer K dots: 11.49 against 11.84 µs at 4k and 26.55 against 28.34 at 16k, equal at 1280 tokens (8.37 / 8.31;
     h200_kernel_sweeps_mha_kdot.json). Folded V sums: 8.02 / 11.81 / 28.23 against 8.18 / 12.09 / 28.32 µs at
     1280 / 4k / 16k tokens in one run, equal in the next (h200_kernel_sweeps_mha_fold.json, _ahead2.json).
     """
-    if t_max <= 2048:
-        return WordLaunch(32, 1, TARGET_PROGRAMS, None, True, True, True)
-    return WordLaunch(32, 1, TARGET_PROGRAMS if t_max <= 4096 else 2 * TARGET_PROGRAMS, 3, False, True, True)
+    if t_max <= 4096:
+        return WordLaunch(16, 1, 2 * TARGET_PROGRAMS, 4, False, True, True)
+    return WordLaunch(32, 1, 2 * TARGET_PROGRAMS, 3, False, True, True)
 
 
 def word_launch(config: tuple[int | None, ...] | None, variant: str, group: int, t_max: int) -> WordLaunch:
