@@ -103,6 +103,52 @@ def tiles() -> list[dict[str, Any]]:
     return rows
 
 
+# (BLOCK_N, quads, warps, target programs) of the integer-dot GEMV (kind "idot"): offline sm_90 builds put 8 x 128 x 4
+# at 13.5 SASS instructions per weight word (128 registers), 16 x 64 x 4 at 12.5 and the 256-byte tiles at 10.8-11.4
+# (254-255 registers), against 24.0 for the "quad" kernel's 8 x 128 x 4. A first sweep (h200_kernel_sweeps_idot.json,
+# without PDL) also ran 8-row tiles (1.5-2x slower: the rounded activations' split costs more than the rows share)
+# and 16-quad steps (slower on every shape).
+IDOT_TILES = [(16, 64, 4, 528), (16, 32, 2, 528), (16, 32, 2, 1056), (32, 32, 4, 528), (16, 64, 2, 528),
+              (64, 32, 4, 528), (32, 16, 2, 528), (16, 128, 4, 528), (32, 32, 2, 528), (32, 64, 8, 528)]
+
+
+def idot() -> list[dict[str, Any]]:
+    """The integer-dot GEMV's tiles per shape (rounding launch included; it alone as ``rounding_us``) against the
+    tuner's pick, the best "quad" tiles of earlier sweeps and bf16 cuBLAS, g128, one row."""
+    from mmsdk.kernels.gemv_idot import quantize_row_activations
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        expected = x.float() @ dequantize_int4(p, torch.float32).T
+        packed_bytes = p.qweight.numel() + p.scales.numel() * 2
+        row: dict[str, Any] = {
+            "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
+            "tuned_us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
+            "rounding_us": gtime(lambda: quantize_row_activations(x, k // 8))}
+        measured = []
+        for cfg in [(8, 128, 4, 1, "quad", 528), (8, 64, 2, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)] + [
+                (bn, bc, w, 1, "idot", t) for bn, bc, w, t in IDOT_TILES]:
+            try:
+                out = w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg)
+                t = gtime(cold(lambda q, s, c=cfg: w4a16_gemv(x, q, s, None, 128, config=c), p.qweight, p.scales))
+            except Exception as error:
+                measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:160]}"})
+                continue
+            measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected), "TBps": packed_bytes / t / 1e6,
+                             "vs_bf16": row["bf16_us"] / t})
+        row["tiles"] = measured
+        good = [t for t in measured if "us" in t]
+        row["best"] = sorted(good, key=lambda t: t["us"])[:4]
+        print({k: v for k, v in row.items() if k != "tiles"}, flush=True)
+        rows.append(row)
+    return rows
+
+
 # The decode step's batch-1 GEMVs as the step runs them: (group size, per-weight shapes (N, K, bias, residual), the
 # gated MLP's N x K) for the two measured stacks, LLaVA-1.5-7B at g32 and Qwen2-VL-7B at g128.
 STEP_GEMVS = {
@@ -701,12 +747,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha")
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
     sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "step_folds": step_folds,
                 "step_left_norm": step_left_norm,
-                "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha}
+                "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha, "idot": idot}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

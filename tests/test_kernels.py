@@ -78,8 +78,8 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
     device, dtype, tol = target
     # (m, n, k, group, (BLOCK_N, BLOCK_G, warps, BLOCK_M, KIND[, programs]), K splits): shift-and-mask rows, tensor-core
     # rows, and the quad kernel (16-byte activation loads, subnormal nibbles) for one and two rows, split and not,
-    # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp"); the
-    # "mma" kernel (16-bit nibbles on the tensor cores) for 1, 5 and 16 rows, several groups per step or one
+    # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp") and on
+    # integer dots with rounded activations ("idot"); the "mma" kernel (16-bit nibbles on the tensor cores) for 1, 5 and 16 rows, several groups per step or one
     for m, n, k, group, config, splits in ((1, 40, 512, 64, (8, 4, 4, 1, "fma"), 3),
                                            (3, 33, 200, 32, (16, 2, 4, 4, "fma"), 2),
                                            (5, 24, 256, 16, (16, 2, 4, 16, "dot"), 1),
@@ -88,6 +88,9 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
                                            (2, 24, 296, 32, (8, 8, 2, 1, "quad", 64), None),
                                            (1, 40, 512, 64, (16, 2, 4, 1, "quadp"), 2),
                                            (2, 33, 296, 32, (16, 1, 4, 1, "quadp", 64), None),
+                                           (1, 40, 512, 64, (16, 4, 4, 1, "idot"), 2),
+                                           (1, 33, 296, 128, (16, 8, 4, 1, "idot", 64), None),
+                                           (2, 24, 296, 32, (8, 8, 2, 1, "idot", 64), None),
                                            (1, 40, 512, 64, (32, 128, 4, 16, "mma"), 3),
                                            (5, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None),
                                            (16, 24, 256, 128, (16, 256, 1, 16, "mma"), 1)):
@@ -115,6 +118,36 @@ def test_w4a16_mma_takes_fp16_activations():
         assert out.dtype == torch.float16 and _rel(out, expected) < 2e-3, (m, group, symmetric)
 
 
+@pytest.mark.parametrize("group, symmetric", [(32, True), (128, False)])
+def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
+    """Kind "idot": the product equals the fp32 product with the activations rounded as documented (16-bit integers,
+    one scale per 32 channels) and stays within the rounding's reach of the exact product, outlier channels too."""
+    from mmsdk.kernels.gemv_idot import launch_idot
+    from mmsdk.kernels.w4a16 import k_slices
+
+    device, dtype, _ = target
+    n, k = 40, 296  # K not a multiple of the group: the packed weight's last group is padded
+    packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+    x = torch.randn(1, k, device=device)
+    x[:, ::37] *= 30.0  # a few outlier channels, as in a decoder's activations
+    x = x.to(dtype)
+    weight = dequantize_int4(packed, torch.float64)
+    k_blocks = packed.qweight.shape[1]
+    quads = x.double().new_zeros(1, k_blocks * group).index_copy(1, torch.arange(k, device=device), x.double())
+    quads = quads.view(1, -1, 32)
+    unit = quads.abs().amax(-1, keepdim=True) / 32767.0
+    rounded = (torch.floor(quads / unit + 0.5) * unit).view(1, -1)[:, :k]
+    for splits in (1, 2):
+        out = torch.empty(1, n, device=device, dtype=torch.float32)
+        per_split, n_splits = k_slices(n, k_blocks, 16, 1, 64, splits)
+        launch_idot(x, packed.qweight, packed.scales, packed.zero_points, None, out, group, (16, 1, 4, 1, "idot"),
+                    per_split, n_splits)
+        assert _rel(out, rounded @ weight.T) < 1e-6, splits  # fp32 sums of exact integer dots: ~1e-7
+        # the rounding, <= 1.5e-5 of a quad's largest activation per channel: ~5e-5 of the product with these
+        # outliers (bf16's own rounding of the output: ~2e-3)
+        assert _rel(out, x.double() @ weight.T) < 2e-4, splits
+
+
 def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
     """``residual + x @ W.T`` in the GEMV's last store (direct) or its K slices' sum: bitwise torch's two steps."""
     from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
@@ -123,6 +156,7 @@ def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
     n, k, group = 40, 512, 64
     packed = quantize_int4(torch.randn(n, k, device=device), group, scale_dtype=dtype)
     for m, config, splits in ((1, (16, 4, 4, 1, "quad"), 1), (1, (16, 4, 4, 1, "quadp"), 2),
+                              (1, (16, 4, 4, 1, "idot"), 1), (2, (8, 4, 4, 1, "idot"), 2),
                               (2, (8, 4, 4, 1, "fma"), 1), (2, (8, 4, 4, 1, "fma"), 3),
                               (3, (16, 128, 4, 16, "mma"), 1), (1, (16, 128, 4, 16, "mma"), 2)):
         x = torch.randn(m, k, device=device).to(dtype)
@@ -630,7 +664,7 @@ def test_kernels_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "20 passed" in result.stdout, result.stdout[-2000:]
+    assert " passed" in result.stdout and "22 passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
+from mmsdk.kernels.gemv_idot import launch_idot
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
 from mmsdk.kernels.split_k import finish_splits
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
@@ -58,7 +59,10 @@ GEMV_MAX_M = 16
 TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
-# 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights),
+# 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights), "idot"
+# (the quads' tiles on integer dot products with the activations rounded to 16-bit integers per 32 channels by a
+# launch of its own: mmsdk.kernels.gemv_idot; H200, benchmarks/gpu_kernel_sweeps.py idot: 15.5 against 16.6 µs for
+# the best "quad" tile on a 22016 x 4096 weight, 21.7 against 24.8 on 37888 x 3584, slower on the 4096-row weights),
 # "fma" (gemv: shift-and-mask nibbles, any group size), "dot" (gemv on the tensor cores, for several rows) or "mma"
 # (gemv_mma: up to 16 rows on the tensor cores, nibbles made 16-bit floats with one lop3 per pair; BLOCK_G is the
 # K channels per step; group sizes >= 32).
@@ -70,7 +74,7 @@ TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # (mmsdk.kernels.w4a16_gated) also takes kind "gated": both weights' rows in one program.
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
-_GEMV_KINDS = ("quad", "quadp", "fma", "dot", "mma")
+_GEMV_KINDS = ("quad", "quadp", "idot", "fma", "dot", "mma")
 QUAD_KINDS = ("quad", "quadp")
 # "mma" configs: (BLOCK_N, K channels per step, warps, BLOCK_M, "mma", target programs, num_stages); a program takes
 # min(BLOCK_M, M rounded up to a power of two) activation rows, the accumulator's columns. Offline sm_90 builds of these
@@ -90,7 +94,9 @@ _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
     1: ((8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1, "quad", 528),
         (8, 128, 4, 1, "quad", 264), (8, 128, 2, 1, "quad", 264),
         (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
-        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528), (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
+        (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528),
+        (16, 64, 4, 1, "idot", 528), (16, 128, 4, 1, "idot", 528), (16, 32, 2, 1, "idot", 528),
+        (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
     # the fused kernel and "fma" / "dot" stay for groups of 16, which "mma" cannot take
     4: (*_MMA_CANDIDATES, (64, 256, 4, 3), (16, 2, 4, 4, "fma")),
     16: (*_MMA_CANDIDATES, (64, 256, 4, 3), (32, 1, 4, 16, "dot")),
@@ -287,9 +293,10 @@ def w4a16_gemv(
 
 @cache
 def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
-    """The bucket's candidates that take this group size ("quad" reads whole 4-word quads, "mma" needs 16 channels
-    per half group: groups >= 32)."""
-    return tuple(c for c in _GEMV_CANDIDATES[bucket] if len(c) == 4 or c[4] not in (*QUAD_KINDS, "mma") or group >= 32)
+    """The bucket's candidates that take this group size ("quad" and "idot" read whole 4-word quads, "mma" needs 16
+    channels per half group: groups >= 32)."""
+    return tuple(c for c in _GEMV_CANDIDATES[bucket]
+                 if len(c) == 4 or c[4] not in (*QUAD_KINDS, "idot", "mma") or group >= 32)
 
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -320,6 +327,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         leave = None  # the reader runs the norm itself
     if kind == "mma":
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
+        return
+    if kind == "idot":
+        launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
+                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual)
         return
     import triton
 

@@ -1,0 +1,203 @@
+"""Batch-1 W4A16 GEMV on integer dot products (kind "idot" of mmsdk.kernels.w4a16), and the kernel that rounds its
+activations. Imported only when a kernel is launched (through mmsdk.kernels._w4a16_triton).
+
+Why integers: the "quad" GEMV decodes each nibble with an AND and multiplies it in with an FMA, about 24 SASS
+instructions per weight word with the loads (offline sm_90 builds, benchmarks/sm90_gemv_builds.py), so a batch-1
+GEMV keeps the schedulers half busy while it streams its weights. ``dp2a`` multiplies two 16-bit integers with two
+bytes of a word and adds both products to a 32-bit sum in one instruction: with the activations rounded to 16-bit
+integers a word of 8 codes costs one shift, two ANDs and four ``dp2a``, and a quad of 4 words one conversion and two
+float operations more.
+
+Rounding: each quad's 32 activations (channels ``32q .. 32q+31``, the 4 words a thread reads as one 16-byte load) are
+rounded to integers in [-32767, 32767] with a scale of their own (their largest magnitude maps to 32767): an error
+of at most 1.5e-5 of that largest activation per channel, a quarter of a bf16 rounding of it and below the error of
+the fp32 sum over K the float kernels make. The integer sums are exact: 32 codes of at most 240 (16 x 15) times 32767
+stay below 2**31.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mmsdk.kernels._gemv_quad_triton import by_nibble, pick
+from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, signed_half
+from mmsdk.kernels._pdl_triton import wait_for_inputs
+
+ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitude, as an integer
+
+# ``$1`` plus the dot of one int32 word of 8 codes (nibble j = channel 8w + j) with the word's 8 activations, packed as
+# pairs of int16 (``$3`` = channels 0 and 2, ``$4`` = 4 and 6, ``$5`` = 1 and 3, ``$6`` = 5 and 7; low half first). The
+# even nibbles are shifted up into the high half of their bytes, so every byte reads as 16 x code: the sum grows by
+# 16 * sum_j x_j c_j. dp2a.lo multiplies the pair with bytes 0 and 1 of its second operand, dp2a.hi with bytes 2 and 3.
+_WORD_DOT_ADD = """{
+.reg .b32 e, o;
+shl.b32 e, $2, 4;
+and.b32 e, e, 0xF0F0F0F0;
+and.b32 o, $2, 0xF0F0F0F0;
+dp2a.lo.s32.u32 $0, $3, e, $1;
+dp2a.hi.s32.u32 $0, $4, e, $0;
+dp2a.lo.s32.u32 $0, $5, o, $0;
+dp2a.hi.s32.u32 $0, $6, o, $0;
+}"""
+WORD_DOT_ADD = tl.constexpr(_WORD_DOT_ADD)
+
+
+@triton.jit
+def quantize_activations(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K_in, n_quads, stride_xm, BLOCK_Q: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """One activation row's quads ``[BLOCK_Q]`` as :func:`gemv_idot` reads them: per word ``w`` four int32 of int16
+    pairs at ``xq[row, 4w .. 4w+3]`` (channels 0/2, 4/6, 1/3, 5/7 of the word), per quad the scale that turns a
+    dot's integer into the product (``xs``: fp32, the quad's unit over 16) and the sum of its integers (``xsum``:
+    the zero point's share). Channels past ``K_in`` (a padded layer's last group) are zeros. With ``PDL`` it waits
+    for the kernel before it first, then lets the GEMV launch (which loads its first weights meanwhile)."""
+    wait_for_inputs(PDL)
+    pid, row = tl.program_id(0), tl.program_id(1)
+    quads = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_ok = quads < n_quads
+    words = quads[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_Q, 4]
+    k = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k, mask=q_ok[:, None, None] & (k < K_in), other=0.0)
+    x = x.to(tl.float32)
+    top = tl.max(tl.max(tl.abs(x), 2), 1)
+    inv_unit = tl.where(top > 0, ACTIVATION_LEVELS / top, 0.0)  # an all-zero quad gives zero products
+    levels = round_to_levels(x, inv_unit[:, None, None])
+    x0, x1, x2, x3, x4, x5, x6, x7 = by_nibble(levels)
+    pairs = xq_ptr + row.to(tl.int64) * (4 * n_quads * 4) + words * 4
+    tl.store(pairs, int16_pair(x0, x2), mask=q_ok[:, None])
+    tl.store(pairs + 1, int16_pair(x4, x6), mask=q_ok[:, None])
+    tl.store(pairs + 2, int16_pair(x1, x3), mask=q_ok[:, None])
+    tl.store(pairs + 3, int16_pair(x5, x7), mask=q_ok[:, None])
+    tl.store(xs_ptr + row * n_quads + quads, top / (16.0 * ACTIVATION_LEVELS), mask=q_ok)
+    tl.store(xsum_ptr + row * n_quads + quads, tl.sum(tl.sum(levels, 2), 1), mask=q_ok)
+
+
+@triton.jit
+def word_dot_add(w, p0, p1, p2, p3, acc, ASM: tl.constexpr):
+    """``acc + 16 * sum_j x_j c_j`` for every word of ``w`` (int32 ``[BLOCK_N, BLOCK_C]``) against the word's packed
+    activations (``[BLOCK_C]`` each). With ``ASM`` through the PTX above (CUDA only); otherwise by integer
+    arithmetic (the interpreter), with the same, exact, values."""
+    if ASM:
+        return tl.inline_asm_elementwise(WORD_DOT_ADD, "=r,r,r,r,r,r,r",
+                                         [acc, w, p0[None, :], p1[None, :], p2[None, :], p3[None, :]],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    u = w.to(tl.uint32, bitcast=True)
+    dot = (u & 0xF).to(tl.int32) * signed_half(p0, False)[None, :]
+    dot += ((u >> 4) & 0xF).to(tl.int32) * signed_half(p2, False)[None, :]
+    dot += ((u >> 8) & 0xF).to(tl.int32) * signed_half(p0, True)[None, :]
+    dot += ((u >> 12) & 0xF).to(tl.int32) * signed_half(p2, True)[None, :]
+    dot += ((u >> 16) & 0xF).to(tl.int32) * signed_half(p1, False)[None, :]
+    dot += ((u >> 20) & 0xF).to(tl.int32) * signed_half(p3, False)[None, :]
+    dot += ((u >> 24) & 0xF).to(tl.int32) * signed_half(p1, True)[None, :]
+    dot += (u >> 28).to(tl.int32) * signed_half(p3, True)[None, :]
+    return acc + 16 * dot
+
+
+@triton.jit
+def by_pair(v):
+    """``[C, 4, 4]`` packed activations split by pair into four ``[C, 4]`` tiles (``p = 2 i0 + i1``)."""
+    a, b = tl.split(tl.reshape(v, (v.shape[0], 4, 2, 2)))
+    p0, p2 = tl.split(a)
+    p1, p3 = tl.split(b)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
+              WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+              ASM: tl.constexpr):
+    """One step's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) from its words ``[BLOCK_N, BLOCK_C, 4]`` and
+    group scales ``s``, the rounded activations read here."""
+    p0, p1, p2, p3 = by_pair(tl.load(xq_row + 16 * q0 + pair_at, mask=c_ok[:, None, None], other=0))
+    xs = tl.load(xs_row + quads, mask=c_ok, other=0.0)
+    xsum = tl.load(xsum_row + quads, mask=c_ok, other=0)
+    a, b = tl.split(tl.reshape(words, (BLOCK_N, BLOCK_C, 2, 2)))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    d = word_dot_add(w0, pick(p0, 0), pick(p1, 0), pick(p2, 0), pick(p3, 0), tl.zeros((BLOCK_N, BLOCK_C), tl.int32),
+                     ASM)
+    d = word_dot_add(w1, pick(p0, 1), pick(p1, 1), pick(p2, 1), pick(p3, 1), d, ASM)
+    d = word_dot_add(w2, pick(p0, 2), pick(p1, 2), pick(p2, 2), pick(p3, 2), d, ASM)
+    d = word_dot_add(w3, pick(p0, 3), pick(p1, 3), pick(p2, 3), pick(p3, 3), d, ASM)
+    if HAS_ZP:
+        g = quads * 4 // WPG
+        zb = tl.load(z_ptr + rn[:, None] * stride_zn + g[None, :] // 2, mask=ok, other=0)
+        z = ((zb >> ((g[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.int32)
+        d -= 16 * z * xsum[None, :]
+    else:
+        d -= (128 * xsum)[None, :]
+    return s * (d.to(tl.float32) * xs[None, :])
+
+
+@triton.jit
+def step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr):
+    """The step at quad ``q0``: its words ``[BLOCK_N, BLOCK_C, 4]``, group scales (fp32), quads, which quads and
+    (row, quad) pairs exist."""
+    quads = q0 + rc
+    c_ok = quads < q_end
+    ok = n_ok[:, None] & c_ok[None, :]
+    if ROW_MASK:
+        w_ok = n_ok[:, None] & (4 * q0 + rw < 4 * q_end)[None, :]
+    else:
+        w_ok = (4 * q0 + rw < 4 * q_end)[None, :]
+    words = tl.reshape(tl.load(w_rows + 4 * q0 + rw[None, :], mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
+    s = tl.load(s_ptr + rn[:, None] * k_blocks + (quads * 4 // WPG)[None, :], mask=ok, other=0.0).to(tl.float32)
+    return words, s, quads, c_ok, ok
+
+
+@triton.jit
+def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KW, quads_per_split, stride_zn,
+              r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr,
+              ASM: tl.constexpr, PDL: tl.constexpr = False):
+    """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (rows x quads x words) against activations rounded by
+    :func:`quantize_activations` (one activation row per program, grid axis 2).
+
+    Per quad and row the 4 words' dots run as one chain of ``dp2a`` into an int32 sum; the zero point's share
+    (``16 z`` times the quad's integer sum) comes off in integers, and the quad's activation scale and the row's
+    group scale turn it into fp32 (two float operations per 4 words). ``DIRECT`` stores the output row (one K
+    slice; with ``HAS_BIAS`` and ``HAS_RESIDUAL`` rounded as torch rounds ``residual + linear``), otherwise fp32
+    partials for mmsdk.kernels.split_k.finish_splits. With ``PDL`` a program loads its first step's words and
+    scales before it waits for the rounding kernel (mmsdk/kernels/_pdl_triton.py).
+    """
+    WPG: tl.constexpr = GROUP // 8
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_quads = KW // 4
+    k_blocks = KW // WPG
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.arange(0, BLOCK_C)
+    n_ok = rn < N
+    q_begin = split * quads_per_split
+    q_end = tl.minimum(q_begin + quads_per_split, n_quads)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * KW
+    rw = tl.arange(0, 4 * BLOCK_C)
+    xq_row = xq_ptr + row.to(tl.int64) * (4 * KW)
+    xs_row, xsum_row = xs_ptr + row * n_quads, xsum_ptr + row * n_quads
+    pair_at = (rc[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    q_loop = q_begin
+    if PDL:  # the first step's weights load while the rounding kernel runs
+        words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q_begin, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N,
+                                              BLOCK_C, ROW_MASK)
+        wait_for_inputs(PDL)
+        acc += idot_step(words, s, xq_row, xs_row, xsum_row, q_begin, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
+                         WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM)
+        q_loop = q_begin + BLOCK_C
+    for q0 in range(q_loop, q_end, BLOCK_C):
+        words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N,
+                                              BLOCK_C, ROW_MASK)
+        acc += idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
+                         WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM)
+    out = tl.sum(acc, 1)
+    dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
+    if DIRECT:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        value = out.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            value = (value.to(tl.float32) + tl.load(r_ptr + row.to(tl.int64) * N + rn, mask=n_ok,
+                                                    other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(dst, value, mask=n_ok)
+    else:
+        tl.store(dst, out, mask=n_ok)

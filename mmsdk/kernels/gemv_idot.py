@@ -1,0 +1,79 @@
+"""Launch of the integer-dot batch-1 GEMV (kind "idot" of mmsdk.kernels.w4a16): the activation row rounded to 16-bit
+integers per quad of 32 channels by one small kernel, then the GEMV on ``dp2a`` (mmsdk/kernels/_gemv_idot_triton.py
+says why and how exact).
+
+A config is ``(BLOCK_N, quads per step, warps, 1, "idot"[, target programs])``, as for the "quad" kinds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmsdk.kernels import interpreting, pdl_preload_ready, pdl_ready
+from mmsdk.kernels.split_k import finish_splits
+
+__all__ = ["IntegerActivations", "launch_idot", "quantize_row_activations"]
+
+QUANTIZE_BLOCK = 64  # quads per program of the rounding kernel (2048 channels)
+
+
+class IntegerActivations:
+    """Activations rounded for :func:`launch_idot`: int16 pairs ``[M, 4 KW]`` (int32), each quad's scale and integer
+    sum ``[M, KW / 4]``."""
+
+    def __init__(self, pairs: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor) -> None:
+        self.pairs, self.scales, self.sums = pairs, scales, sums
+
+
+def quantize_row_activations(x: torch.Tensor, words: int) -> IntegerActivations:
+    """``x`` ``[M, K_in]`` rounded per quad of 32 channels for a weight of ``words`` int32 words per row (channels
+    past ``K_in`` are zeros)."""
+    import triton
+
+    from mmsdk.kernels import _w4a16_triton as kernels
+
+    if words % 4:
+        raise ValueError(f"an integer-dot GEMV reads quads of 4 words: {words} words per row is not a multiple of 4; "
+                         "use a group size of at least 32 or kind 'quad'.")
+    m, k_in = x.shape
+    n_quads = words // 4
+    rounded = IntegerActivations(torch.empty(m, 4 * words, device=x.device, dtype=torch.int32),
+                                 torch.empty(m, n_quads, device=x.device, dtype=torch.float32),
+                                 torch.empty(m, n_quads, device=x.device, dtype=torch.int32))
+    kernels.quantize_activations[(triton.cdiv(n_quads, QUANTIZE_BLOCK), m)](
+        x, rounded.pairs, rounded.scales, rounded.sums, k_in, n_quads, x.stride(0), BLOCK_Q=QUANTIZE_BLOCK,
+        PDL=pdl_ready(x), launch_pdl=pdl_ready(x), num_warps=4)
+    return rounded
+
+
+def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: tuple[Any, ...], per_split: int,
+                n_splits: int, residual: torch.Tensor | None = None) -> None:
+    """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
+    groups (mmsdk.kernels.w4a16.k_slices); more than one slice goes through fp32 partials and
+    :func:`finish_splits`."""
+    import triton
+
+    from mmsdk.kernels import _w4a16_triton as kernels
+
+    if group < 32:
+        raise ValueError(f"GEMV kind 'idot' reads 4-word quads of one group: group size {group} < 32; use kind 'fma'.")
+    block_n, block_c, warps = cfg[:3]
+    m = x.shape[0]
+    n, k_blocks, _ = qweight.shape
+    words = k_blocks * group // 8
+    rounded = quantize_row_activations(x, words)
+    direct = n_splits == 1
+    pdl = pdl_preload_ready(x)  # the first weights load while the rounding kernel runs
+    target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
+    kernels.gemv_idot[(triton.cdiv(n, block_n), n_splits, m)](
+        rounded.pairs, rounded.scales, rounded.sums, qweight.view(torch.int32), scales,
+        zero_points if zero_points is not None else scales, bias if bias is not None else scales, target, m, n, words,
+        per_split * group // 32, zero_points.stride(0) if zero_points is not None else 0,
+        residual if residual is not None else scales, GROUP=group, HAS_ZP=zero_points is not None,
+        HAS_BIAS=bias is not None, DIRECT=direct, HAS_RESIDUAL=residual is not None and direct, BLOCK_N=block_n,
+        BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+    if not direct:
+        finish_splits(target, out, bias, n_splits, False, residual)
