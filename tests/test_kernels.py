@@ -79,7 +79,8 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
     # (m, n, k, group, (BLOCK_N, BLOCK_G, warps, BLOCK_M, KIND[, programs]), K splits): shift-and-mask rows, tensor-core
     # rows, and the quad kernel (16-byte activation loads, subnormal nibbles) for one and two rows, split and not,
     # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp") and on
-    # integer dots with rounded activations ("idot"); the "mma" kernel (16-bit nibbles on the tensor cores) for 1, 5 and 16 rows, several groups per step or one
+    # integer dots with rounded activations ("idot"); the "mma" kernel (16-bit nibbles on the tensor cores) for 1, 5
+    # and 16 rows, several groups per step or one
     for m, n, k, group, config, splits in ((1, 40, 512, 64, (8, 4, 4, 1, "fma"), 3),
                                            (3, 33, 200, 32, (16, 2, 4, 4, "fma"), 2),
                                            (5, 24, 256, 16, (16, 2, 4, 16, "dot"), 1),
