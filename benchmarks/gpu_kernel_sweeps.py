@@ -26,7 +26,9 @@
 * ``gqa``: which block configuration of the int4 KV decode kernels suits grouped-query heads
   (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache, the default without PDL, and a kernel that
   only reads the codes (``read_floor``: the floor under any decode kernel in this harness).
-* ``mha``: the same for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
+* ``idot``: the integer-dot GEMV's tiles (kind "idot", the rounding launch included) against the "quad" tiles, the
+  tuner's pick and bf16 cuBLAS at batch 1, g128.
+* ``mha``: the same as ``gqa`` for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
   program instead of a second, combine kernel measured slower for every configuration, MHA and GQA, at
   1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
   made at commit e1d71cb.)
@@ -103,11 +105,11 @@ def tiles() -> list[dict[str, Any]]:
     return rows
 
 
-# (BLOCK_N, quads, warps, target programs) of the integer-dot GEMV (kind "idot"): offline sm_90 builds put 8 x 128 x 4
-# at 13.5 SASS instructions per weight word (128 registers), 16 x 64 x 4 at 12.5 and the 256-byte tiles at 10.8-11.4
-# (254-255 registers), against 24.0 for the "quad" kernel's 8 x 128 x 4. A first sweep (h200_kernel_sweeps_idot.json,
-# without PDL) also ran 8-row tiles (1.5-2x slower: the rounded activations' split costs more than the rows share)
-# and 16-quad steps (slower on every shape).
+# (BLOCK_N, quads, warps, target programs) of the integer-dot GEMV (kind "idot"): offline sm_90 builds with PDL
+# (benchmarks/sm90_gemv_builds.py --kernels idot, Triton 3.9) put 16 x 64 x 4 at 12.5 SASS instructions per weight word
+# (128 registers) and the 256-byte tiles at 11.0-11.4 (255 registers), against 25.6 for the "quad" kernel's
+# 8 x 128 x 4. A first sweep (h200_kernel_sweeps_idot.json, without PDL) also ran 8-row tiles (1.5-2x slower: the
+# rounded activations' split costs more than the rows share) and 16-quad steps (slower on every shape).
 IDOT_TILES = [(16, 64, 4, 528), (16, 32, 2, 528), (16, 32, 2, 1056), (32, 32, 4, 528), (16, 64, 2, 528),
               (64, 32, 4, 528), (32, 16, 2, 528), (16, 128, 4, 528), (32, 32, 2, 528), (32, 64, 8, 528)]
 

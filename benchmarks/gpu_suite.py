@@ -127,11 +127,20 @@ def section_w4a16(quick: bool) -> list[dict[str, Any]]:
             rows.append({"shape": name, "M": m, "rel_err": err, "bf16_us": t_bf16 * 1e3, "tinygemm_us": t_tiny * 1e3,
                          "mmsdk_us": t_ours * 1e3, "speedup_vs_bf16": t_bf16 / t_ours,
                          "speedup_vs_tinygemm": t_tiny / t_ours, "mmsdk_TBps": packed_bytes / t_ours / 1e9,
-                         "mmsdk_l2_us": t_l2 * 1e3})
+                         "mmsdk_l2_us": t_l2 * 1e3, "cfg": _tuned_gemv(n, k, m)})
             print(rows[-1], flush=True)
         if quick and len(rows) >= 6:
             break
     return rows
+
+
+def _tuned_gemv(n: int, k: int, m: int) -> Any:
+    """The configuration the tuner chose for int4_linear's GEMV of ``m`` rows on this shape (g128, bf16; None for
+    the fused kernel's rows, which this key does not cover)."""
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    bucket = 1 if m == 1 else (4 if m <= 4 else 16)
+    return tuning().chosen.get(("gemv", bucket, n, k // 128, 128, torch.bfloat16, False, False, False))
 
 
 def kv_problem(hq: int, hkv: int, ctx: int, d: int, device: str = "cuda") -> tuple[Any, ...]:
