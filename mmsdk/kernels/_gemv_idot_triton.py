@@ -105,12 +105,17 @@ def by_pair(v):
 @triton.jit
 def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
               WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-              ASM: tl.constexpr):
+              ASM: tl.constexpr, MASK_K: tl.constexpr = True):
     """One step's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) from its words ``[BLOCK_N, BLOCK_C, 4]`` and
-    group scales ``s``, the rounded activations read here."""
-    p0, p1, p2, p3 = by_pair(tl.load(xq_row + 16 * q0 + pair_at, mask=c_ok[:, None, None], other=0))
-    xs = tl.load(xs_row + quads, mask=c_ok, other=0.0)
-    xsum = tl.load(xsum_row + quads, mask=c_ok, other=0)
+    group scales ``s``, the rounded activations read here (without ``MASK_K`` every quad of the step exists)."""
+    if MASK_K:
+        p0, p1, p2, p3 = by_pair(tl.load(xq_row + 16 * q0 + pair_at, mask=c_ok[:, None, None], other=0))
+        xs = tl.load(xs_row + quads, mask=c_ok, other=0.0)
+        xsum = tl.load(xsum_row + quads, mask=c_ok, other=0)
+    else:
+        p0, p1, p2, p3 = by_pair(tl.load(xq_row + 16 * q0 + pair_at))
+        xs = tl.load(xs_row + quads)
+        xsum = tl.load(xsum_row + quads)
     a, b = tl.split(tl.reshape(words, (BLOCK_N, BLOCK_C, 2, 2)))
     w0, w2 = tl.split(a)
     w1, w3 = tl.split(b)
@@ -131,19 +136,29 @@ def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_pt
 
 @triton.jit
 def step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr):
+              BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr, MASK_K: tl.constexpr = True):
     """The step at quad ``q0``: its words ``[BLOCK_N, BLOCK_C, 4]``, group scales (fp32), quads, which quads and
-    (row, quad) pairs exist."""
+    (row, quad) pairs exist. Without ``MASK_K`` the caller knows every quad of the step exists: its loads take no K
+    mask (no registers zeroed and no predicates set for them: 10.7 instead of 12.5 instructions per word in an offline
+    sm_90 build of 16 x 64 x 4), and without ``ROW_MASK`` no row mask either."""
     quads = q0 + rc
     c_ok = quads < q_end
     ok = n_ok[:, None] & c_ok[None, :]
-    if ROW_MASK:
-        w_ok = n_ok[:, None] & (4 * q0 + rw < 4 * q_end)[None, :]
-    else:
+    at = w_rows + 4 * q0 + rw[None, :]
+    scale_at = s_ptr + rn[:, None] * k_blocks + (quads * 4 // WPG)[None, :]
+    if MASK_K:
         w_ok = (4 * q0 + rw < 4 * q_end)[None, :]
-    words = tl.reshape(tl.load(w_rows + 4 * q0 + rw[None, :], mask=w_ok, other=0), (BLOCK_N, BLOCK_C, 4))
-    s = tl.load(s_ptr + rn[:, None] * k_blocks + (quads * 4 // WPG)[None, :], mask=ok, other=0.0).to(tl.float32)
-    return words, s, quads, c_ok, ok
+        if ROW_MASK:
+            w_ok = n_ok[:, None] & w_ok
+        flat = tl.load(at, mask=w_ok, other=0)
+        s = tl.load(scale_at, mask=ok, other=0.0)
+    elif ROW_MASK:
+        flat = tl.load(at, mask=n_ok[:, None], other=0)
+        s = tl.load(scale_at, mask=n_ok[:, None], other=0.0)
+    else:
+        flat = tl.load(at)
+        s = tl.load(scale_at)
+    return tl.reshape(flat, (BLOCK_N, BLOCK_C, 4)), s.to(tl.float32), quads, c_ok, ok
 
 
 @triton.jit
@@ -184,7 +199,13 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
         acc += idot_step(words, s, xq_row, xs_row, xsum_row, q_begin, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
                          WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM)
         q_loop = q_begin + BLOCK_C
-    for q0 in range(q_loop, q_end, BLOCK_C):
+    whole_end = q_loop + tl.maximum(q_end - q_loop, 0) // BLOCK_C * BLOCK_C
+    for q0 in range(q_loop, whole_end, BLOCK_C):  # whole steps: no K masks
+        words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N,
+                                              BLOCK_C, ROW_MASK, False)
+        acc += idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
+                         WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM, False)
+    for q0 in range(whole_end, q_end, BLOCK_C):  # the slice's last, partial step
         words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N,
                                               BLOCK_C, ROW_MASK)
         acc += idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
