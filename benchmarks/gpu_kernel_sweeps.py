@@ -114,15 +114,17 @@ IDOT_TILES = [(16, 64, 4, 528), (16, 32, 2, 528), (16, 32, 2, 1056), (32, 32, 4,
               (64, 32, 4, 528), (32, 16, 2, 528), (16, 128, 4, 528), (32, 32, 2, 528), (32, 64, 8, 528)]
 
 
-def idot() -> list[dict[str, Any]]:
+def idot(shapes: list[str] | None = None) -> list[dict[str, Any]]:
     """The integer-dot GEMV's tiles per shape (rounding launch included; it alone as ``rounding_us``) against the
-    tuner's pick, the best "quad" tiles of earlier sweeps and bf16 cuBLAS, g128, one row."""
+    tuner's pick, the best "quad" tiles of earlier sweeps and bf16 cuBLAS, g128, one row (``shapes``: keys of SHAPES,
+    all by default; a shape of its own, ``down``, also times the tiles at 1056 and 2112 programs)."""
     from mmsdk.kernels.gemv_idot import quantize_row_activations
     from mmsdk.kernels.w4a16 import w4a16_gemv
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name in shapes or SHAPES:
+        n, k = SHAPES[name]
         p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -133,8 +135,11 @@ def idot() -> list[dict[str, Any]]:
             "tuned_us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
             "rounding_us": gtime(lambda: quantize_row_activations(x, k // 8))}
         measured = []
+        tiles = IDOT_TILES
+        if shapes:
+            tiles = tiles + [(bn, bc, w, t) for bn, bc, w, _ in IDOT_TILES[:4] for t in (1056, 2112)]
         for cfg in [(8, 128, 4, 1, "quad", 528), (8, 64, 2, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)] + [
-                (bn, bc, w, 1, "idot", t) for bn, bc, w, t in IDOT_TILES]:
+                (bn, bc, w, 1, "idot", t) for bn, bc, w, t in tiles]:
             try:
                 out = w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg)
                 t = gtime(cold(lambda q, s, c=cfg: w4a16_gemv(x, q, s, None, 128, config=c), p.qweight, p.scales))
@@ -748,13 +753,17 @@ def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
+    parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the idot section (all by "
+                        "default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
                         "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot")
     args = parser.parse_args()
-    results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections}
+    results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
+                               + (f" --shapes {args.shapes}" if args.shapes else "")}
     sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "step_folds": step_folds,
                 "step_left_norm": step_left_norm,
-                "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha, "idot": idot}
+                "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha,
+                "idot": lambda: idot([s for s in args.shapes.split(",") if s] or None)}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

@@ -329,8 +329,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
         return
     if kind == "idot":
+        step_groups = max(1, block_g * 32 // group)  # slices of whole steps (BLOCK_G quads), not of BLOCK_G groups
         launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
-                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual)
+                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, step_groups, target_programs, splits),
+                    residual)
         return
     import triton
 
