@@ -137,7 +137,8 @@ def idot(shapes: list[str] | None = None) -> list[dict[str, Any]]:
         measured = []
         tiles = IDOT_TILES
         if shapes:
-            tiles = tiles + [(bn, bc, w, t) for bn, bc, w, _ in IDOT_TILES[:4] for t in (1056, 2112)]
+            tiles = tiles + [(bn, bc, w, t) for bn, bc, w, t0 in IDOT_TILES[:4] for t in (1056, 2112)
+                             if (bn, bc, w, t) not in IDOT_TILES]
         for cfg in [(8, 128, 4, 1, "quad", 528), (8, 64, 2, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)] + [
                 (bn, bc, w, 1, "idot", t) for bn, bc, w, t in tiles]:
             try:

@@ -238,8 +238,9 @@ def gemv_splits(n: int, k_blocks: int, block_n: int, block_g: int, target: int =
 def k_slices(rows: int, k_blocks: int, block_n: int, block_g: int, target: int, splits: int | None) -> tuple[int, int]:
     """(groups per K slice, number of slices) for ``rows`` output rows in ``block_n`` blocks (``splits`` wins if given).
 
-    Slices are whole multiples of ``block_g`` groups (for the quad kinds, whose ``block_g`` counts quads, this is
-    coarser than a step; kept so, as measured on the H200).
+    Slices are whole multiples of ``block_g`` groups (for the quad kinds and "idot", whose ``block_g`` counts quads,
+    this is coarser than a step; kept so, as measured on the H200: "idot" sliced in whole steps instead ran the
+    4096 x 4096 weight 1.0-1.6 µs slower and the 4096 x 11008 one no faster, h200_kernel_sweeps_idot_slices.json).
     """
     wanted = splits or gemv_splits(rows, k_blocks, block_n, block_g, target)
     per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
@@ -329,10 +330,8 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
         return
     if kind == "idot":
-        step_groups = max(1, block_g * 32 // group)  # slices of whole steps (BLOCK_G quads), not of BLOCK_G groups
         launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
-                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, step_groups, target_programs, splits),
-                    residual)
+                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual)
         return
     import triton
 
