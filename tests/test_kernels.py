@@ -149,6 +149,33 @@ def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
         assert _rel(out, x.double() @ weight.T) < 2e-4, splits
 
 
+@pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs an NVIDIA GPU and Triton")
+def test_integer_dot_gemv_replays_in_a_cuda_graph():
+    """Kind "idot" captured in a CUDA graph (on sm_90+ with PDL: the GEMV loads its first weights before it waits for
+    the rounding kernel, which waits for the kernel before it): two GEMVs in a row, the second reading the first's
+    output, replay to the eager results bitwise, with fresh inputs each time."""
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+
+    first = quantize_int4(torch.randn(512, 1024, device="cuda"), 128, scale_dtype=torch.bfloat16)
+    second = quantize_int4(torch.randn(1024, 512, device="cuda"), 128, scale_dtype=torch.bfloat16)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    config = (16, 16, 2, 1, "idot")  # 2 steps of 16 quads per row of the first weight, 1 of the second
+
+    def chain() -> torch.Tensor:
+        h = w4a16_gemv(x, first.qweight, first.scales, None, 128, config=config)
+        return w4a16_gemv(h, second.qweight, second.scales, None, 128, config=config)
+
+    chain()  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        expected = chain()
+        graph.replay()
+        assert torch.equal(replayed, expected)
+
+
 def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
     """``residual + x @ W.T`` in the GEMV's last store (direct) or its K slices' sum: bitwise torch's two steps."""
     from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
