@@ -124,7 +124,7 @@ def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
     """Kind "idot": the product equals the fp32 product with the activations rounded as documented (16-bit integers,
     one scale per 32 channels) and stays within the rounding's reach of the exact product, outlier channels too."""
     from mmsdk.kernels.gemv_idot import launch_idot
-    from mmsdk.kernels.w4a16 import k_slices
+    from mmsdk.kernels.w4a16 import k_slices, w4a16_gemv
 
     device, dtype, _ = target
     n, k = 40, 296  # K not a multiple of the group: the packed weight's last group is padded
@@ -147,6 +147,9 @@ def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
         # the rounding, <= 1.5e-5 of a quad's largest activation per channel: ~5e-5 of the product with these
         # outliers (bf16's own rounding of the output: ~2e-3)
         assert _rel(out, x.double() @ weight.T) < 2e-4, splits
+    small = quantize_int4(torch.randn(8, 64, device=device), 16, scale_dtype=dtype)
+    with pytest.raises(ValueError, match="group size 16 < 32; use kind 'fma'"):
+        w4a16_gemv(x[:, :64].contiguous(), small.qweight, small.scales, None, 16, config=(16, 1, 4, 1, "idot"))
 
 
 @pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs an NVIDIA GPU and Triton")

@@ -23,7 +23,9 @@ packed bytes converted to bf16/fp16 in the tensor cores' operand layout, one lop
 
 For one row the GEMV candidates are mostly the quad kernel (``gemv_quad`` in _gemv_quad_triton.py:
 16-byte weight and activation loads, and a nibble masked in place and read as an fp32 bit pattern is
-an exact subnormal, so each nibble costs one AND and one FMA). A gated MLP's gate and up projections
+an exact subnormal, so each nibble costs one AND and one FMA) and its integer-dot twin (kind "idot",
+mmsdk.kernels.gemv_idot: the activation row rounded to 16-bit integers per 32 channels by a small kernel, then four
+``dp2a`` per word of 8 codes). A gated MLP's gate and up projections
 run together with ``silu(gate) * up`` applied in the same launch (mmsdk.kernels.w4a16_gated).
 
 Inside a captured CUDA graph on sm_90+ the batch-1 GEMVs use programmatic dependent launch: each program loads its
