@@ -79,7 +79,6 @@ def tiles() -> list[dict[str, Any]]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         expected = x.float() @ dequantize_int4(p, torch.float32).T
-        packed_bytes = p.qweight.numel() + p.scales.numel() * 2
         out = w4a16_gemv(x, p.qweight, p.scales, None, 128)
         row: dict[str, Any] = {
             "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
@@ -87,15 +86,7 @@ def tiles() -> list[dict[str, Any]]:
                       "rel_err": rel(out, expected),
                       "cfg": tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False,
                                                   False))}}
-        measured = []
-        for cfg in TILES:
-            try:
-                out = w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg)
-                t = gtime(cold(lambda q, s, c=cfg: w4a16_gemv(x, q, s, None, 128, config=c), p.qweight, p.scales))
-            except Exception as error:
-                measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:120]}"})
-                continue
-            measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected), "TBps": packed_bytes / t / 1e6})
+        measured = _timed_gemv_configs(TILES, x, p, expected)
         row["tiles"] = measured
         good = [t for t in measured if "us" in t]
         row["best_tile"] = min(good, key=lambda t: t["us"]) if good else None
@@ -103,6 +94,25 @@ def tiles() -> list[dict[str, Any]]:
         rows.append(row)
     rows.append(_gated_rows())
     return rows
+
+
+def _timed_gemv_configs(configs: list[Any], x: torch.Tensor, packed: Any, expected: torch.Tensor) -> list[Any]:
+    """Each one-row GEMV config on ``packed`` (g128): time (weights from HBM), error against ``expected``, packed
+    bytes per second; a config that fails is recorded with its error."""
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+
+    packed_bytes = packed.qweight.numel() + packed.scales.numel() * 2
+    measured: list[Any] = []
+    for cfg in configs:
+        try:
+            out = w4a16_gemv(x, packed.qweight, packed.scales, None, 128, config=cfg)
+            t = gtime(cold(lambda q, s, c=cfg: w4a16_gemv(x, q, s, None, 128, config=c), packed.qweight,
+                           packed.scales))
+        except Exception as error:
+            measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:160]}"})
+            continue
+        measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected), "TBps": packed_bytes / t / 1e6})
+    return measured
 
 
 # (BLOCK_N, quads, warps, target programs) of the integer-dot GEMV (kind "idot"): offline sm_90 builds with PDL
@@ -117,7 +127,7 @@ IDOT_TILES = [(16, 64, 4, 528), (16, 32, 2, 528), (16, 32, 2, 1056), (32, 32, 4,
 def idot(shapes: list[str] | None = None) -> list[dict[str, Any]]:
     """The integer-dot GEMV's tiles per shape (rounding launch included; it alone as ``rounding_us``) against the
     tuner's pick, the best "quad" tiles of earlier sweeps and bf16 cuBLAS, g128, one row (``shapes``: keys of SHAPES,
-    all by default; a shape of its own, ``down``, also times the tiles at 1056 and 2112 programs)."""
+    all by default; when given, the first four tiles are also timed at 1056 and 2112 programs)."""
     from mmsdk.kernels.gemv_idot import quantize_row_activations
     from mmsdk.kernels.w4a16 import w4a16_gemv
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
@@ -129,26 +139,20 @@ def idot(shapes: list[str] | None = None) -> list[dict[str, Any]]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         expected = x.float() @ dequantize_int4(p, torch.float32).T
-        packed_bytes = p.qweight.numel() + p.scales.numel() * 2
         row: dict[str, Any] = {
             "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
             "tuned_us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
             "rounding_us": gtime(lambda: quantize_row_activations(x, k // 8))}
-        measured = []
         tiles = IDOT_TILES
         if shapes:
-            tiles = tiles + [(bn, bc, w, t) for bn, bc, w, t0 in IDOT_TILES[:4] for t in (1056, 2112)
+            tiles = tiles + [(bn, bc, w, t) for bn, bc, w, _ in IDOT_TILES[:4] for t in (1056, 2112)
                              if (bn, bc, w, t) not in IDOT_TILES]
-        for cfg in [(8, 128, 4, 1, "quad", 528), (8, 64, 2, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)] + [
-                (bn, bc, w, 1, "idot", t) for bn, bc, w, t in tiles]:
-            try:
-                out = w4a16_gemv(x, p.qweight, p.scales, None, 128, config=cfg)
-                t = gtime(cold(lambda q, s, c=cfg: w4a16_gemv(x, q, s, None, 128, config=c), p.qweight, p.scales))
-            except Exception as error:
-                measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:160]}"})
-                continue
-            measured.append({"cfg": cfg, "us": t, "rel_err": rel(out, expected), "TBps": packed_bytes / t / 1e6,
-                             "vs_bf16": row["bf16_us"] / t})
+        configs = [(8, 128, 4, 1, "quad", 528), (8, 64, 2, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)] + [
+            (bn, bc, w, 1, "idot", t) for bn, bc, w, t in tiles]
+        measured = _timed_gemv_configs(configs, x, p, expected)
+        for tile in measured:
+            if "us" in tile:
+                tile["vs_bf16"] = row["bf16_us"] / tile["us"]
         row["tiles"] = measured
         good = [t for t in measured if "us" in t]
         row["best"] = sorted(good, key=lambda t: t["us"])[:4]

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_quad_triton import by_nibble, pick
-from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, signed_half
+from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_dots
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitude, as an integer
@@ -81,16 +81,7 @@ def word_dot_add(w, p0, p1, p2, p3, acc, ASM: tl.constexpr):
         return tl.inline_asm_elementwise(WORD_DOT_ADD, "=r,r,r,r,r,r,r",
                                          [acc, w, p0[None, :], p1[None, :], p2[None, :], p3[None, :]],
                                          dtype=tl.int32, is_pure=True, pack=1)
-    u = w.to(tl.uint32, bitcast=True)
-    dot = (u & 0xF).to(tl.int32) * signed_half(p0, False)[None, :]
-    dot += ((u >> 4) & 0xF).to(tl.int32) * signed_half(p2, False)[None, :]
-    dot += ((u >> 8) & 0xF).to(tl.int32) * signed_half(p0, True)[None, :]
-    dot += ((u >> 12) & 0xF).to(tl.int32) * signed_half(p2, True)[None, :]
-    dot += ((u >> 16) & 0xF).to(tl.int32) * signed_half(p1, False)[None, :]
-    dot += ((u >> 20) & 0xF).to(tl.int32) * signed_half(p3, False)[None, :]
-    dot += ((u >> 24) & 0xF).to(tl.int32) * signed_half(p1, True)[None, :]
-    dot += (u >> 28).to(tl.int32) * signed_half(p3, True)[None, :]
-    return acc + 16 * dot
+    return acc + word_dots(w, p0, p1, p2, p3, False)  # the same pair order as the KV kernel's query
 
 
 @triton.jit
