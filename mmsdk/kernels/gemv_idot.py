@@ -7,6 +7,7 @@ A config is ``(BLOCK_N, quads per step, warps, 1, "idot"[, target programs])``, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,12 +20,14 @@ __all__ = ["IntegerActivations", "launch_idot", "quantize_row_activations"]
 QUANTIZE_BLOCK = 64  # quads per program of the rounding kernel (2048 channels)
 
 
+@dataclass(frozen=True)
 class IntegerActivations:
     """Activations rounded for :func:`launch_idot`: int16 pairs ``[M, 4 KW]`` (int32), each quad's scale and integer
     sum ``[M, KW / 4]``."""
 
-    def __init__(self, pairs: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor) -> None:
-        self.pairs, self.scales, self.sums = pairs, scales, sums
+    pairs: torch.Tensor
+    scales: torch.Tensor
+    sums: torch.Tensor
 
 
 def quantize_row_activations(x: torch.Tensor, words: int) -> IntegerActivations:
@@ -36,7 +39,7 @@ def quantize_row_activations(x: torch.Tensor, words: int) -> IntegerActivations:
 
     if words % 4:
         raise ValueError(f"an integer-dot GEMV reads quads of 4 words: {words} words per row is not a multiple of 4; "
-                         "use a group size of at least 32 or kind 'quad'.")
+                         "use a group size of at least 32 or kind 'fma'.")
     m, k_in = x.shape
     n_quads = words // 4
     rounded = IntegerActivations(torch.empty(m, 4 * words, device=x.device, dtype=torch.int32),
