@@ -30,6 +30,7 @@ ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitu
 # pairs of int16 (``$3`` = channels 0 and 2, ``$4`` = 4 and 6, ``$5`` = 1 and 3, ``$6`` = 5 and 7; low half first). The
 # even nibbles are shifted up into the high half of their bytes, so every byte reads as 16 x code: the sum grows by
 # 16 * sum_j x_j c_j. dp2a.lo multiplies the pair with bytes 0 and 1 of its second operand, dp2a.hi with bytes 2 and 3.
+# (The KV kernel's WORD_DOT in mmsdk/kernels/_kv_intdot_triton.py is the same without a sum to add to.)
 _WORD_DOT_ADD = """{
 .reg .b32 e, o;
 shl.b32 e, $2, 4;

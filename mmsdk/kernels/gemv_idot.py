@@ -55,7 +55,7 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: tuple[Any, ...], per_split: int,
                 n_splits: int, residual: torch.Tensor | None = None) -> None:
     """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
-    groups (mmsdk.kernels.w4a16.k_slices); more than one slice goes through fp32 partials and
+    groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials and
     :func:`finish_splits`."""
     import triton
 

@@ -48,7 +48,7 @@ import torch
 from mmsdk.kernels import interpreting, note_fallback, pdl_preload_ready, pdl_ready, triton_ready
 from mmsdk.kernels.gemv_idot import launch_idot
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
-from mmsdk.kernels.split_k import finish_splits
+from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, gemv_splits, k_slices
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight",
@@ -58,7 +58,6 @@ __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvCo
 
 FUSED_MAX_M = 64
 GEMV_MAX_M = 16
-TARGET_PROGRAMS = 1056  # about eight per multiprocessor on an H100/H200
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of
 # 4 words; one row per program; group sizes >= 32), "quadp" (the same, prefetching the next step's weights), "idot"
@@ -221,32 +220,9 @@ def check_columns(k_in: int, packed_k: int) -> None:
                          "the layer's in_features columns.")
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def gemv_ready(qweight: torch.Tensor) -> bool:
     """True when the packed bytes can be read as int32 words in place (contiguous, 4-byte aligned)."""
     return qweight.is_contiguous() and qweight.data_ptr() % 4 == 0 and qweight.shape[-1] % 4 == 0
-
-
-def gemv_splits(n: int, k_blocks: int, block_n: int, block_g: int, target: int = TARGET_PROGRAMS) -> int:
-    """How many K slices give about ``target`` programs (whole ``block_g`` steps per slice)."""
-    n_blocks = -(-n // block_n)
-    steps = -(-k_blocks // block_g)
-    return max(1, min(steps, -(-target // n_blocks)))
-
-
-def k_slices(rows: int, k_blocks: int, block_n: int, block_g: int, target: int, splits: int | None) -> tuple[int, int]:
-    """(groups per K slice, number of slices) for ``rows`` output rows in ``block_n`` blocks (``splits`` wins if given).
-
-    Slices are whole multiples of ``block_g`` groups (for the quad kinds and "idot", whose ``block_g`` counts quads,
-    this is coarser than a step; kept so, as measured on the H200: "idot" sliced in whole steps instead ran the
-    4096 x 4096 weight 1.0-1.6 µs slower and the 4096 x 11008 one no faster, h200_kernel_sweeps_idot_slices.json).
-    """
-    wanted = splits or gemv_splits(rows, k_blocks, block_n, block_g, target)
-    per_split = _ceil(_ceil(k_blocks, wanted), block_g) * block_g
-    return per_split, _ceil(k_blocks, per_split)
 
 
 def w4a16_gemv(
