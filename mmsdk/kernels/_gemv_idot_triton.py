@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_quad_triton import by_nibble, pick
-from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_dots
+from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_dot_ptx, word_dots
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitude, as an integer
@@ -30,17 +30,8 @@ ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitu
 # pairs of int16 (``$3`` = channels 0 and 2, ``$4`` = 4 and 6, ``$5`` = 1 and 3, ``$6`` = 5 and 7; low half first). The
 # even nibbles are shifted up into the high half of their bytes, so every byte reads as 16 x code: the sum grows by
 # 16 * sum_j x_j c_j. dp2a.lo multiplies the pair with bytes 0 and 1 of its second operand, dp2a.hi with bytes 2 and 3.
-# (The KV kernel's WORD_DOT in mmsdk/kernels/_kv_intdot_triton.py is the same without a sum to add to.)
-_WORD_DOT_ADD = """{
-.reg .b32 e, o;
-shl.b32 e, $2, 4;
-and.b32 e, e, 0xF0F0F0F0;
-and.b32 o, $2, 0xF0F0F0F0;
-dp2a.lo.s32.u32 $0, $3, e, $1;
-dp2a.hi.s32.u32 $0, $4, e, $0;
-dp2a.lo.s32.u32 $0, $5, o, $0;
-dp2a.hi.s32.u32 $0, $6, o, $0;
-}"""
+# (The KV kernel's WORD_DOT, from the same template in mmsdk/kernels/_kv_intdot_triton.py, starts from 0.)
+_WORD_DOT_ADD = word_dot_ptx(True)
 WORD_DOT_ADD = tl.constexpr(_WORD_DOT_ADD)
 
 

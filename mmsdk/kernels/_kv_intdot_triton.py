@@ -25,16 +25,17 @@ QUERY_LEVELS = tl.constexpr(32767.0)  # the query's largest magnitude, as an int
 # int16 (``$2`` = channels 0 and 2, ``$3`` = 4 and 6, ``$4`` = 1 and 3, ``$5`` = 5 and 7; low half first). The even
 # nibbles are shifted up into the high half of their bytes, so both halves read as 16 x code: the result is
 # 16 * sum_j q_j c_j. dp2a.lo multiplies the pair with bytes 0 and 1 of its second operand, dp2a.hi with bytes 2 and 3.
-_WORD_DOT = """{
-.reg .b32 e, o;
-shl.b32 e, $1, 4;
-and.b32 e, e, 0xF0F0F0F0;
-and.b32 o, $1, 0xF0F0F0F0;
-dp2a.lo.s32.u32 $0, $2, e, 0;
-dp2a.hi.s32.u32 $0, $3, e, $0;
-dp2a.lo.s32.u32 $0, $4, o, $0;
-dp2a.hi.s32.u32 $0, $5, o, $0;
-}"""
+def word_dot_ptx(accumulate: bool) -> str:
+    """The PTX of one word's dot; with ``accumulate`` its sum starts from ``$1`` and the operands shift up by one
+    (the batch-1 W4A16 GEMV's use, mmsdk/kernels/_gemv_idot_triton.py), otherwise from 0."""
+    word, p0, p1, p2, p3 = ("$2", "$3", "$4", "$5", "$6") if accumulate else ("$1", "$2", "$3", "$4", "$5")
+    start = "$1" if accumulate else "0"
+    return (f"{{\n.reg .b32 e, o;\nshl.b32 e, {word}, 4;\nand.b32 e, e, 0xF0F0F0F0;\nand.b32 o, {word}, 0xF0F0F0F0;\n"
+            f"dp2a.lo.s32.u32 $0, {p0}, e, {start};\ndp2a.hi.s32.u32 $0, {p1}, e, $0;\n"
+            f"dp2a.lo.s32.u32 $0, {p2}, o, $0;\ndp2a.hi.s32.u32 $0, {p3}, o, $0;\n}}")
+
+
+_WORD_DOT = word_dot_ptx(False)
 WORD_DOT = tl.constexpr(_WORD_DOT)
 
 
