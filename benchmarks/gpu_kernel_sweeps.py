@@ -28,6 +28,8 @@
   only reads the codes (``read_floor``: the floor under any decode kernel in this harness).
 * ``idot``: the integer-dot GEMV's tiles (kind "idot", the rounding launch included) against the "quad" tiles, the
   tuner's pick and bf16 cuBLAS at batch 1, g128.
+* ``gated``: the decode step's gated MLP GEMV (LLaVA-1.5-7B g32, Qwen2-VL-7B g128, reading the post-attention norm's
+  statistics): the step's config and every "gated" and "idot" tile of mmsdk.kernels.w4a16_gated, against bf16.
 * ``mha``: the same as ``gqa`` for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
   program instead of a second, combine kernel measured slower for every configuration, MHA and GQA, at
   1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
@@ -598,6 +600,58 @@ def _gated_rows() -> dict[str, Any]:
     return {"gated": out}
 
 
+def gated() -> list[dict[str, Any]]:
+    """The decode step's gated MLP GEMV (gate and up of one row, ``silu(gate) * up`` stored directly) as the step runs
+    it, LLaVA-1.5-7B with groups of 32 and Qwen2-VL-7B with groups of 128, both reading the post-attention norm's
+    statistics: the step's "gated" config, every "gated" tile and every "idot" tile (activations rounded by a launch
+    of their own, included), against bf16 cuBLAS on the two weights stacked (plus SiLU and the product)."""
+    from mmsdk.kernels.norm_fold import NormStatistics
+    from mmsdk.kernels.step_configs import _measured
+    from mmsdk.kernels.w4a16_gated import _GATED_TILES, _IDOT_GATED_TILES, w4a16_gated_silu
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    step_table = _measured()["NVIDIA H200"]
+    rows = []
+    for label, n, k, group in (("llava 11008x4096 g32", 11008, 4096, 32), ("qwen2-vl 18944x3584 g128", 18944, 3584,
+                                                                           128)):
+        gate, up = (quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+                    for _ in range(2))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        squares = (x.float().pow(2).sum(1, keepdim=True) / 4).expand(1, 4).contiguous()  # 4 parts, as o_proj leaves
+        statistics = NormStatistics(x, squares, 1e-6)
+        h = x.float() * torch.rsqrt(squares.sum(1, keepdim=True) / k + 1e-6)
+        expected = torch.nn.functional.silu(h @ dequantize_int4(gate, torch.float32).T) * (
+            h @ dequantize_int4(up, torch.float32).T)
+        stacked = torch.cat([dequantize_int4(w, torch.bfloat16) for w in (gate, up)])
+
+        def dense(w: torch.Tensor) -> torch.Tensor:
+            both = torch.nn.functional.linear(x, w)
+            return torch.nn.functional.silu(both[:, :n]) * both[:, n:]
+
+        row: dict[str, Any] = {"shape": label, "bf16_us": gtime(cold(dense, stacked))}
+        del stacked
+        step_cfg = step_table[("gated", n, k // group, group, torch.bfloat16, False, False)]
+        configs = [step_cfg] + [(*t, 1, "gated", 528) for t in _GATED_TILES[group] if (*t, 1, "gated", 528) != step_cfg]
+        configs += [(*t, 1, "idot", target) for t in _IDOT_GATED_TILES for target in (528, 1056)]
+        measured = []
+        for cfg in configs:
+            try:
+                got = w4a16_gated_silu(x, (gate.qweight, gate.scales, None), (up.qweight, up.scales, None), k, group,
+                                       config=cfg, statistics=statistics)
+                t = gtime(cold(lambda gq, gs, uq, us, c=cfg: w4a16_gated_silu(
+                    x, (gq, gs, None), (uq, us, None), k, group, config=c, statistics=statistics),
+                    gate.qweight, gate.scales, up.qweight, up.scales))
+            except Exception as error:
+                measured.append({"cfg": cfg, "error": f"{type(error).__name__}: {str(error)[:160]}"})
+                continue
+            measured.append({"cfg": cfg, "us": t, "vs_bf16": row["bf16_us"] / t, "rel_err": rel(got, expected)})
+        row["step_config"] = step_cfg
+        row["configs"] = measured
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def pdl() -> list[dict[str, Any]]:
     """The tuned batch-1 GEMVs with programmatic dependent launch on and off (``MMSDK_PDL``), same configuration.
 
@@ -761,14 +815,14 @@ def main() -> None:
     parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the idot section (all by "
                         "default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot")
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot, gated")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
                                + (f" --shapes {args.shapes}" if args.shapes else "")}
     sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "step_folds": step_folds,
                 "step_left_norm": step_left_norm,
                 "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha,
-                "idot": lambda: idot([s for s in args.shapes.split(",") if s] or None)}
+                "idot": lambda: idot([s for s in args.shapes.split(",") if s] or None), "gated": gated}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

@@ -11,10 +11,11 @@ launches it with split K (fp32 partials); ``gemv_quad_gated`` (a gated MLP's gat
 slice, storing ``silu(gate) * up``. ``gemv_mma`` (the tensor-core kind) is built per group size, activation rows
 (the accumulator's columns) and candidate tile of ``mmsdk.kernels.w4a16._MMA_CANDIDATES``. ``gemv_idot`` (kind "idot":
 integer dot products against activations rounded to 16-bit integers) is built per tile of ``IDOT_TILES`` with PDL, as
-a captured decode step launches it. ``--norm`` builds the quad
+a captured decode step launches it; ``gemv_idot_gated`` (its gated-MLP twin) per tile of ``IDOT_GATED_TILES``, one K
+slice, scaled by a norm's statistics. ``--norm`` builds the quad
 kernels with an RMSNorm folded in (``NORM``: the GEMV reads the norm's input, mmsdk/kernels/norm_fold.py).
 
-    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma,idot] [--norm]
+    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma,idot,idot_gated] [--norm]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (8, 128, 2), (16, 64, 2), (8, 64, 2), (4, 64, 1),
          (8, 32, 1), (4, 128, 1), (8, 64, 1), (2, 128, 1)]  # (rows, quads of 4 words, warps)
 IDOT_TILES = [(8, 128, 4), (16, 64, 4), (16, 32, 2), (32, 32, 4), (16, 128, 4), (32, 32, 2)]
+IDOT_GATED_TILES = [(16, 32, 4), (8, 64, 4), (8, 32, 2), (32, 32, 8), (8, 64, 2)]
 GATED_TILES = [(8, 64, 2), (8, 128, 4), (16, 64, 2), (4, 64, 1), (4, 128, 1), (8, 32, 1)]
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32",
             "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16", "f_ptr": "*bf16", "eps": "fp32"}
@@ -43,7 +45,9 @@ def build(rows: int, quads: int, warps: int, gated: bool = False, norm: bool = F
     constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=gated, BLOCK_N=rows, BLOCK_C=quads, PDL=False,
                                         ROW_MASK=False,  # the 7B shapes' rows are whole multiples of every tile's
                                         NORM=norm, NORM_BLOCK=min(4096, 1024 * warps), WHOLE_ROW=norm)
-    if not gated:
+    if gated:
+        constants.update(ROW_SCALE=False, PARTS=1)
+    else:
         constants.update(HAS_BIAS=False, PAIRED=False, PREFETCH=False)
     pointers = {**POINTERS, "out_ptr": "*bf16"} if gated else POINTERS
     words = rows * quads * 4 * (2 if gated else 1) / (32 * warps)  # weight words per thread and step
@@ -51,15 +55,24 @@ def build(rows: int, quads: int, warps: int, gated: bool = False, norm: bool = F
             **_compiled(kernel, constants, pointers, {"num_warps": warps}, words)}
 
 
-def build_idot(rows: int, quads: int, warps: int) -> dict[str, object]:
-    """One g128 tile of the integer-dot GEMV without zero points, bf16 scales and output, one K slice, PDL on."""
+def build_idot(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, object]:
+    """One g128 tile of the integer-dot GEMV without zero points, bf16 scales and output, one K slice, PDL on
+    (``gated``: a gated MLP's gate and up rows in one program, scaled by the post-attention norm's statistics, as the
+    decode step launches it)."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
-    constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, HAS_BIAS=False, DIRECT=True, HAS_RESIDUAL=False,
-                                        BLOCK_N=rows, BLOCK_C=quads, ROW_MASK=False, ASM=True, PDL=True)
-    pointers = {**POINTERS, "xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "out_ptr": "*bf16"}
-    return {"kernel": "gemv_idot", "tile": (rows, quads, warps),
-            **_compiled(kernels.gemv_idot, constants, pointers, {"num_warps": warps}, rows * quads * 4 / (32 * warps))}
+    constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=True, BLOCK_N=rows, BLOCK_C=quads,
+                                        ROW_MASK=False, ASM=True, PDL=True)
+    if gated:
+        constants.update(PARTS=4, ROW_SCALE=True)
+    else:
+        constants.update(HAS_BIAS=False, HAS_RESIDUAL=False)
+    pointers = {**POINTERS, "xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "out_ptr": "*bf16",
+                "sq_ptr": "*fp32"}
+    kernel = kernels.gemv_idot_gated if gated else kernels.gemv_idot
+    words = rows * quads * 4 * (2 if gated else 1) / (32 * warps)  # weight words per thread and step
+    return {"kernel": kernel.__name__, "tile": (rows, quads, warps),
+            **_compiled(kernel, constants, pointers, {"num_warps": warps}, words)}
 
 
 def build_mma(block_n: int, step_k: int, warps: int, block_m: int, group: int, stages: int) -> dict[str, object]:
@@ -133,7 +146,8 @@ def _opcode(line: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernels", default="quad,gated,mma,idot", help="comma-separated: quad, gated, mma, idot")
+    parser.add_argument("--kernels", default="quad,gated,mma,idot,idot_gated",
+                        help="comma-separated: quad, gated, mma, idot, idot_gated")
     parser.add_argument("--norm", action="store_true", help="quad kernels with an RMSNorm folded in")
     args = parser.parse_args()
     chosen = args.kernels.split(",")
@@ -146,6 +160,9 @@ def main() -> None:
     if "idot" in chosen:
         for tile in IDOT_TILES:
             print(build_idot(*tile), flush=True)
+    if "idot_gated" in chosen:
+        for tile in IDOT_GATED_TILES:
+            print(build_idot(*tile, gated=True), flush=True)
     if "mma" in chosen:
         from mmsdk.kernels.w4a16 import _MMA_CANDIDATES
 

@@ -155,18 +155,23 @@ def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
 @pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs an NVIDIA GPU and Triton")
 def test_integer_dot_gemv_replays_in_a_cuda_graph():
     """Kind "idot" captured in a CUDA graph (on sm_90+ with PDL: the GEMV loads its first weights before it waits for
-    the rounding kernel, which waits for the kernel before it): two GEMVs in a row, the second reading the first's
-    output, replay to the eager results bitwise, with fresh inputs each time."""
+    the rounding kernel, which waits for the kernel before it): a GEMV, a gated MLP's paired GEMV reading its output
+    and a GEMV reading that, replay to the eager results bitwise, with fresh inputs each time."""
     from mmsdk.kernels.w4a16 import w4a16_gemv
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
 
     first = quantize_int4(torch.randn(512, 1024, device="cuda"), 128, scale_dtype=torch.bfloat16)
-    second = quantize_int4(torch.randn(1024, 512, device="cuda"), 128, scale_dtype=torch.bfloat16)
+    gate, up = (quantize_int4(torch.randn(256, 512, device="cuda"), 128, scale_dtype=torch.bfloat16)
+                for _ in range(2))
+    second = quantize_int4(torch.randn(1024, 256, device="cuda"), 128, scale_dtype=torch.bfloat16)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    config = (16, 16, 2, 1, "idot")  # 2 steps of 16 quads per row of the first weight, 1 of the second
+    config = (16, 8, 2, 1, "idot")  # 4 steps of 8 quads per row of the first weight, 2 of the gated pair, 1 of the last
 
     def chain() -> torch.Tensor:
         h = w4a16_gemv(x, first.qweight, first.scales, None, 128, config=config)
-        return w4a16_gemv(h, second.qweight, second.scales, None, 128, config=config)
+        g = w4a16_gated_silu(h, (gate.qweight, gate.scales, None), (up.qweight, up.scales, None), 512, 128,
+                             config=config)
+        return w4a16_gemv(g, second.qweight, second.scales, None, 128, config=config)
 
     chain()  # compiled before the capture
     graph = torch.cuda.CUDAGraph()
@@ -251,10 +256,12 @@ def test_w4a16_gemvs_fold_an_rmsnorm_into_their_input(target, symmetric):
     with pytest.raises(ValueError, match="factors must be fp32 or bf16"):
         w4a16_gemv(x[0], packed.qweight, packed.scales, packed.zero_points, group, config=(16, 8, 4, 1, "quad"),
                    norm=InputNorm(weight, eps, quad_factors(weight)[:8]))
-    # the gated MLP's paired GEMV: the "gated" kind with one K slice and with three, and the per-weight "quad" kind
+    # the gated MLP's paired GEMV: the "gated" kind with one K slice and with three, the per-weight "quad" kind, and
+    # the "idot" kind (the norm a launch of its own before the rounding)
     for n, k, group, config, splits in ((40, 512, 64, (16, 4, 4, 1, "gated"), 1),
                                         (33, 296, 32, (8, 2, 2, 1, "gated"), 3),
-                                        (40, 512, 64, (16, 4, 4, 1, "quad"), 2)):
+                                        (40, 512, 64, (16, 4, 4, 1, "quad"), 2),
+                                        (33, 296, 32, (8, 4, 2, 1, "idot"), 1)):
         gate, up = (quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
                     for _ in range(2))
         x = (torch.randn(1, 1, k, device=device) * 3 + 1).to(dtype)
@@ -281,7 +288,8 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_gated_gemv_scales_by(target, s
     eps = 1e-6
     k = 296  # the norm's width: o_proj's N, the gated GEMV's K (padded past it in the packed weights)
     cases = (((8, 4, 2, 1, "quad"), 1, (16, 4, 4, 1, "gated"), 1), ((16, 2, 4, 1, "quad"), 3, (8, 2, 2, 1, "gated"), 3),
-             ((8, 8, 2, 1, "quadp"), 1, (16, 4, 4, 1, "quad"), 2), ((8, 2, 2, 1, "quad"), 2, (16, 2, 4, 1, "quadp"), 1))
+             ((8, 8, 2, 1, "quadp"), 1, (16, 4, 4, 1, "quad"), 2), ((8, 2, 2, 1, "quad"), 2, (16, 2, 4, 1, "quadp"), 1),
+             ((8, 4, 2, 1, "quad"), 1, (16, 4, 4, 1, "idot"), 1), ((16, 2, 4, 1, "quad"), 2, (8, 2, 2, 1, "idot"), 3))
     for case, (o_config, o_splits, gated_config, gated_splits) in enumerate(cases):
         o_proj = quantize_int4(torch.randn(k, 256, device=device), 32, symmetric=symmetric, scale_dtype=dtype)
         attention = torch.randn(1, 256, device=device).to(dtype)
@@ -365,21 +373,26 @@ def test_w4a16_gated_silu_matches_two_matmuls(target, symmetric):
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_w4a16_gated_kind_stores_silu_itself_with_one_k_slice(target, symmetric, monkeypatch):
-    """Kind "gated" (each program both weights' rows): one K slice stores silu(gate) * up with no second kernel;
-    several slices store both partials and finish with the epilogue."""
-    from mmsdk.kernels import w4a16_gated
+    """Kinds "gated" and "idot" (each program both weights' rows): one K slice stores silu(gate) * up with no second
+    kernel; several slices store both partials and finish with the epilogue."""
+    from mmsdk.kernels import gemv_idot, w4a16_gated
 
     device, dtype, tol = target
     epilogues = []
     finish = w4a16_gated.finish_splits
-    monkeypatch.setattr(w4a16_gated, "finish_splits", lambda *a: (epilogues.append(a[3]), finish(*a)))
+    for module in (w4a16_gated, gemv_idot):
+        monkeypatch.setattr(module, "finish_splits", lambda *a: (epilogues.append(a[3]), finish(*a)))
     # (n, k, group, config, K splits, epilogue's slices or None): N odd / not a multiple of BLOCK_N, K padded past
     # in_features (296 of 384 or 320), slices given or derived from the target programs (counted from N rows: 33 rows
     # in 8-row blocks are 5 programs, target 1 -> one slice, target 64 -> two)
+    # kind "idot" the same, its activations rounded by a launch of their own
     for n, k, group, config, splits, sliced in ((40, 512, 64, (16, 4, 4, 1, "gated"), 1, None),
                                                 (33, 296, 128, (8, 2, 2, 1, "gated", 1), None, None),
                                                 (40, 512, 64, (16, 1, 4, 1, "gated"), 3, 3),
-                                                (33, 296, 32, (8, 8, 2, 1, "gated", 64), None, 2)):
+                                                (33, 296, 32, (8, 8, 2, 1, "gated", 64), None, 2),
+                                                (40, 512, 64, (16, 4, 4, 1, "idot"), 1, None),
+                                                (33, 296, 128, (8, 1, 2, 1, "idot"), 3, 3),
+                                                (33, 296, 32, (8, 8, 2, 1, "idot", 64), None, 2)):
         x, parts, expected = _gated_problem(n, k, group, symmetric, device, dtype)
         epilogues.clear()
         out = w4a16_gated.w4a16_gated_silu(x, parts[0], parts[1], k, group, config=config, splits=splits)
@@ -400,7 +413,7 @@ def test_paired_gemv_configs_the_tuner_times_and_bad_ones():
     parts = (gate.qweight, gate.scales, gate.zero_points)
     x, out = torch.randn(1, 64).half(), torch.empty(1, 16).half()
     for bad in ((8, 2, 2, 1, "fma"), (8, 2, 2, 1, "gatd"), (8, 2, 2)):
-        with pytest.raises(ValueError, match="'gated', 'quad', 'quadp'"):
+        with pytest.raises(ValueError, match="'gated', 'idot', 'quad', 'quadp'"):
             _launch_paired(x, parts, parts, out, 32, bad, None)
     with pytest.raises(ValueError, match="kind 'gated' is for the paired gate/up GEMV"):
         w4a16_gemv(x, *parts, 32, config=(8, 2, 2, 1, "gated"))

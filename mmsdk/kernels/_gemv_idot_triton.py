@@ -86,11 +86,10 @@ def by_pair(v):
 
 
 @triton.jit
-def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
-              WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-              ASM: tl.constexpr, MASK_K: tl.constexpr = True):
-    """One step's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) from its words ``[BLOCK_N, BLOCK_C, 4]`` and
-    group scales ``s``, the rounded activations read here (without ``MASK_K`` every quad of the step exists)."""
+def step_activations(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K: tl.constexpr = True):
+    """A step's rounded activations: the packed pairs split by pair position (four ``[BLOCK_C, 4]``), each quad's
+    scale and integer sum (``[BLOCK_C]``); loaded once per step and shared by every weight of the program (without
+    ``MASK_K`` every quad of the step exists)."""
     if MASK_K:
         p0, p1, p2, p3 = by_pair(tl.load(xq_row + 16 * q0 + pair_at, mask=c_ok[:, None, None], other=0))
         xs = tl.load(xs_row + quads, mask=c_ok, other=0.0)
@@ -99,6 +98,14 @@ def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_pt
         p0, p1, p2, p3 = by_pair(tl.load(xq_row + 16 * q0 + pair_at))
         xs = tl.load(xs_row + quads)
         xsum = tl.load(xsum_row + quads)
+    return p0, p1, p2, p3, xs, xsum
+
+
+@triton.jit
+def idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG: tl.constexpr,
+                  HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ASM: tl.constexpr):
+    """One weight's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) for a step, from its words
+    ``[BLOCK_N, BLOCK_C, 4]``, its group scales ``s`` and the step's activations (:func:`step_activations`)."""
     a, b = tl.split(tl.reshape(words, (BLOCK_N, BLOCK_C, 2, 2)))
     w0, w2 = tl.split(a)
     w1, w3 = tl.split(b)
@@ -115,6 +122,17 @@ def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_pt
     else:
         d -= (128 * xsum)[None, :]
     return s * (d.to(tl.float32) * xs[None, :])
+
+
+@triton.jit
+def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
+              WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+              ASM: tl.constexpr, MASK_K: tl.constexpr = True):
+    """One step's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) from its words ``[BLOCK_N, BLOCK_C, 4]`` and
+    group scales ``s``, the rounded activations read here (without ``MASK_K`` every quad of the step exists)."""
+    p0, p1, p2, p3, xs, xsum = step_activations(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K)
+    return idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG, HAS_ZP, BLOCK_N,
+                         BLOCK_C, ASM)
 
 
 @triton.jit

@@ -2,7 +2,9 @@
 integers per quad of 32 channels by one small kernel, then the GEMV on ``dp2a`` (mmsdk/kernels/_gemv_idot_triton.py
 says why and how exact).
 
-A config is ``(BLOCK_N, quads per step, warps, 1, "idot"[, target programs])``, as for the "quad" kinds.
+A config is ``(BLOCK_N, quads per step, warps, 1, "idot"[, target programs])``, as for the "quad" kinds. The same
+configs run a gated MLP's gate and up projections in one GEMV launch (:func:`launch_idot_gated`, kind "idot" of
+mmsdk.kernels.w4a16_gated).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, pdl_preload_ready, pdl_ready
+from mmsdk.kernels.norm_fold import NormStatistics, row_scale_arguments
 from mmsdk.kernels.split_k import finish_splits
 
-__all__ = ["IntegerActivations", "launch_idot", "quantize_row_activations"]
+__all__ = ["IntegerActivations", "launch_idot", "launch_idot_gated", "quantize_row_activations"]
 
 QUANTIZE_BLOCK = 64  # quads per program of the rounding kernel (2048 channels)
 
@@ -61,8 +64,7 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
     from mmsdk.kernels import _w4a16_triton as kernels
 
-    if group < 32:
-        raise ValueError(f"GEMV kind 'idot' reads 4-word quads of one group: group size {group} < 32; use kind 'fma'.")
+    _check_group(group)
     block_n, block_c, warps = cfg[:3]
     m = x.shape[0]
     n, k_blocks, _ = qweight.shape
@@ -80,3 +82,42 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps)
     if not direct:
         finish_splits(target, out, bias, n_splits, False, residual)
+
+
+def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                      up: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], out: torch.Tensor, group: int,
+                      cfg: tuple[Any, ...], per_split: int, n_splits: int,
+                      statistics: NormStatistics | None = None) -> None:
+    """``out = silu(x Wg.T) * (x Wu.T)`` for a gated MLP's packed gate and up weights (qweight, scales, zero points;
+    same shapes): both weights' rows in each program, K cut as :func:`launch_idot` cuts it (more than one slice goes
+    through fp32 partials and :func:`finish_splits`). With ``statistics`` ``x`` is an RMSNorm's input times its weight
+    and both products are scaled by the row's ``1 / rms`` (mmsdk.kernels.norm_fold.NormStatistics)."""
+    import triton
+
+    from mmsdk.kernels import _w4a16_triton as kernels
+
+    _check_group(group)
+    block_n, block_c, warps = cfg[:3]
+    (qweight, scales, zero_points), (qweight2, scales2, zero_points2) = gate, up
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    words = k_blocks * group // 8
+    rounded = quantize_row_activations(x, words)
+    direct = n_splits == 1
+    has_zp = zero_points is not None
+    pdl = pdl_preload_ready(x)  # both weights' first step loads while the rounding kernel runs
+    target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
+    kernels.gemv_idot_gated[(triton.cdiv(n, block_n), n_splits, m)](
+        rounded.pairs, rounded.scales, rounded.sums, qweight.view(torch.int32), scales,
+        zero_points if has_zp else scales, qweight2.view(torch.int32), scales2, zero_points2 if has_zp else scales2,
+        target, m, n, words, per_split * group // 32, zero_points.stride(0) if has_zp else 0, k_in, GROUP=group,
+        HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n, BLOCK_C=block_c, ROW_MASK=n % block_n != 0,
+        ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps, **row_scale_arguments(statistics, k_in))
+    if not direct:  # the partials are scaled already
+        finish_splits(target, out, None, n_splits, True)
+
+
+def _check_group(group: int) -> None:
+    """Kind "idot" reads whole 4-word quads (32 channels) of one group."""
+    if group < 32:
+        raise ValueError(f"GEMV kind 'idot' reads 4-word quads of one group: group size {group} < 32; use kind 'fma'.")

@@ -1,13 +1,20 @@
 """A gated MLP's INT4 gate and up projections for one token: ``silu(x @ Wg.T) * (x @ Wu.T)`` in one launch.
 
-Two kinds of configuration (GEMV configs as in mmsdk.kernels.w4a16, ``(BLOCK_N, BLOCK_C quads, warps, 1,
-KIND[, target programs])``); the tuner times both kinds per shape (key ``("gated", ...)``) and runs the faster:
+Three kinds of configuration (GEMV configs as in mmsdk.kernels.w4a16, ``(BLOCK_N, BLOCK_C quads, warps, 1,
+KIND[, target programs])``); the tuner times every kind per shape (key ``("gated", ...)``) and runs the fastest:
 
 * ``"gated"`` (``gemv_quad_gated``): each program computes the same output rows of both weights (two
   accumulators; a step's activations are loaded and split by nibble once for both weights' words). The
   K slices are counted from N rows, and with one slice (LLaVA-7B and Qwen2-VL-7B MLPs at every gated tile:
   688-2368 row blocks against a 528-program target) the program stores ``silu(gate) * up`` itself: one
   launch, no fp32 partials. Several slices store both partials and :func:`split_gated` finishes.
+* ``"idot"`` (``gemv_idot_gated``, mmsdk.kernels.gemv_idot): the "gated" layout on integer dot products: the
+  activation row rounded to 16-bit integers per 32 channels by a small kernel of its own (PDL-launched; the GEMV
+  loads both weights' first step before waiting for it), then a ``dp2a`` chain per weight and quad. With the
+  statistics o_proj's store left (``statistics``) the rounded row is the norm's input times its weight and both
+  products are scaled by ``1 / rms`` at the end, as in the "gated" kind; a norm to fold (``norm``) is applied by
+  its own launch first. Alone, the single-weight "idot" GEMV ran the 7B gate+up shapes 7-12% faster than the best
+  "quad" tile (docs/benchmarks.md, twentieth pass).
 * ``"quad"`` / ``"quadp"`` (``gemv_quad`` with ``PAIRED``): programs split between the two weights, so each
   holds one product and the launch always ends with the ``split_gated`` epilogue (two launches). Kept as a
   candidate because on paper it may still win where the gated kind is weak: a gated tile holds two word
@@ -29,6 +36,7 @@ from functools import cache
 import torch
 
 from mmsdk.kernels import note_fallback, pdl_preload_ready
+from mmsdk.kernels.gemv_idot import launch_idot_gated
 from mmsdk.kernels.norm_fold import InputNorm, NormStatistics, norm_arguments, row_scale_arguments
 from mmsdk.kernels.w4a16 import (
     QUAD_KINDS,
@@ -48,7 +56,7 @@ from mmsdk.kernels.w4a16 import (
 
 __all__ = ["PAIRED_KINDS", "gated_silu_reason", "w4a16_gated_silu"]
 
-PAIRED_KINDS = ("gated", *QUAD_KINDS)
+PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS)
 # "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 and a one-warp tile, here
 # with twice their weight bytes per thread and step, in the order they measured on the 7B MLPs (H200: 8x64x2 within
 # 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
@@ -64,6 +72,12 @@ PAIRED_KINDS = ("gated", *QUAD_KINDS)
 _GATED_TILES = {32: ((8, 32, 1), (8, 64, 2), (8, 128, 4), (16, 64, 2)),
                 128: ((8, 128, 4), (8, 64, 2), (8, 32, 1), (16, 64, 2))}
 GATED_WITHIN = 0.03
+# Kind "idot" tiles (rows, quads, warps) for both weights: 128 weight bytes per thread and step, 128 registers, no
+# spills in offline sm_90 builds (Triton 3.9, g128, the norm's statistics applied: benchmarks/sm90_gemv_builds.py
+# --kernels idot_gated), 10.1-10.7 SASS instructions per weight word against 22.5-22.6 for the "gated" tiles above;
+# 256 bytes per thread (8 x 64 x 2) take all 255 registers. Listed after the "gated" tiles, so the tuner keeps one only
+# when it times more than GATED_WITHIN faster.
+_IDOT_GATED_TILES = ((16, 32, 4), (8, 64, 4), (8, 32, 2), (32, 32, 8))
 
 
 def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
@@ -125,11 +139,12 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
 @cache
 def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
     """What the tuner times for a paired GEMV: the "gated" tiles first, in the decode step's order for the group size
-    (the first taken untimed under capture or the interpreter), then the one-row "quad" kinds of the plain GEMV
-    (groups >= 32 throughout)."""
+    (the first taken untimed under capture or the interpreter), then the "idot" tiles, then the one-row "quad" kinds
+    of the plain GEMV (groups >= 32 throughout)."""
     per_weight = tuple(c for c in gemv_candidates(1, group) if len(c) > 4 and c[4] in QUAD_KINDS)
     tiles = _GATED_TILES[128 if group >= 128 else 32]  # groups of 64 (not measured in the step) take g32's order
-    return tuple((*tile, 1, "gated", 528) for tile in tiles) + per_weight
+    return (tuple((*tile, 1, "gated", 528) for tile in tiles) + tuple((*tile, 1, "idot", 528)
+                                                                     for tile in _IDOT_GATED_TILES) + per_weight)
 
 
 def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
@@ -140,7 +155,7 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     if len(cfg) < 5 or cfg[4] not in PAIRED_KINDS:
         raise ValueError(f"paired GEMV config {cfg!r}: use (BLOCK_N, BLOCK_C, warps, 1, KIND[, target programs]) "
                          f"with KIND one of {PAIRED_KINDS}.")
-    if cfg[4] != "gated":
+    if cfg[4] in QUAD_KINDS:
         launch_gemv(x, *gate, None, out, group, cfg, splits, second=up, norm=norm, row_scale=statistics)
         return
     import triton
@@ -152,6 +167,10 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     # one program covers rows rn of both weights: slices are counted from N rows, not the 2N of the quad kinds
     per_split, n_splits = k_slices(n, k_blocks, block_n, block_c, cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS,
                                    splits)
+    if cfg[4] == "idot":  # a norm to fold is applied by its own launch first (the rounding kernel reads x once)
+        launch_idot_gated(x if norm is None else norm.normalize(x), gate, up, out, group, cfg, per_split, n_splits,
+                          statistics)
+        return
     direct = n_splits == 1
     target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
     has_zp = zero_points is not None
