@@ -199,15 +199,17 @@ def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     return {_tuner_key(_SHAPE_KEYS[model][projection]): cfg for projection, cfg in pins.items()}
 
 
-def search_candidates(shape: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
-    """What ``--search`` tries for one step GEMV: the one-row tuner's "quad" candidates, or the gated MLP's "gated"
-    and "idot" tiles."""
+def search_candidates(shape: tuple[Any, ...], kinds: tuple[str, ...] | None = None) -> tuple[tuple[Any, ...], ...]:
+    """What ``--search`` tries for one step GEMV: the one-row tuner's "quad" and "idot" candidates, or the gated MLP's
+    "gated" and "idot" tiles (``kinds``: only those kinds)."""
     from mmsdk.kernels.w4a16 import QUAD_KINDS, gemv_candidates
     from mmsdk.kernels.w4a16_gated import _paired_candidates
 
     if shape[0] == "gemv":
-        return tuple(c for c in gemv_candidates(1, shape[4]) if len(c) > 4 and c[4] in QUAD_KINDS)
-    return tuple(c for c in _paired_candidates(shape[3]) if c[4] in ("gated", "idot"))
+        found = tuple(c for c in gemv_candidates(1, shape[4]) if len(c) > 4 and c[4] in (*QUAD_KINDS, "idot"))
+    else:
+        found = tuple(c for c in _paired_candidates(shape[3]) if c[4] in ("gated", "idot"))
+    return tuple(c for c in found if kinds is None or c[4] in kinds)
 
 
 def step_ms_recaptured(model: Any, inputs: dict[str, Any]) -> float:
@@ -219,16 +221,16 @@ def step_ms_recaptured(model: Any, inputs: dict[str, Any]) -> float:
     return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
 
 
-def search_step(model: Any, inputs: dict[str, Any], model_name: str,
-                projections: tuple[str, ...] | None = None) -> dict[str, Any]:
+def search_step(model: Any, inputs: dict[str, Any], model_name: str, projections: tuple[str, ...] | None = None,
+                kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The step's GEMV configs chosen by timing the replayed step itself (one round of coordinate descent).
 
     Per projection (qkv, o_proj, down, gated), each of its candidates (:func:`search_candidates`) is pinned in the
     tuner's table in turn, the others as chosen so far; the graph is captured again and the step timed (median of
     three replays after a call); the fastest stays. The tuner times each GEMV alone (followed by a norm launch), which
     does not rank its configs as the step does: this measures what the step reaches with step-ranked configs. The
-    candidates were compiled when the first call tuned them. ``projections`` limits the search to those keys of
-    ``_SHAPE_KEYS`` (all by default).
+    candidates were compiled when the first call tuned them (others compile on first use). ``projections`` limits
+    the search to those keys of ``_SHAPE_KEYS``, ``kinds`` the candidates to those kinds (all by default).
     """
     from mmsdk.kernels.fast_generate import release
     from mmsdk.kernels.w4a16_tuning import tuning
@@ -248,7 +250,7 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str,
             out["kept"][projection] = "not run by this step (no such tuner key)"
             continue
         best_cfg = table[key]
-        for cfg in search_candidates(shape):
+        for cfg in search_candidates(shape, kinds):
             if cfg == best_cfg:
                 continue
             table[key] = cfg
@@ -407,6 +409,8 @@ def main() -> None:
                         help="then choose the step's GEMV configs by timing the replayed step (search_step)")
     parser.add_argument("--projections", default="", help="with --search: comma-separated projections to search "
                         "(qkv, o_proj, down, gated; all by default)")
+    parser.add_argument("--kinds", default="", help="with --search: comma-separated GEMV kinds to try (all by "
+                        "default)")
     parser.add_argument("--search-attention", action="store_true",
                         help="then time the step with each of the KV decode kernel's candidate configs")
     parser.add_argument("--against-tuner", action="store_true",
@@ -416,6 +420,7 @@ def main() -> None:
     command = f"python benchmarks/gpu_decode_reuse.py --reps {args.reps} --stacks {args.stacks}"
     command += (" --step-only" if args.step_only else "") + (" --search" if args.search else "")
     command += f" --projections {args.projections}" if args.projections else ""
+    command += f" --kinds {args.kinds}" if args.kinds else ""
     command += (" --search-attention" if args.search_attention else "") + (" --against-tuner" if args.against_tuner
                                                                            else "")
     results: dict[str, Any] = {"command": command,
@@ -439,7 +444,8 @@ def main() -> None:
         row["gemv_configs"] = {str(shape): cfg for shape, cfg in tuning().chosen.items() if shape not in before}
         if args.search:
             row["search"] = search_step(model, inputs, model_name,
-                                        tuple(args.projections.split(",")) if args.projections else None)
+                                        tuple(args.projections.split(",")) if args.projections else None,
+                                        tuple(args.kinds.split(",")) if args.kinds else None)
             row["search"]["floor_ms"] = floor_ms
         if args.search_attention:
             row["search_attention"] = search_attention(model, inputs, model_name)

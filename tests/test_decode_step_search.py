@@ -16,7 +16,10 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
     keys = {name: reuse._tuner_key(shape) for name, shape in shapes.items()}
     candidates = {name: reuse.search_candidates(shape) for name, shape in shapes.items()}
     assert all(len(c) >= 4 for c in candidates.values())
-    assert {c[4] for c in candidates["gated"]} == {"gated"} and {c[4] for c in candidates["qkv"]} <= {"quad", "quadp"}
+    assert {c[4] for c in candidates["gated"]} == {"gated", "idot"}
+    assert {c[4] for c in candidates["qkv"]} == {"quad", "quadp", "idot"}
+    only_idot = {name: reuse.search_candidates(shape, ("idot",)) for name, shape in shapes.items()}
+    assert all(c and {cfg[4] for cfg in c} == {"idot"} for c in only_idot.values())
     table = tuning().chosen
     saved = dict(table)
     try:
@@ -35,6 +38,11 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
 
         monkeypatch.setattr(reuse, "_replay_after_call", step_ms)
         monkeypatch.setattr(fast_generate, "release", lambda model: None)
+        assert list(reuse.search_step(object(), {}, "llava", projections=("o_proj",), kinds=("idot",))["kept"]) == [
+            "o_proj"]
+        for name in ("qkv", "o_proj", "gated"):
+            table[keys[name]] = candidates[name][0]
+        captured.clear()
         out = reuse.search_step(object(), {}, "llava")
         assert out["kept"] == {"qkv": candidates["qkv"][2], "o_proj": candidates["o_proj"][0],
                                "down": "not run by this step (no such tuner key)", "gated": candidates["gated"][-1]}

@@ -123,7 +123,7 @@ def test_w4a16_mma_takes_fp16_activations():
 def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
     """Kind "idot": the product equals the fp32 product with the activations rounded as documented (16-bit integers,
     one scale per 32 channels) and stays within the rounding's reach of the exact product, outlier channels too."""
-    from mmsdk.kernels.gemv_idot import launch_idot
+    from mmsdk.kernels.gemv_idot import launch_idot, quantize_row_activations
     from mmsdk.kernels.w4a16 import k_slices, w4a16_gemv
 
     device, dtype, _ = target
@@ -136,8 +136,14 @@ def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
     k_blocks = packed.qweight.shape[1]
     quads = x.double().new_zeros(1, k_blocks * group).index_copy(1, torch.arange(k, device=device), x.double())
     quads = quads.view(1, -1, 32)
-    unit = quads.abs().amax(-1, keepdim=True) / 32767.0
-    rounded = (torch.floor(quads / unit + 0.5) * unit).view(1, -1)[:, :k]
+    exact_levels = (quads / (quads.abs().amax(-1, keepdim=True) / 32767.0)).nan_to_num(0.0)  # padded quads: 0
+    # the rounding kernel's integers (decoded from its int16 pairs) are the nearest ones, up to its fp32 unit: a
+    # channel within ~1e-3 of a half may round the other way, so the product is checked against these integers
+    activations = quantize_row_activations(x, k_blocks * group // 8)
+    levels = _integer_levels(activations.pairs).view(1, -1, 32)
+    assert (levels - exact_levels).abs().max() < 0.51
+    assert torch.equal(levels.sum(-1).long(), activations.sums.view(1, -1).long())
+    rounded = (levels * 16 * activations.scales.double()[..., None]).view(1, -1)[:, :k]
     for splits in (1, 2):
         out = torch.empty(1, n, device=device, dtype=torch.float32)
         per_split, n_splits = k_slices(n, k_blocks, 16, 1, 64, splits)
@@ -150,6 +156,16 @@ def test_integer_dot_gemv_only_rounds_the_activations(target, group, symmetric):
     small = quantize_int4(torch.randn(8, 64, device=device), 16, scale_dtype=dtype)
     with pytest.raises(ValueError, match="group size 16 < 32; use kind 'fma'"):
         w4a16_gemv(x[:, :64].contiguous(), small.qweight, small.scales, None, 16, config=(16, 1, 4, 1, "idot"))
+
+
+def _integer_levels(pairs: torch.Tensor) -> torch.Tensor:
+    """The rounded activations (float64 ``[M, 8 words]``) from the rounding kernel's int16 pairs: per word four int32,
+    channels (0, 2), (4, 6), (1, 3), (5, 7), low half first."""
+    low = (pairs << 16) >> 16  # arithmetic shifts: the halves' signs
+    high = pairs >> 16
+    halves = torch.stack([low, high], -1).view(pairs.shape[0], -1, 4, 2)  # [M, words, pair, half]
+    order = [(0, 0), (2, 0), (0, 1), (2, 1), (1, 0), (3, 0), (1, 1), (3, 1)]  # channel j's (pair, half)
+    return torch.stack([halves[:, :, p, h] for p, h in order], -1).reshape(pairs.shape[0], -1).double()
 
 
 @pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs an NVIDIA GPU and Triton")
@@ -223,7 +239,8 @@ def _rms_normalized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def test_w4a16_gemvs_fold_an_rmsnorm_into_their_input(target, symmetric):
     """With an InputNorm the GEMVs take the norm's input and multiply its normalized rows: the quad kinds inside their
     programs (one K slice or several, one row or two, K padded past in_features, prefetching, bias, an AWQ pre-scale),
-    the other kinds after the norm kernel; the gated MLP's paired GEMV likewise (both products scaled)."""
+    "idot" in its rounding kernel, the other kinds after the norm kernel; the gated MLP's paired GEMV likewise (both
+    products scaled)."""
     from mmsdk.kernels.norm_fold import InputNorm, quad_factors
     from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
     from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
@@ -235,7 +252,10 @@ def test_w4a16_gemvs_fold_an_rmsnorm_into_their_input(target, symmetric):
                                            (2, 33, 296, 128, (16, 8, 4, 1, "quad", 64), None),
                                            (1, 40, 512, 32, (16, 2, 4, 1, "quadp"), 2),
                                            (2, 40, 512, 64, (16, 2, 4, 4, "fma"), 2),
-                                           (3, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None)):
+                                           (3, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None),
+                                           (1, 40, 512, 64, (16, 4, 4, 1, "idot"), 1),
+                                           (2, 33, 296, 128, (8, 2, 2, 1, "idot"), 2),
+                                           (1, 24, 4352, 128, (8, 8, 2, 1, "idot"), 1)):  # rms over 3 passes
         packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
         x = (torch.randn(m, k, device=device) * 3 + 1).to(dtype)  # un-normalized: rms ~3, not 1
         weight = (torch.rand(k, device=device) + 0.5).to(dtype)
@@ -253,15 +273,19 @@ def test_w4a16_gemvs_fold_an_rmsnorm_into_their_input(target, symmetric):
     for rows in (x, x.expand(20, 1, k)):  # one row (the folded GEMV) and 20 (the fused kernel after the norm kernel)
         out = int4_linear(rows, packed.qweight, packed.scales, packed.zero_points, k, group, input_norm=norm)
         assert out.shape == (*rows.shape[:-1], n) and _rel(out, expected.expand(*out.shape)) < tol
+    out = w4a16_gemv(x[0], packed.qweight, packed.scales, packed.zero_points, group, config=(8, 2, 2, 1, "idot"),
+                     norm=norm)  # the pre-scale in the rounding kernel
+    assert _rel(out, expected[0]) < tol
     with pytest.raises(ValueError, match="factors must be fp32 or bf16"):
         w4a16_gemv(x[0], packed.qweight, packed.scales, packed.zero_points, group, config=(16, 8, 4, 1, "quad"),
                    norm=InputNorm(weight, eps, quad_factors(weight)[:8]))
     # the gated MLP's paired GEMV: the "gated" kind with one K slice and with three, the per-weight "quad" kind, and
-    # the "idot" kind (the norm a launch of its own before the rounding)
+    # the "idot" kind (the norm applied by its rounding kernel)
     for n, k, group, config, splits in ((40, 512, 64, (16, 4, 4, 1, "gated"), 1),
                                         (33, 296, 32, (8, 2, 2, 1, "gated"), 3),
                                         (40, 512, 64, (16, 4, 4, 1, "quad"), 2),
-                                        (33, 296, 32, (8, 4, 2, 1, "idot"), 1)):
+                                        (33, 296, 32, (8, 4, 2, 1, "idot"), 1),
+                                        (40, 512, 64, (8, 1, 2, 1, "idot"), 3)):
         gate, up = (quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
                     for _ in range(2))
         x = (torch.randn(1, 1, k, device=device) * 3 + 1).to(dtype)

@@ -36,21 +36,45 @@ WORD_DOT_ADD = tl.constexpr(_WORD_DOT_ADD)
 
 
 @triton.jit
+def inverse_rms(x_row, K_in, eps, BLOCK: tl.constexpr):
+    """``1 / sqrt(mean(x**2) + eps)`` of the row at ``x_row`` (``K_in`` channels), read ``BLOCK`` at a time."""
+    ssq = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K_in, BLOCK):
+        at = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_row + at, mask=at < K_in, other=0.0).to(tl.float32)
+        ssq += v * v
+    return tl.math.rsqrt(tl.sum(ssq, 0) / K_in + eps)
+
+
+@triton.jit
 def quantize_activations(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K_in, n_quads, stride_xm, BLOCK_Q: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, g_ptr=None, pq_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                         PREQUANT: tl.constexpr = False):
     """One activation row's quads ``[BLOCK_Q]`` as :func:`gemv_idot` reads them: per word ``w`` four int32 of int16
     pairs at ``xq[row, 4w .. 4w+3]`` (channels 0/2, 4/6, 1/3, 5/7 of the word), per quad the scale that turns a
     dot's integer into the product (``xs``: fp32, the quad's unit over 16) and the sum of its integers (``xsum``:
     the zero point's share). Channels past ``K_in`` (a padded layer's last group) are zeros. With ``PDL`` it waits
-    for the kernel before it first, then lets the GEMV launch (which loads its first weights meanwhile)."""
+    for the kernel before it first, then lets the GEMV launch (which loads its first weights meanwhile).
+
+    With ``NORM`` the row is an RMSNorm's input: each program reads the whole row for its ``1 / rms`` (``eps``) and
+    rounds ``x / rms * g`` (``g_ptr``: the norm's weight; with ``PREQUANT`` times an AWQ pre-scale at ``pq_ptr``), in
+    fp32 with no rounding to the model dtype in between (as the "quad" kinds fold a norm), so the GEMV reads the
+    normalized row with no norm launch before it.
+    """
     wait_for_inputs(PDL)
     pid, row = tl.program_id(0), tl.program_id(1)
     quads = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = quads < n_quads
     words = quads[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_Q, 4]
     k = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k, mask=q_ok[:, None, None] & (k < K_in), other=0.0)
-    x = x.to(tl.float32)
+    k_ok = q_ok[:, None, None] & (k < K_in)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+    if NORM:
+        weight = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        if PREQUANT:
+            weight *= tl.load(pq_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = x * inverse_rms(x_row, K_in, eps, 32 * BLOCK_Q) * weight
     top = tl.max(tl.max(tl.abs(x), 2), 1)
     inv_unit = tl.where(top > 0, ACTIVATION_LEVELS / top, 0.0)  # an all-zero quad gives zero products
     levels = round_to_levels(x, inv_unit[:, None, None])

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, pdl_preload_ready, pdl_ready
-from mmsdk.kernels.norm_fold import NormStatistics, row_scale_arguments
+from mmsdk.kernels.norm_fold import InputNorm, NormStatistics, row_scale_arguments
 from mmsdk.kernels.split_k import finish_splits
 
 __all__ = ["IntegerActivations", "launch_idot", "launch_idot_gated", "quantize_row_activations"]
@@ -33,9 +33,9 @@ class IntegerActivations:
     sums: torch.Tensor
 
 
-def quantize_row_activations(x: torch.Tensor, words: int) -> IntegerActivations:
+def quantize_row_activations(x: torch.Tensor, words: int, norm: InputNorm | None = None) -> IntegerActivations:
     """``x`` ``[M, K_in]`` rounded per quad of 32 channels for a weight of ``words`` int32 words per row (channels
-    past ``K_in`` are zeros)."""
+    past ``K_in`` are zeros); with ``norm`` ``x`` is that RMSNorm's input, normalized in the same launch."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
@@ -50,16 +50,30 @@ def quantize_row_activations(x: torch.Tensor, words: int) -> IntegerActivations:
                                  torch.empty(m, n_quads, device=x.device, dtype=torch.int32))
     kernels.quantize_activations[(triton.cdiv(n_quads, QUANTIZE_BLOCK), m)](
         x, rounded.pairs, rounded.scales, rounded.sums, k_in, n_quads, x.stride(0), BLOCK_Q=QUANTIZE_BLOCK,
-        PDL=pdl_ready(x), launch_pdl=pdl_ready(x), num_warps=4)
+        PDL=pdl_ready(x), launch_pdl=pdl_ready(x), num_warps=4, **_norm_arguments(norm, x))
     return rounded
+
+
+def _norm_arguments(norm: InputNorm | None, x: torch.Tensor) -> dict[str, Any]:
+    """The rounding kernel's arguments for a norm it applies (none without one)."""
+    if norm is None:
+        return {}
+    for name, vector in (("weight", norm.weight), ("prequant", norm.prequant)):
+        if vector is not None and (vector.shape != (x.shape[1],) or vector.device != x.device):
+            raise ValueError(f"an RMSNorm {name} of shape {tuple(vector.shape)} on {vector.device} cannot normalize "
+                             f"a row of {x.shape[1]} channels on {x.device}: pass the norm whose output this GEMV "
+                             "reads.")
+    prequant = norm.prequant
+    return dict(g_ptr=norm.weight, pq_ptr=prequant if prequant is not None else norm.weight, eps=float(norm.eps),
+                NORM=True, PREQUANT=prequant is not None)
 
 
 def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: tuple[Any, ...], per_split: int,
-                n_splits: int, residual: torch.Tensor | None = None) -> None:
+                n_splits: int, residual: torch.Tensor | None = None, norm: InputNorm | None = None) -> None:
     """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
     groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials and
-    :func:`finish_splits`."""
+    :func:`finish_splits`. With ``norm`` ``x`` is that RMSNorm's input, normalized by the rounding kernel."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
@@ -69,7 +83,7 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     m = x.shape[0]
     n, k_blocks, _ = qweight.shape
     words = k_blocks * group // 8
-    rounded = quantize_row_activations(x, words)
+    rounded = quantize_row_activations(x, words, norm)
     direct = n_splits == 1
     pdl = pdl_preload_ready(x)  # the first weights load while the rounding kernel runs
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
@@ -86,12 +100,13 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
                       up: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], out: torch.Tensor, group: int,
-                      cfg: tuple[Any, ...], per_split: int, n_splits: int,
-                      statistics: NormStatistics | None = None) -> None:
+                      cfg: tuple[Any, ...], per_split: int, n_splits: int, statistics: NormStatistics | None = None,
+                      norm: InputNorm | None = None) -> None:
     """``out = silu(x Wg.T) * (x Wu.T)`` for a gated MLP's packed gate and up weights (qweight, scales, zero points;
     same shapes): both weights' rows in each program, K cut as :func:`launch_idot` cuts it (more than one slice goes
     through fp32 partials and :func:`finish_splits`). With ``statistics`` ``x`` is an RMSNorm's input times its weight
-    and both products are scaled by the row's ``1 / rms`` (mmsdk.kernels.norm_fold.NormStatistics)."""
+    and both products are scaled by the row's ``1 / rms`` (mmsdk.kernels.norm_fold.NormStatistics); with ``norm`` it
+    is that RMSNorm's input, normalized by the rounding kernel (pass one of the two)."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
@@ -102,7 +117,7 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     words = k_blocks * group // 8
-    rounded = quantize_row_activations(x, words)
+    rounded = quantize_row_activations(x, words, norm)
     direct = n_splits == 1
     has_zp = zero_points is not None
     pdl = pdl_preload_ready(x)  # both weights' first step loads while the rounding kernel runs

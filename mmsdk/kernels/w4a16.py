@@ -287,8 +287,9 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
     shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
     slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
-    (mmsdk.kernels.norm_fold), by the norm kernel for the others. ``leave``: the "quad" kinds' store or the K
-    slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave none); ``row_scale``
+    (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel, by the norm kernel for the others. ``leave``: the "quad"
+    kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave
+    none); ``row_scale``
     (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics, applied in the
     epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
@@ -298,7 +299,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if residual is not None and (paired or residual.shape != out.shape or not residual.is_contiguous()):
         raise ValueError("a GEMV's residual must be a contiguous tensor of the output's shape, and a paired (gated) "
                          "GEMV takes none: add it after the launch.")
-    if norm is not None and kind not in QUAD_KINDS:
+    if norm is not None and kind not in (*QUAD_KINDS, "idot"):
         x, norm = norm.normalize(x), None
     if row_scale is not None and not paired:
         raise ValueError("a GEMV applies norm statistics only as a paired (gated) GEMV: pass second= as well.")
@@ -309,7 +310,8 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         return
     if kind == "idot":
         launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
-                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual)
+                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual,
+                    norm)
         return
     import triton
 

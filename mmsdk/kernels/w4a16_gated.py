@@ -13,7 +13,7 @@ KIND[, target programs])``); the tuner times every kind per shape (key ``("gated
   loads both weights' first step before waiting for it), then a ``dp2a`` chain per weight and quad. With the
   statistics o_proj's store left (``statistics``) the rounded row is the norm's input times its weight and both
   products are scaled by ``1 / rms`` at the end, as in the "gated" kind; a norm to fold (``norm``) is applied by
-  its own launch first. Alone, the single-weight "idot" GEMV ran the 7B gate+up shapes 7-12% faster than the best
+  the rounding kernel. Alone, the single-weight "idot" GEMV ran the 7B gate+up shapes 7-12% faster than the best
   "quad" tile (docs/benchmarks.md, twentieth pass).
 * ``"quad"`` / ``"quadp"`` (``gemv_quad`` with ``PAIRED``): programs split between the two weights, so each
   holds one product and the launch always ends with the ``split_gated`` epilogue (two launches). Kept as a
@@ -167,9 +167,8 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     # one program covers rows rn of both weights: slices are counted from N rows, not the 2N of the quad kinds
     per_split, n_splits = k_slices(n, k_blocks, block_n, block_c, cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS,
                                    splits)
-    if cfg[4] == "idot":  # a norm to fold is applied by its own launch first (the rounding kernel reads x once)
-        launch_idot_gated(x if norm is None else norm.normalize(x), gate, up, out, group, cfg, per_split, n_splits,
-                          statistics)
+    if cfg[4] == "idot":  # a norm to fold is applied by the rounding kernel
+        launch_idot_gated(x, gate, up, out, group, cfg, per_split, n_splits, statistics, norm)
         return
     direct = n_splits == 1
     target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
