@@ -223,6 +223,56 @@ def test_norms_inside_the_gemvs_keep_the_answers(name, mlp, session, tiny, monke
     assert compared >= 2
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_integer_dot_gemvs_in_the_decode_step_keep_the_answers(name, session, tiny, monkeypatch):
+    """The decode step with every batch-1 INT4 GEMV on integer dot products (kind "idot": q/k/v with the input norm
+    applied by the rounding kernel, the gated MLP scaled by the statistics o_proj's store left) gives the logits of
+    the "quad"/"gated" kernels up to the activations' rounding, compared at every step while the answers agree."""
+    from mmsdk.kernels import gemv_idot, w4a16, w4a16_gated
+    from mmsdk.kernels.w4a16_tuning import tuning
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+
+    launched = []
+    for function in ("launch_idot", "launch_idot_gated"):
+        original = getattr(gemv_idot, function)
+        spy = (lambda original, function: lambda *a, **k: launched.append(function) or original(*a, **k))(
+            original, function)
+        for module in (gemv_idot, w4a16, w4a16_gated):
+            if hasattr(module, function):
+                monkeypatch.setattr(module, function, spy)
+    every_config = w4a16.gemv_candidates
+    idot_only = {"gemv": lambda bucket, group: tuple(c for c in every_config(bucket, group)
+                                                     if bucket > 1 or (len(c) > 4 and c[4] == "idot")),
+                 "gated": lambda group: tuple((*tile, 1, "idot", 528) for tile in w4a16_gated._IDOT_GATED_TILES)}
+    saved = dict(tuning().chosen)
+    runs = []
+    try:
+        for integer in (False, True):
+            tuning().chosen.clear()  # each run chooses its own configs
+            if integer:
+                monkeypatch.setattr(w4a16, "gemv_candidates", idot_only["gemv"])
+                monkeypatch.setattr(w4a16_gated, "_paired_candidates", idot_only["gated"])
+            opt, inputs = _bf16_decode_stack(tiny, session, name, RMSNormRoPEFusionConfig(), QUESTIONS[:1])
+            with torch.no_grad():
+                runs.append(opt.model.generate(**inputs, max_new_tokens=8, do_sample=False, output_scores=True,
+                                               return_dict_in_generate=True))
+            assert bool(launched) == integer and (not integer or {"launch_idot", "launch_idot_gated"} <= set(launched))
+    finally:
+        tuning().chosen.clear()
+        tuning().chosen.update(saved)
+    new = runs[0].sequences.shape[1] - len(runs[0].scores)
+    compared = 0
+    for step, (a, b) in enumerate(zip(runs[0].scores, runs[1].scores, strict=True)):
+        if not torch.equal(runs[0].sequences[:, : new + step], runs[1].sequences[:, : new + step]):
+            break
+        error = float((a.double() - b.double()).norm() / b.double().norm())
+        assert error < 2e-2, (step, error)
+        compared += 1
+    assert compared >= 2
+
+
 def _assert_agrees(got, expected):
     """bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie."""
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()

@@ -76,8 +76,11 @@ GATED_WITHIN = 0.03
 # spills in offline sm_90 builds (Triton 3.9, g128, the norm's statistics applied: benchmarks/sm90_gemv_builds.py
 # --kernels idot_gated), 10.1-10.7 SASS instructions per weight word against 22.5-22.6 for the "gated" tiles above;
 # 256 bytes per thread (8 x 64 x 2) take all 255 registers. Listed after the "gated" tiles, so the tuner keeps one only
-# when it times more than GATED_WITHIN faster.
-_IDOT_GATED_TILES = ((16, 32, 4), (8, 64, 4), (8, 32, 2), (32, 32, 8))
+# when it times more than GATED_WITHIN faster. 8 x 64 x 4 first: it led the decode-step search for both 7B MLPs
+# (benchmarks/gpu_decode_reuse.py --search --projections gated); the others are its neighbours in rows, quads and
+# warps (4-row tiles: 11.4-11.5 instructions per word; 8 x 64 x 8: 64 bytes per thread, 92 registers).
+_IDOT_GATED_TILES = ((8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 32, 8), (8, 128, 8), (4, 64, 2), (4, 32, 1),
+                     (8, 64, 8))
 
 
 def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
