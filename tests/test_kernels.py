@@ -431,8 +431,8 @@ def test_paired_gemv_configs_the_tuner_times_and_bad_ones():
 
     for group in (32, 128):
         kinds = [c[4] for c in _paired_candidates(group)]
-        # the gated kind leads (taken untimed under a capture or the interpreter); the per-weight kinds stay candidates
-        assert kinds[0] == "gated" and set(kinds) == set(PAIRED_KINDS)
+        # an "idot" tile leads (taken untimed under a capture or the interpreter); the per-weight kinds stay candidates
+        assert kinds[:2] == ["idot", "gated"] and set(kinds) == set(PAIRED_KINDS)
     gate = quantize_int4(torch.randn(16, 64), 32)
     parts = (gate.qweight, gate.scales, gate.zero_points)
     x, out = torch.randn(1, 64).half(), torch.empty(1, 16).half()
@@ -528,9 +528,12 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
     times.update(d=10.2)
     assert w4a16_tuning.tuned_config(("test", "within", "close"), lambda cfg, w: timed.append(cfg[0]), candidates,
                                      32, (torch.zeros(4),), 0.03) == ("b",)
-    # the gated tiles' order follows the group size (the step's ranking); the tuner takes them with that margin
-    assert [c[:3] for c in w4a16_gated._paired_candidates(128)[:3]] == [(8, 128, 4), (8, 64, 2), (8, 32, 1)]
-    assert [c[:3] for c in w4a16_gated._paired_candidates(32)[:3]] == [(8, 32, 1), (8, 64, 2), (8, 128, 4)]
+    # the step's best "idot" tile leads; the gated tiles' order follows the group size (the step's ranking); the tuner
+    # takes them with that margin
+    assert [c[:5] for c in w4a16_gated._paired_candidates(128)[:4]] == [
+        (8, 64, 4, 1, "idot"), (8, 128, 4, 1, "gated"), (8, 64, 2, 1, "gated"), (8, 32, 1, 1, "gated")]
+    assert [c[:5] for c in w4a16_gated._paired_candidates(32)[:4]] == [
+        (8, 64, 4, 1, "idot"), (8, 32, 1, 1, "gated"), (8, 64, 2, 1, "gated"), (8, 128, 4, 1, "gated")]
     assert 0 < w4a16_gated.GATED_WITHIN < 0.1
 
 

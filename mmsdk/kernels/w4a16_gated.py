@@ -68,19 +68,22 @@ PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS)
 # process to the next, while in the decode step they rank by group size (H200, benchmarks/gpu_decode_reuse.py
 # --search, each tile pinned in the replayed step): LLaVA-1.5-7B g32 8x32x1 1.816 ms, 8x64x2 1.846, 8x128x4 1.872;
 # Qwen2-VL-7B g128 8x128x4 2.107, 8x64x2 2.165, 8x32x1 2.204 (16x64x2 2.50 / 2.92). So the tiles are listed in the
-# step's order for the group size, and the tuner keeps the first that times within GATED_WITHIN of the fastest.
+# step's order for the group size, and the tuner keeps the first that times within GATED_WITHIN of the fastest
+# (after the "idot" tile below, which beat them all in the step).
 _GATED_TILES = {32: ((8, 32, 1), (8, 64, 2), (8, 128, 4), (16, 64, 2)),
                 128: ((8, 128, 4), (8, 64, 2), (8, 32, 1), (16, 64, 2))}
 GATED_WITHIN = 0.03
 # Kind "idot" tiles (rows, quads, warps) for both weights: 128 weight bytes per thread and step, 128 registers, no
 # spills in offline sm_90 builds (Triton 3.9, g128, the norm's statistics applied: benchmarks/sm90_gemv_builds.py
-# --kernels idot_gated), 10.1-10.7 SASS instructions per weight word against 22.5-22.6 for the "gated" tiles above;
-# 256 bytes per thread (8 x 64 x 2) take all 255 registers. Listed after the "gated" tiles, so the tuner keeps one only
-# when it times more than GATED_WITHIN faster. 8 x 64 x 4 first: it led the decode-step search for both 7B MLPs
-# (benchmarks/gpu_decode_reuse.py --search --projections gated); the others are its neighbours in rows, quads and
-# warps (4-row tiles: 11.4-11.5 instructions per word; 8 x 64 x 8: 64 bytes per thread, 92 registers).
-_IDOT_GATED_TILES = ((8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 32, 8), (8, 128, 8), (4, 64, 2), (4, 32, 1),
-                     (8, 64, 8))
+# --kernels idot_gated), 10.0-11.5 SASS instructions per weight word against 22.5-22.6 for the "gated" tiles above
+# (256 bytes per thread, as 8 x 64 x 2, take all 255 registers). In the decode step (H200, each tile pinned in the
+# replayed step, gpu_decode_reuse.py --search --projections gated, two processes) 8 x 64 x 4 led on both 7B MLPs:
+# LLaVA-1.5-7B g32 1.764-1.768 ms against 1.804 for the best "gated" tile (4 x 32 x 1 1.797, 8 x 32 x 2 1.817-1.824,
+# 4 x 64 x 2 1.845, 16 x 32 x 4 1.871), Qwen2-VL-7B g128 1.883-1.894 against 2.001 (4 x 64 x 2 1.887, 4 x 32 x 1
+# 1.895, 16 x 32 x 4 1.921-1.929, 8 x 32 x 2 1.927-1.935); 32 x 32 x 8, 8 x 128 x 8 and 8 x 64 x 8 ran 1.86-2.18 ms
+# and were dropped. So 8 x 64 x 4 leads the candidates (taken untimed under a capture, and kept by the tuner when it
+# times within GATED_WITHIN of the fastest); the other "idot" tiles follow the "gated" ones.
+_IDOT_GATED_TILES = ((8, 64, 4), (4, 64, 2), (4, 32, 1), (16, 32, 4), (8, 32, 2))
 
 
 def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, block_size: int) -> str | None:
@@ -141,13 +144,13 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
 
 @cache
 def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
-    """What the tuner times for a paired GEMV: the "gated" tiles first, in the decode step's order for the group size
-    (the first taken untimed under capture or the interpreter), then the "idot" tiles, then the one-row "quad" kinds
-    of the plain GEMV (groups >= 32 throughout)."""
+    """What the tuner times for a paired GEMV: the decode step's best "idot" tile (taken untimed under capture or the
+    interpreter), the "gated" tiles in the step's order for the group size, the other "idot" tiles, then the one-row
+    "quad" kinds of the plain GEMV (groups >= 32 throughout)."""
     per_weight = tuple(c for c in gemv_candidates(1, group) if len(c) > 4 and c[4] in QUAD_KINDS)
     tiles = _GATED_TILES[128 if group >= 128 else 32]  # groups of 64 (not measured in the step) take g32's order
-    return (tuple((*tile, 1, "gated", 528) for tile in tiles) + tuple((*tile, 1, "idot", 528)
-                                                                     for tile in _IDOT_GATED_TILES) + per_weight)
+    idot = tuple((*tile, 1, "idot", 528) for tile in _IDOT_GATED_TILES)
+    return idot[:1] + tuple((*tile, 1, "gated", 528) for tile in tiles) + idot[1:] + per_weight
 
 
 def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
