@@ -240,6 +240,9 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str, projections
     def step_ms() -> float:
         return step_ms_recaptured(model, inputs)  # with the table as it is now
 
+    unknown = set(projections or ()) - set(_SHAPE_KEYS[model_name])
+    if unknown:
+        raise ValueError(f"--projections {sorted(unknown)}: the step's projections are {list(_SHAPE_KEYS[model_name])}")
     out: dict[str, Any] = {"start_ms": step_ms(), "trials": [], "kept": {}}
     best_ms = out["start_ms"]
     for projection, shape in _SHAPE_KEYS[model_name].items():

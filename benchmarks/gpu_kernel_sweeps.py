@@ -603,8 +603,9 @@ def _gated_rows() -> dict[str, Any]:
 def gated() -> list[dict[str, Any]]:
     """The decode step's gated MLP GEMV (gate and up of one row, ``silu(gate) * up`` stored directly) as the step runs
     it, LLaVA-1.5-7B with groups of 32 and Qwen2-VL-7B with groups of 128, both reading the post-attention norm's
-    statistics: the step's "gated" config, every "gated" tile and every "idot" tile (activations rounded by a launch
-    of their own, included), against bf16 cuBLAS on the two weights stacked (plus SiLU and the product)."""
+    statistics: the step table's config (mmsdk.kernels.step_configs), every "gated" tile and every "idot" tile
+    (activations rounded by a launch of their own, included), each once, against bf16 cuBLAS on the two weights
+    stacked (plus SiLU and the product)."""
     from mmsdk.kernels.norm_fold import NormStatistics
     from mmsdk.kernels.step_configs import _measured
     from mmsdk.kernels.w4a16_gated import _GATED_TILES, _IDOT_GATED_TILES, w4a16_gated_silu
@@ -631,8 +632,9 @@ def gated() -> list[dict[str, Any]]:
         row: dict[str, Any] = {"shape": label, "bf16_us": gtime(cold(dense, stacked))}
         del stacked
         step_cfg = step_table[("gated", n, k // group, group, torch.bfloat16, False, False)]
-        configs = [step_cfg] + [(*t, 1, "gated", 528) for t in _GATED_TILES[group] if (*t, 1, "gated", 528) != step_cfg]
-        configs += [(*t, 1, "idot", target) for t in _IDOT_GATED_TILES for target in (528, 1056)]
+        configs = [step_cfg, *[(*t, 1, "gated", 528) for t in _GATED_TILES[group]],
+                   *[(*t, 1, "idot", target) for t in _IDOT_GATED_TILES for target in (528, 1056)]]
+        configs = list(dict.fromkeys(configs))
         measured = []
         for cfg in configs:
             try:

@@ -38,8 +38,11 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
 
         monkeypatch.setattr(reuse, "_replay_after_call", step_ms)
         monkeypatch.setattr(fast_generate, "release", lambda model: None)
-        assert list(reuse.search_step(object(), {}, "llava", projections=("o_proj",), kinds=("idot",))["kept"]) == [
-            "o_proj"]
+        only = reuse.search_step(object(), {}, "llava", projections=("o_proj",), kinds=("idot",))
+        assert list(only["kept"]) == ["o_proj"]
+        assert [(t["projection"], t["cfg"]) for t in only["trials"]] == [("o_proj", c) for c in only_idot["o_proj"]]
+        with pytest.raises(ValueError, match="the step's projections are"):
+            reuse.search_step(object(), {}, "llava", projections=("o-proj",))
         for name in ("qkv", "o_proj", "gated"):
             table[keys[name]] = candidates[name][0]
         captured.clear()

@@ -15,11 +15,11 @@ from mmsdk.kernels._gemv_quad_triton import (
     norm_scale,
     quad_step,
     rms_from_parts,
-    silu_times,
     squares_at,
     step_activations,
     step_scales,
     step_words,
+    store_gated,
     whole_steps_end,
 )
 from mmsdk.kernels._pdl_triton import wait_for_inputs
@@ -151,10 +151,4 @@ def gemv_quad_gated(x_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr,
     if ROW_SCALE:
         gate_out *= row_scale
         up_out *= row_scale
-    if DIRECT:
-        tl.store(out_ptr + row.to(tl.int64) * N + rn, silu_times(gate_out, up_out).to(out_ptr.dtype.element_ty),
-                 mask=n_ok)
-    else:
-        dst = out_ptr + (split * M + row).to(tl.int64) * (2 * N) + rn
-        tl.store(dst, gate_out, mask=n_ok)
-        tl.store(dst + N, up_out, mask=n_ok)
+    store_gated(out_ptr, gate_out, up_out, row, split, M, N, rn, n_ok, DIRECT)

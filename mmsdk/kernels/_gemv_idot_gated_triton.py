@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._gemv_idot_triton import idot_products, step_activations, step_tile
-from mmsdk.kernels._gemv_quad_triton import load_norm_parts, rms_from_parts, silu_times
+from mmsdk.kernels._gemv_idot_triton import idot_products, idot_program, rounded_row, step_activations, step_tile
+from mmsdk.kernels._gemv_quad_triton import load_norm_parts, rms_from_parts, store_gated
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 
@@ -65,20 +65,11 @@ def gemv_idot_gated(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_pt
     ``sq_ptr`` (``K_in`` channels, ``eps``).
     """
     WPG: tl.constexpr = GROUP // 8
-    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_quads = KW // 4
-    k_blocks = KW // WPG
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rc = tl.arange(0, BLOCK_C)
-    rw = tl.arange(0, 4 * BLOCK_C)
-    n_ok = rn < N
-    q_begin = split * quads_per_split
-    q_end = tl.minimum(q_begin + quads_per_split, n_quads)
+    split, row, rn, n_ok, rc, rw, q_begin, q_end, n_quads, k_blocks = idot_program(N, KW, quads_per_split, GROUP,
+                                                                                   BLOCK_N, BLOCK_C)
     offsets = rn[:, None].to(tl.int64) * KW
     gate_rows, up_rows = w_ptr + offsets, w2_ptr + offsets
-    xq_row = xq_ptr + row.to(tl.int64) * (4 * KW)
-    xs_row, xsum_row = xs_ptr + row * n_quads, xsum_ptr + row * n_quads
-    pair_at = (rc[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
+    xq_row, xs_row, xsum_row, pair_at = rounded_row(xq_ptr, xs_ptr, xsum_ptr, row, KW, n_quads, rc)
     gate = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     q_loop = q_begin
@@ -106,10 +97,4 @@ def gemv_idot_gated(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_pt
     if ROW_SCALE:
         gate_out *= row_scale
         up_out *= row_scale
-    if DIRECT:
-        tl.store(out_ptr + row.to(tl.int64) * N + rn, silu_times(gate_out, up_out).to(out_ptr.dtype.element_ty),
-                 mask=n_ok)
-    else:
-        dst = out_ptr + (split * M + row).to(tl.int64) * (2 * N) + rn
-        tl.store(dst, gate_out, mask=n_ok)
-        tl.store(dst + N, up_out, mask=n_ok)
+    store_gated(out_ptr, gate_out, up_out, row, split, M, N, rn, n_ok, DIRECT)

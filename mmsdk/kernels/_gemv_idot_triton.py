@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._gemv_quad_triton import by_nibble, pick
+from mmsdk.kernels._gemv_quad_triton import by_nibble, inverse_rms, pick
 from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_dot_ptx, word_dots
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
@@ -33,17 +33,6 @@ ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitu
 # (The KV kernel's WORD_DOT, from the same template in mmsdk/kernels/_kv_intdot_triton.py, starts from 0.)
 _WORD_DOT_ADD = word_dot_ptx(True)
 WORD_DOT_ADD = tl.constexpr(_WORD_DOT_ADD)
-
-
-@triton.jit
-def inverse_rms(x_row, K_in, eps, BLOCK: tl.constexpr):
-    """``1 / sqrt(mean(x**2) + eps)`` of the row at ``x_row`` (``K_in`` channels), read ``BLOCK`` at a time."""
-    ssq = tl.zeros((BLOCK,), tl.float32)
-    for k0 in range(0, K_in, BLOCK):
-        at = k0 + tl.arange(0, BLOCK)
-        v = tl.load(x_row + at, mask=at < K_in, other=0.0).to(tl.float32)
-        ssq += v * v
-    return tl.math.rsqrt(tl.sum(ssq, 0) / K_in + eps)
 
 
 @triton.jit
@@ -187,6 +176,27 @@ def step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG: tl.cons
 
 
 @triton.jit
+def idot_program(N, KW, quads_per_split, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """An integer-dot GEMV program's (split, activation row, output rows ``rn``, which of them exist, a step's quad and
+    word offsets, first and end quad of its K slice, quads and groups per weight row); grid (row blocks, K slices,
+    activation rows)."""
+    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_quads = KW // 4
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_begin = split * quads_per_split
+    return (split, row, rn, rn < N, tl.arange(0, BLOCK_C), tl.arange(0, 4 * BLOCK_C), q_begin,
+            tl.minimum(q_begin + quads_per_split, n_quads), n_quads, KW // (GROUP // 8))
+
+
+@triton.jit
+def rounded_row(xq_ptr, xs_ptr, xsum_ptr, row, KW, n_quads, rc):
+    """Activation row ``row`` as :func:`quantize_activations` left it (its pairs, quad scales and integer sums) and a
+    step's offsets into its pairs, ``[BLOCK_C, 4, 4]``."""
+    pair_at = (rc[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
+    return xq_ptr + row.to(tl.int64) * (4 * KW), xs_ptr + row * n_quads, xsum_ptr + row * n_quads, pair_at
+
+
+@triton.jit
 def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KW, quads_per_split, stride_zn,
               r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr,
@@ -202,19 +212,10 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
     scales before it waits for the rounding kernel (mmsdk/kernels/_pdl_triton.py).
     """
     WPG: tl.constexpr = GROUP // 8
-    pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_quads = KW // 4
-    k_blocks = KW // WPG
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rc = tl.arange(0, BLOCK_C)
-    n_ok = rn < N
-    q_begin = split * quads_per_split
-    q_end = tl.minimum(q_begin + quads_per_split, n_quads)
+    split, row, rn, n_ok, rc, rw, q_begin, q_end, n_quads, k_blocks = idot_program(N, KW, quads_per_split, GROUP,
+                                                                                   BLOCK_N, BLOCK_C)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * KW
-    rw = tl.arange(0, 4 * BLOCK_C)
-    xq_row = xq_ptr + row.to(tl.int64) * (4 * KW)
-    xs_row, xsum_row = xs_ptr + row * n_quads, xsum_ptr + row * n_quads
-    pair_at = (rc[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :]
+    xq_row, xs_row, xsum_row, pair_at = rounded_row(xq_ptr, xs_ptr, xsum_ptr, row, KW, n_quads, rc)
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     q_loop = q_begin
     if PDL:  # the first step's weights load while the rounding kernel runs

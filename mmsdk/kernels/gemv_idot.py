@@ -59,10 +59,11 @@ def _norm_arguments(norm: InputNorm | None, x: torch.Tensor) -> dict[str, Any]:
     if norm is None:
         return {}
     for name, vector in (("weight", norm.weight), ("prequant", norm.prequant)):
-        if vector is not None and (vector.shape != (x.shape[1],) or vector.device != x.device):
+        if vector is not None and (vector.shape != (x.shape[1],) or vector.device != x.device
+                                   or not vector.is_contiguous()):
             raise ValueError(f"an RMSNorm {name} of shape {tuple(vector.shape)} on {vector.device} cannot normalize "
-                             f"a row of {x.shape[1]} channels on {x.device}: pass the norm whose output this GEMV "
-                             "reads.")
+                             f"a row of {x.shape[1]} channels on {x.device}: pass the contiguous {name} of the norm "
+                             "whose output this GEMV reads.")
     prequant = norm.prequant
     return dict(g_ptr=norm.weight, pq_ptr=prequant if prequant is not None else norm.weight, eps=float(norm.eps),
                 NORM=True, PREQUANT=prequant is not None)
@@ -111,6 +112,9 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
 
     from mmsdk.kernels import _w4a16_triton as kernels
 
+    if norm is not None and statistics is not None:
+        raise ValueError("pass an RMSNorm for the rounding kernel to apply (norm=) or the statistics a store left for "
+                         "it (statistics=), not both: either one normalizes the row.")
     _check_group(group)
     block_n, block_c, warps = cfg[:3]
     (qweight, scales, zero_points), (qweight2, scales2, zero_points2) = gate, up

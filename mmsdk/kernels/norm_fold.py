@@ -6,7 +6,8 @@ and one dependent round trip. The product is linear in the norm's scale, so the 
 instead: ``W @ (w * x * r) = r * (W @ (w * x))`` with ``r = 1 / sqrt(mean(x**2) + eps)`` a scalar per row. The
 batch-1 "quad" kernels multiply each activation by ``w`` in the K loop (folded into the per-channel factor they
 multiply by anyway, :func:`quad_factors`) and scale the finished sums by ``r``, which they compute from the row
-after the loop. Every other kernel (several rows, prefill) gets the normalized input from the norm kernel first
+after the loop. Kind "idot" normalizes the row in the kernel that rounds its activations (mmsdk.kernels.gemv_idot).
+Every other kernel (several rows, prefill) gets the normalized input from the norm kernel first
 (:meth:`InputNorm.normalize`): the same launches as without the fold.
 
 The other way round, the kernel that computes a norm's input can leave what the norm's reader needs in its store

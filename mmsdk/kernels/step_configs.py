@@ -31,23 +31,28 @@ def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
     return {
         "NVIDIA H200": {
             # LLaVA-1.5-7B, int4-weight g32, rmsnorm-rope-fusion's defaults (h200_step_search_g32.json in
-            # benchmarks/results: the step 1.816 ms with these; q/k/v 8x64x2 +29 µs, 8x128x4 +34, 16x32x2 +60;
-            # o_proj's other tiles +230-365 µs except 8x128x4 at 264 programs, equal; down 8x128x4 at 528 programs
-            # +44; gated 8x64x2 +30)
+            # benchmarks/results, with the gated MLP then on "gated" 8x32x1: the step 1.816 ms; q/k/v 8x64x2 +29 µs,
+            # 8x128x4 +34, 16x32x2 +60; o_proj's other tiles +230-365 µs except 8x128x4 at 264 programs, equal; down
+            # 8x128x4 at 528 programs +44; with the gated MLP on "idot", h200_step_search_idot_gemvs.json, the "idot"
+            # kind for q/k/v, o_proj and down +53-161 µs)
             ("gemv", 1, 12288, 128, 32, bf16, False, False, True): (16, 64, 2, 1, "quad", 528),
             ("gemv", 1, 4096, 128, 32, bf16, False, False, False): (8, 128, 4, 1, "quad", 528),
             ("gemv", 1, 4096, 344, 32, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
-            # gated: kind "idot" (twenty-first pass, h200_step_search_gated_idot.json: the step 1.768 against 1.804 ms
-            # with "gated" 8x32x1; the other idot tiles 1.817-2.114, the other "gated" tiles 1.838-2.453)
+            # gated: kind "idot" (twenty-first pass, h200_step_search_gated_idot.json and _gated_idot2.json: the step
+            # 1.764-1.768 ms against 1.804 with "gated" 8x32x1; the other "idot" tiles 1.797-2.114, the other "gated"
+            # tiles 1.838-2.453)
             ("gated", 11008, 128, 32, bf16, False, False): (8, 64, 4, 1, "idot", 528),
-            # Qwen2-VL-7B, int4-weight g128, same passes (h200_step_search_qwen.json: 2.107 ms with these; q/k/v
-            # 8x64x2 +47 µs, 16x64x4 +31, 16x64x2 +144; o_proj 8x128x4 at 264 programs equal, the others +42-233;
-            # down 8x128x4 at 264 programs +8, the others +33-443; gated 8x64x2 +59, 8x32x1 +98)
+            # Qwen2-VL-7B, int4-weight g128, same passes (h200_step_search_qwen.json, with the gated MLP then on
+            # "gated" 8x128x4: 2.107 ms; q/k/v 8x64x2 +47 µs, 16x64x4 +31, 16x64x2 +144; o_proj 8x128x4 at 264
+            # programs equal, the others +42-233; down 8x128x4 at 264 programs +8, the others +33-443; with the gated
+            # MLP on "idot", h200_step_search_idot_gemvs.json: "idot" q/k/v 16x64x4 -2 µs, within the spread, the
+            # others +17-36; o_proj and down on "idot" +24-106)
             ("gemv", 1, 4608, 28, 128, bf16, False, True, True): (8, 128, 4, 1, "quad", 264),
             ("gemv", 1, 3584, 28, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 528),
             ("gemv", 1, 3584, 148, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 528),
-            # gated: kind "idot" (twenty-first pass, h200_step_search_gated_idot.json: the step 1.883 against 2.001 ms
-            # with "gated" 8x128x4; the other idot tiles 1.921-1.996, the other "gated" tiles 2.058-2.790)
+            # gated: kind "idot" (twenty-first pass, h200_step_search_gated_idot.json and _gated_idot2.json: the step
+            # 1.883-1.894 ms against 2.001 with "gated" 8x128x4; 4x64x2 1.887 in the second run, within the spread;
+            # the other "idot" tiles 1.895-2.176, the other "gated" tiles 2.058-2.790)
             ("gated", 18944, 28, 128, bf16, False, False): (8, 64, 4, 1, "idot", 528),
         },
     }

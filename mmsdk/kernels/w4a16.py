@@ -72,7 +72,7 @@ GEMV_MAX_M = 16
 # (default TARGET_PROGRAMS). The first applicable entry is taken without timing (CUDA-graph capture,
 # interpreter); the order follows H200 sweeps (benchmarks/gpu_kernel_sweeps.py tiles: few rows and long K
 # steps, 128-256 weight bytes per thread and step, read fastest). The paired gate/up GEMV of a gated MLP
-# (mmsdk.kernels.w4a16_gated) also takes kind "gated": both weights' rows in one program.
+# (mmsdk.kernels.w4a16_gated) also takes kind "gated", and "idot" there: both weights' rows in one program.
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
 _GEMV_KINDS = ("quad", "quadp", "idot", "fma", "dot", "mma")
@@ -289,9 +289,8 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
     (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel, by the norm kernel for the others. ``leave``: the "quad"
     kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave
-    none); ``row_scale``
-    (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics, applied in the
-    epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
+    none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics,
+    applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -390,7 +389,7 @@ def _check_kind(kind: str, paired: bool) -> None:
                          "GEMV, mmsdk.kernels.w4a16_gated.w4a16_gated_silu, only).")
     if paired and kind not in QUAD_KINDS:
         raise ValueError(f"the per-weight programs of a paired (gated) GEMV run the {QUAD_KINDS} kinds only, not "
-                         f"{kind!r}: pass a 'quad' or 'gated' config or none.")
+                         f"{kind!r}: pass a 'quad', 'gated' or 'idot' config to w4a16_gated_silu, or none.")
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,

@@ -1,7 +1,9 @@
-"""A gated MLP's INT4 gate and up projections for one token: ``silu(x @ Wg.T) * (x @ Wu.T)`` in one launch.
+"""A gated MLP's INT4 gate and up projections for one token: ``silu(x @ Wg.T) * (x @ Wu.T)`` in one GEMV launch.
 
 Three kinds of configuration (GEMV configs as in mmsdk.kernels.w4a16, ``(BLOCK_N, BLOCK_C quads, warps, 1,
-KIND[, target programs])``); the tuner times every kind per shape (key ``("gated", ...)``) and runs the fastest:
+KIND[, target programs])``); the tuner times every kind per shape (key ``("gated", ...)``) and keeps the first, in
+candidate order, within ``GATED_WITHIN`` of the fastest (on a GPU with step-measured configs,
+mmsdk.kernels.step_configs answers for the shapes it covers):
 
 * ``"gated"`` (``gemv_quad_gated``): each program computes the same output rows of both weights (two
   accumulators; a step's activations are loaded and split by nibble once for both weights' words). The
@@ -13,8 +15,9 @@ KIND[, target programs])``); the tuner times every kind per shape (key ``("gated
   loads both weights' first step before waiting for it), then a ``dp2a`` chain per weight and quad. With the
   statistics o_proj's store left (``statistics``) the rounded row is the norm's input times its weight and both
   products are scaled by ``1 / rms`` at the end, as in the "gated" kind; a norm to fold (``norm``) is applied by
-  the rounding kernel. Alone, the single-weight "idot" GEMV ran the 7B gate+up shapes 7-12% faster than the best
-  "quad" tile (docs/benchmarks.md, twentieth pass).
+  the rounding kernel. Two launches (the rounding kernel and the GEMV). On the H200 it ran both 7B decode steps
+  faster than the "gated" kind (LLaVA-1.5-7B g32 1.768 against 1.804 ms, Qwen2-VL-7B g128 1.883 against 2.001;
+  docs/benchmarks.md, twenty-first pass), where alone it was level on LLaVA's MLP and 9% faster on Qwen2-VL's.
 * ``"quad"`` / ``"quadp"`` (``gemv_quad`` with ``PAIRED``): programs split between the two weights, so each
   holds one product and the launch always ends with the ``split_gated`` epilogue (two launches). Kept as a
   candidate because on paper it may still win where the gated kind is weak: a gated tile holds two word
@@ -61,7 +64,8 @@ PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS)
 # with twice their weight bytes per thread and step, in the order they measured on the 7B MLPs (H200: 8x64x2 within
 # 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
 # benchmarks/sm90_gemv_builds.py, with each quad's nibbles as one FMA chain): 8x128x4, 8x64x2 and 8x32x1 166-168
-# registers, 16x64x2 255, none spill (4x128x1 spills; 4x64x1, 168 registers for 8x32x1's bytes, left out untimed).
+# registers, 16x64x2 255, none spill (4x128x1 spills; 4x64x1, 168 registers for 8x32x1's bytes, left out untimed);
+# Triton 3.9 gives all of them 255 registers.
 # The 528-program target leaves the 7B MLPs one K slice (direct store). The per-weight "quad" candidates follow (see
 # the module docstring).
 # Alone the three small tiles time within a few percent of each other, and which one the tuner kept changed from one
@@ -75,9 +79,10 @@ _GATED_TILES = {32: ((8, 32, 1), (8, 64, 2), (8, 128, 4), (16, 64, 2)),
 GATED_WITHIN = 0.03
 # Kind "idot" tiles (rows, quads, warps) for both weights: 128 weight bytes per thread and step, 128 registers, no
 # spills in offline sm_90 builds (Triton 3.9, g128, the norm's statistics applied: benchmarks/sm90_gemv_builds.py
-# --kernels idot_gated), 10.0-11.5 SASS instructions per weight word against 22.5-22.6 for the "gated" tiles above
-# (256 bytes per thread, as 8 x 64 x 2, take all 255 registers). In the decode step (H200, each tile pinned in the
-# replayed step, gpu_decode_reuse.py --search --projections gated, two processes) 8 x 64 x 4 led on both 7B MLPs:
+# --kernels idot_gated), 10.3-11.5 SASS instructions per weight word against 22.5-22.6 for the "gated" tiles above
+# (an "idot" tile of 256 bytes per thread, 8 x 64 x 2, takes all 255 registers). In the decode step (H200, each tile
+# pinned in the replayed step, gpu_decode_reuse.py --search --projections gated, two processes) 8 x 64 x 4 led both
+# 7B MLPs in the first and LLaVA's in the second, where Qwen2-VL's 4 x 64 x 2 was 7 µs ahead, within the spread:
 # LLaVA-1.5-7B g32 1.764-1.768 ms against 1.804 for the best "gated" tile (4 x 32 x 1 1.797, 8 x 32 x 2 1.817-1.824,
 # 4 x 64 x 2 1.845, 16 x 32 x 4 1.871), Qwen2-VL-7B g128 1.883-1.894 against 2.001 (4 x 64 x 2 1.887, 4 x 32 x 1
 # 1.895, 16 x 32 x 4 1.921-1.929, 8 x 32 x 2 1.927-1.935); 32 x 32 x 8, 8 x 128 x 8 and 8 x 64 x 8 ran 1.86-2.18 ms
@@ -110,10 +115,11 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, or None (the caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
-    MLP). One launch when the chosen configuration needs no K split (kind "gated"), else a GEMV launch and
-    a small epilogue, where transformers runs two GEMVs, two split sums, a SiLU and a multiply. ``config``
-    picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner; ``splits`` the K slices. With
-    ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs (mmsdk.kernels.norm_fold); with
+    MLP). One launch when the chosen configuration needs no K split (kind "gated"; kind "idot" adds its rounding
+    launch), else a GEMV launch and a small epilogue, where transformers runs two GEMVs, two split sums, a SiLU and a
+    multiply. ``config`` picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner; ``splits`` the K
+    slices. With ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs ("idot": by its
+    rounding kernel; mmsdk.kernels.norm_fold); with
     ``statistics`` ``x`` is ``statistics.scaled``, an RMSNorm's input times its weight, and the products are
     scaled by its ``1 / rms`` at the end (what the kernel before left: mmsdk.kernels.norm_fold.NormStatistics).
     """
