@@ -1,7 +1,8 @@
 """The gated MLP's paired batch-1 GEMV behind mmsdk.kernels.w4a16_gated: each program the same rows of the gate and
 the up weight, ``silu(gate) * up`` stored by the program itself at one K slice.
 
-Built from the quad kernel's step helpers (_gemv_quad_triton.py). Imported only when a kernel is launched (through
+Built from the quad kernel's step helpers (_gemv_quad_triton.py); its SiLU and store helpers also serve the integer-dot
+gated kernel (_gemv_idot_gated_triton.py) and the split epilogue. Imported only when a kernel is launched (through
 mmsdk.kernels._w4a16_triton).
 """
 
@@ -19,10 +20,28 @@ from mmsdk.kernels._gemv_quad_triton import (
     step_activations,
     step_scales,
     step_words,
-    store_gated,
     whole_steps_end,
 )
 from mmsdk.kernels._pdl_triton import wait_for_inputs
+
+
+@triton.jit
+def silu_times(gate, up):
+    """``silu(gate) * up`` in fp32 (rounded once by the caller's store)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def store_gated(out_ptr, gate, up, row, split, M, N, rn, n_ok, DIRECT: tl.constexpr):
+    """A gated program's finished rows ``rn`` of both products: with ``DIRECT`` (one K slice) ``silu(gate) * up`` in
+    out's dtype, otherwise both fp32 partials at ``out[split]`` (rows ``2N`` wide, up at columns ``N ..``) for
+    mmsdk.kernels.split_k.finish_splits."""
+    if DIRECT:
+        tl.store(out_ptr + row.to(tl.int64) * N + rn, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        dst = out_ptr + (split * M + row).to(tl.int64) * (2 * N) + rn
+        tl.store(dst, gate, mask=n_ok)
+        tl.store(dst + N, up, mask=n_ok)
 
 
 @triton.jit

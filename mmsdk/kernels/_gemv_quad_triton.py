@@ -13,25 +13,6 @@ from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 
 @triton.jit
-def silu_times(gate, up):
-    """``silu(gate) * up`` in fp32 (rounded once by the caller's store)."""
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
-@triton.jit
-def store_gated(out_ptr, gate, up, row, split, M, N, rn, n_ok, DIRECT: tl.constexpr):
-    """A gated program's finished rows ``rn`` of both products: with ``DIRECT`` (one K slice) ``silu(gate) * up`` in
-    out's dtype, otherwise both fp32 partials at ``out[split]`` (rows ``2N`` wide, up at columns ``N ..``) for
-    mmsdk.kernels.split_k.finish_splits."""
-    if DIRECT:
-        tl.store(out_ptr + row.to(tl.int64) * N + rn, silu_times(gate, up).to(out_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        dst = out_ptr + (split * M + row).to(tl.int64) * (2 * N) + rn
-        tl.store(dst, gate, mask=n_ok)
-        tl.store(dst + N, up, mask=n_ok)
-
-
-@triton.jit
 def add_residual(product, r_ptrs, ok, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """``product`` rounded to ``dtype``; with ``HAS_RESIDUAL`` then ``residual + that``, rounded again.
 

@@ -7,7 +7,7 @@ import triton.language as tl
 
 # the batch-1 quad GEMVs and the tensor-core GEMV live in their own modules; launched through this one
 from mmsdk.kernels._gemv_mma_triton import gemv_mma
-from mmsdk.kernels._gemv_gated_triton import gemv_quad_gated
+from mmsdk.kernels._gemv_gated_triton import gemv_quad_gated, silu_times
 from mmsdk.kernels._gemv_idot_gated_triton import gemv_idot_gated
 from mmsdk.kernels._gemv_idot_triton import gemv_idot, quantize_activations
 from mmsdk.kernels._gemv_quad_triton import (
@@ -16,7 +16,6 @@ from mmsdk.kernels._gemv_quad_triton import (
     leave_norm_statistics,
     load_norm_parts,
     rms_from_parts,
-    silu_times,
 )
 
 __all__ = ["dequant", "fused", "gemv", "gemv_idot", "gemv_idot_gated", "gemv_mma", "gemv_quad", "gemv_quad_gated",
