@@ -65,7 +65,7 @@ PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS)
 # 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
 # benchmarks/sm90_gemv_builds.py, with each quad's nibbles as one FMA chain): 8x128x4, 8x64x2 and 8x32x1 166-168
 # registers, 16x64x2 255, none spill (4x128x1 spills; 4x64x1, 168 registers for 8x32x1's bytes, left out untimed);
-# Triton 3.9 gives all of them 255 registers.
+# Triton 3.9 gives all of them 255 registers (16x64x2 and 4x128x1 spilling).
 # The 528-program target leaves the 7B MLPs one K slice (direct store). The per-weight "quad" candidates follow (see
 # the module docstring).
 # Alone the three small tiles time within a few percent of each other, and which one the tuner kept changed from one
