@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_gated_triton import store_gated
-from mmsdk.kernels._gemv_idot_triton import idot_products, idot_program, rounded_row, step_activations, step_tile
+from mmsdk.kernels._gemv_idot_triton import idot_products, idot_program, rounded_row, rounded_step, step_tile
 from mmsdk.kernels._gemv_quad_triton import load_norm_parts, rms_from_parts
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
@@ -23,7 +23,7 @@ def gated_idot_step(gate, up, gate_words, gate_s, up_words, up_s, xq_row, xs_row
                     z_ptr, z2_ptr, rn, ok, stride_zn, WPG: tl.constexpr, HAS_ZP: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ASM: tl.constexpr, MASK_K: tl.constexpr):
     """``(gate, up)`` plus one step's products of both weights (the step's activations loaded once)."""
-    p0, p1, p2, p3, xs, xsum = step_activations(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K)
+    p0, p1, p2, p3, xs, xsum = rounded_step(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K)
     gate += idot_products(gate_words, gate_s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG, HAS_ZP,
                           BLOCK_N, BLOCK_C, ASM)
     up += idot_products(up_words, up_s, p0, p1, p2, p3, xs, xsum, quads, z2_ptr, rn, ok, stride_zn, WPG, HAS_ZP,

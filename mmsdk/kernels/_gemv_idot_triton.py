@@ -99,7 +99,7 @@ def by_pair(v):
 
 
 @triton.jit
-def step_activations(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K: tl.constexpr = True):
+def rounded_step(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K: tl.constexpr = True):
     """A step's rounded activations: the packed pairs split by pair position (four ``[BLOCK_C, 4]``), each quad's
     scale and integer sum (``[BLOCK_C]``); loaded once per step and shared by every weight of the program (without
     ``MASK_K`` every quad of the step exists)."""
@@ -118,7 +118,7 @@ def step_activations(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K:
 def idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG: tl.constexpr,
                   HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ASM: tl.constexpr):
     """One weight's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) for a step, from its words
-    ``[BLOCK_N, BLOCK_C, 4]``, its group scales ``s`` and the step's activations (:func:`step_activations`)."""
+    ``[BLOCK_N, BLOCK_C, 4]``, its group scales ``s`` and the step's activations (:func:`rounded_step`)."""
     a, b = tl.split(tl.reshape(words, (BLOCK_N, BLOCK_C, 2, 2)))
     w0, w2 = tl.split(a)
     w1, w3 = tl.split(b)
@@ -143,7 +143,7 @@ def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_pt
               ASM: tl.constexpr, MASK_K: tl.constexpr = True):
     """One step's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) from its words ``[BLOCK_N, BLOCK_C, 4]`` and
     group scales ``s``, the rounded activations read here (without ``MASK_K`` every quad of the step exists)."""
-    p0, p1, p2, p3, xs, xsum = step_activations(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K)
+    p0, p1, p2, p3, xs, xsum = rounded_step(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K)
     return idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG, HAS_ZP, BLOCK_N,
                          BLOCK_C, ASM)
 

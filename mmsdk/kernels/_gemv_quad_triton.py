@@ -158,8 +158,9 @@ def norm_scale(ssq, x_row, K_in, eps, WHOLE_ROW: tl.constexpr, NORM_BLOCK: tl.co
 @triton.jit
 def inverse_rms(x_row, K_in, eps, BLOCK: tl.constexpr):
     """``1 / sqrt(mean(x**2) + eps)`` over the row's ``K_in`` activations, fp32 (a folded RMSNorm's scale), for
-    programs that see only a slice of the row: read again after the K loop. ``BLOCK`` covers K in one or a few
-    passes: the loads of one pass are in flight together.
+    programs that see only a slice of the row: the quad GEMVs read the row again after their K loop, the "idot"
+    rounding kernel before it rounds its quads. ``BLOCK`` covers K in one or a few passes: the loads of one pass are in
+    flight together.
     """
     acc = tl.zeros((BLOCK,), tl.float32)
     for k0 in range(0, K_in, BLOCK):
