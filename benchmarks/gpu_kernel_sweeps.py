@@ -30,6 +30,8 @@
   tuner's pick and bf16 cuBLAS at batch 1, g128.
 * ``gated``: the decode step's gated MLP GEMV (LLaVA-1.5-7B g32, Qwen2-VL-7B g128, reading the post-attention norm's
   statistics): the step's config and every "gated" and "idot" tile of mmsdk.kernels.w4a16_gated, against bf16.
+* ``rope``: the RoPE kernel's blocks of heads per program (mmsdk.kernels.norm_rope_gpu.rope_tile) at 1, 16 and
+  4096 tokens, against Liger's RoPE and eager.
 * ``mha``: the same as ``gqa`` for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
   program instead of a second, combine kernel measured slower for every configuration, MHA and GQA, at
   1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
@@ -69,14 +71,21 @@ TILES = [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1,
          (8, 128, 2, 1, "quad", 528), (4, 64, 1, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)]
 
 
-def tiles() -> list[dict[str, Any]]:
-    """The tuner's pick and every tile of TILES per shape: time, error, packed bytes per second."""
+def tiles(shapes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The tuner's pick and every tile of TILES per shape: time, error, packed bytes per second (``shapes``: keys of
+    SHAPES, all by default; when given, every tile is also timed at 264, 1056 and 1584 programs, and the gated rows
+    are left out)."""
     from mmsdk.kernels.w4a16 import w4a16_gemv
     from mmsdk.kernels.w4a16_tuning import tuning
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
+    configs = TILES
+    if shapes:
+        configs = [(*tile[:5], target) for tile in TILES for target in (264, 528, 1056, 1584)]
+        configs += [(*tile[:3], 1, "idot", target) for tile in IDOT_TILES[:4] for target in (1056, 1584)]
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name in shapes or SHAPES:
+        n, k = SHAPES[name]
         p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -88,13 +97,14 @@ def tiles() -> list[dict[str, Any]]:
                       "rel_err": rel(out, expected),
                       "cfg": tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False,
                                                   False))}}
-        measured = _timed_gemv_configs(TILES, x, p, expected)
+        measured = _timed_gemv_configs(list(dict.fromkeys(configs)), x, p, expected)
         row["tiles"] = measured
         good = [t for t in measured if "us" in t]
         row["best_tile"] = min(good, key=lambda t: t["us"]) if good else None
         print({k: v for k, v in row.items() if k != "tiles"}, flush=True)
         rows.append(row)
-    rows.append(_gated_rows())
+    if not shapes:
+        rows.append(_gated_rows())
     return rows
 
 
@@ -811,20 +821,61 @@ def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]
             "read_tb_s": 8 * n_words / best / 1e6}
 
 
+# (heads per program, warps) of the RoPE kernel (mmsdk.kernels.norm_rope_gpu.rope_tile picks one per call)
+ROPE_TILES = [(32, 4), (32, 8), (16, 2), (16, 4), (8, 1), (8, 2), (4, 1), (2, 1), (1, 1)]
+
+
+def rope() -> list[dict[str, Any]]:
+    """RoPE on LLaVA-1.5-7B's 32 q + 32 k heads of 128 (bf16, [1, H, L, D]) at 1, 16 and 4096 tokens: every tile
+    of ROPE_TILES and the default pick, against Liger's ``liger_rotary_pos_emb`` (in place) and the eager reference.
+    Inputs are small enough at one token to stay in L2, as in gpu_suite.py's norm section."""
+    from mmsdk.kernels import norm_rope as ref
+    from mmsdk.kernels import norm_rope_gpu as gpu
+
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except Exception as error:  # liger missing: its column stays empty
+        print("liger unavailable:", error)
+        liger_rotary_pos_emb = None
+    rows = []
+    for tokens in (1, 16, 4096):
+        q = torch.randn(1, 32, tokens, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 32, tokens, 128, device="cuda", dtype=torch.bfloat16)
+        angles = torch.randn(1, tokens, 64, device="cuda") * 100
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        expected = ref.rope_qk(q, k, cos, sin)
+        row: dict[str, Any] = {"tokens": tokens, "default_tile": gpu.rope_tile(tokens, 32, 64),
+                               "default_us": gtime(lambda: gpu.rope_qk(q, k, cos, sin)),
+                               "eager_us": gtime(lambda: ref.rope_qk(q, k, cos, sin)), "tiles": []}
+        for tile in ROPE_TILES:
+            got = gpu._rope(q, k, cos, sin, 1, None, (0.0, 0.0), tile)
+            row["tiles"].append({"tile": tile, "us": gtime(lambda t=tile: gpu._rope(q, k, cos, sin, 1, None,
+                                                                                     (0.0, 0.0), t)),
+                                 "rel_err": max(rel(got[0], expected[0]), rel(got[1], expected[1]))})
+        if liger_rotary_pos_emb is not None:
+            lq, lk = q.clone(), k.clone()
+            row["liger_us"] = gtime(lambda: liger_rotary_pos_emb(lq, lk, cos, sin))
+        row["best"] = min(row["tiles"], key=lambda t: t["us"])
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweeps.json")
-    parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the idot section (all by "
-                        "default)")
+    parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the tiles and idot sections "
+                        "(all by default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot, gated")
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot, gated, rope")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
                                + (f" --shapes {args.shapes}" if args.shapes else "")}
-    sections = {"tiles": tiles, "step_gemvs": step_gemvs, "step_norms": step_norms, "step_folds": step_folds,
-                "step_left_norm": step_left_norm,
+    shapes = [s for s in args.shapes.split(",") if s] or None
+    sections = {"tiles": lambda: tiles(shapes), "step_gemvs": step_gemvs, "step_norms": step_norms,
+                "step_folds": step_folds, "step_left_norm": step_left_norm,
                 "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha,
-                "idot": lambda: idot([s for s in args.shapes.split(",") if s] or None), "gated": gated}
+                "idot": lambda: idot(shapes), "gated": gated, "rope": rope}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

@@ -703,6 +703,13 @@ def test_fused_norm_and_rope_kernels(target):
     got = gpu.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin)
     for a, b in zip(got, ref.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin), strict=True):
         assert _rel(a, b) < tol
+    # blocks of heads per program: one head, a block past q's 3 heads, a block wider than k's one head; with the norm
+    for tile in ((1, 1), (2, 1), (4, 2)):
+        for weights, reference in ((None, ref.rope_qk(q, k, cos, sin)),
+                                   ((qw, kw), ref.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin))):
+            got = gpu._rope(q, k, cos, sin, 1, weights, (1e-6, 1e-5), tile)
+            for a, b in zip(got, reference, strict=True):
+                assert _rel(a, b) < tol
     positions = torch.randint(0, 8000, (3, 2, 9), device=device)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, device=device).float() / 16))
     streams = ref.mrope_streams([2, 3, 3])

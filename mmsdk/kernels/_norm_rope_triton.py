@@ -40,39 +40,44 @@ def add_rms_norm(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, H, sx, sr, so, ss, eps,
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, w_ptr, c1, c2, s1, s2, base_x, base_o, sxh, soh, heads, HALF, eps, D,
+def _rotate_heads(x_ptr, o_ptr, w_ptr, c1, c2, s1, s2, base_x, base_o, sxh, soh, h0, heads, HALF, eps, D,
                   NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """RoPE (after an optional per-head RMSNorm) of ``heads`` heads of one token, in two half-rows."""
-    rh = tl.arange(0, BLOCK_HEADS)
+    """RoPE (after an optional per-head RMSNorm) of heads ``h0 .. h0 + BLOCK_HEADS - 1`` of one token, in two
+    half-rows."""
+    hh = h0 + tl.arange(0, BLOCK_HEADS)
     rd = tl.arange(0, BLOCK_D2)
-    for h0 in range(0, heads, BLOCK_HEADS):
-        hh = h0 + rh
-        ok = (hh < heads)[:, None] & (rd < HALF)[None, :]
-        src = x_ptr + base_x + hh[:, None].to(tl.int64) * sxh + rd[None, :]
-        x1 = tl.load(src, mask=ok, other=0.0)
-        x2 = tl.load(src + HALF, mask=ok, other=0.0)
-        dtype = x1.dtype
-        a = x1.to(tl.float32)
-        b = x2.to(tl.float32)
-        if NORM:
-            rstd = tl.math.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)
-            w1 = tl.load(w_ptr + rd, mask=rd < HALF, other=0.0).to(tl.float32)
-            w2 = tl.load(w_ptr + HALF + rd, mask=rd < HALF, other=0.0).to(tl.float32)
-            a = (w1[None, :] * (a * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            b = (w2[None, :] * (b * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        o1 = a * c1[None, :] - b * s1[None, :]
-        o2 = b * c2[None, :] + a * s2[None, :]
-        dst = o_ptr + base_o + hh[:, None].to(tl.int64) * soh + rd[None, :]
-        tl.store(dst, o1.to(dtype), mask=ok)
-        tl.store(dst + HALF, o2.to(dtype), mask=ok)
+    ok = (hh < heads)[:, None] & (rd < HALF)[None, :]
+    src = x_ptr + base_x + hh[:, None].to(tl.int64) * sxh + rd[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    dtype = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)
+        w1 = tl.load(w_ptr + rd, mask=rd < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + rd, mask=rd < HALF, other=0.0).to(tl.float32)
+        a = (w1[None, :] * (a * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        b = (w2[None, :] * (b * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    o1 = a * c1[None, :] - b * s1[None, :]
+    o2 = b * c2[None, :] + a * s2[None, :]
+    dst = o_ptr + base_o + hh[:, None].to(tl.int64) * soh + rd[None, :]
+    tl.store(dst, o1.to(dtype), mask=ok)
+    tl.store(dst + HALF, o2.to(dtype), mask=ok)
 
 
 @triton.jit
 def rope_qk(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, L, HQ, HK, HALF, D,
             sqb, sqh, sql, skb, skh, skl, sob_q, soh_q, sol_q, sob_k, soh_k, sol_k, scb, scl, eps_q, eps_k,
             NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """One token (batch b, position l): every q and k head rotated by that token's cos/sin row."""
+    """One token (batch b, position l; program axis 0) and one block of ``BLOCK_HEADS`` of its q or k heads
+    (axis 1: q's blocks, then k's), rotated by that token's cos/sin row.
+
+    Blocks of heads rather than a program per token: a single token (the decode step) is then spread over several
+    programs whose loads are in flight together, instead of one program rotating q and then k.
+    """
     pid = tl.program_id(0)
+    block = tl.program_id(1)
     b = (pid // L).to(tl.int64)
     l_ = (pid % L).to(tl.int64)
     rd = tl.arange(0, BLOCK_D2)
@@ -82,10 +87,13 @@ def rope_qk(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, L, H
     c2 = tl.load(cos_ptr + trig + HALF + rd, mask=dm, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + trig + rd, mask=dm, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + trig + HALF + rd, mask=dm, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, qo_ptr, qw_ptr, c1, c2, s1, s2, b * sqb + l_ * sql, b * sob_q + l_ * sol_q, sqh, soh_q,
-                  HQ, HALF, eps_q, D, NORM, BLOCK_HEADS, BLOCK_D2)
-    _rotate_heads(k_ptr, ko_ptr, kw_ptr, c1, c2, s1, s2, b * skb + l_ * skl, b * sob_k + l_ * sol_k, skh, soh_k,
-                  HK, HALF, eps_k, D, NORM, BLOCK_HEADS, BLOCK_D2)
+    q_blocks = tl.cdiv(HQ, BLOCK_HEADS)
+    if block < q_blocks:
+        _rotate_heads(q_ptr, qo_ptr, qw_ptr, c1, c2, s1, s2, b * sqb + l_ * sql, b * sob_q + l_ * sol_q, sqh, soh_q,
+                      block * BLOCK_HEADS, HQ, HALF, eps_q, D, NORM, BLOCK_HEADS, BLOCK_D2)
+    else:
+        _rotate_heads(k_ptr, ko_ptr, kw_ptr, c1, c2, s1, s2, b * skb + l_ * skl, b * sob_k + l_ * sol_k, skh, soh_k,
+                      (block - q_blocks) * BLOCK_HEADS, HK, HALF, eps_k, D, NORM, BLOCK_HEADS, BLOCK_D2)
 
 
 @triton.jit

@@ -7,8 +7,8 @@ else runs the reference op, and the ``mmsdk.kernels`` log says so once per reaso
 
 * :func:`add_rms_norm`: one pass over a row reads x and the residual, writes their sum and the
   normalized sum (three tensors of traffic instead of the reference's eight).
-* :func:`rope_qk` / :func:`rms_norm_rope_qk`: one program per token rotates all q and k heads with
-  that token's cos/sin row (read once), optionally after a per-head RMSNorm.
+* :func:`rope_qk` / :func:`rms_norm_rope_qk`: each program rotates a block of one token's q or k heads with
+  that token's cos/sin row, optionally after a per-head RMSNorm (:func:`rope_tile` sizes the blocks).
 * :func:`mrope_cos_sin`: M-RoPE tables, each frequency slot reading its own position stream.
 """
 
@@ -95,8 +95,23 @@ def _bhl(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int, int, int, 
     return x.shape[2], x.shape[1], x.stride(0), x.stride(2), x.stride(1), 0
 
 
+def rope_tile(tokens: int, heads: int, half: int) -> tuple[int, int]:
+    """(heads per program, warps) of the RoPE kernel for ``tokens`` tokens of ``heads`` q + k heads.
+
+    Up to 2048 values of a half-row tile per program (4 warps); where few tokens would leave few programs, the
+    blocks shrink (to 2 heads of 64 pairs at least) until about 256 programs run, so that a decode step's single
+    token is rotated by many programs with their loads in flight together.
+    """
+    block_d2 = _pow2(half)
+    block = max(1, min(_pow2(heads), 2048 // block_d2))
+    while block > 1 and block * block_d2 > 128 and tokens * 2 * -(-heads // block) < 256:
+        block //= 2
+    return block, max(1, min(4, block * block_d2 // 256))
+
+
 def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
-          weights: tuple[torch.Tensor, torch.Tensor] | None, eps: tuple[float, float]) -> tuple[torch.Tensor, ...]:
+          weights: tuple[torch.Tensor, torch.Tensor] | None, eps: tuple[float, float],
+          tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
     batch, dim = q.shape[0], q.shape[-1]
     hq, length, sqb, sqh, sql, _ = _bhl(q, unsqueeze_dim)
     hk, _, skb, skh, skl, _ = _bhl(k, unsqueeze_dim)
@@ -108,13 +123,13 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     _, _, oqb, oqh, oql, _ = _bhl(q_out, unsqueeze_dim)
     _, _, okb, okh, okl, _ = _bhl(k_out, unsqueeze_dim)
     qw, kw = weights if weights is not None else (cos, cos)
-    block_d2 = _pow2(dim // 2)
-    _kernels().rope_qk[(batch * length,)](
+    block_heads, warps = tile or rope_tile(batch * length, max(hq, hk), dim // 2)
+    blocks = -(-hq // block_heads) + -(-hk // block_heads)
+    _kernels().rope_qk[(batch * length, blocks)](
         q, k, q_out, k_out, cos, sin, qw, kw, length, hq, hk, dim // 2, dim,
         sqb, sqh, sql, skb, skh, skl, oqb, oqh, oql, okb, okh, okl, cos.stride(0), cos.stride(1),
         float(eps[0]), float(eps[1]),
-        NORM=weights is not None, BLOCK_HEADS=max(1, min(_pow2(max(hq, hk)), 2048 // block_d2)), BLOCK_D2=block_d2,
-        num_warps=4,
+        NORM=weights is not None, BLOCK_HEADS=block_heads, BLOCK_D2=_pow2(dim // 2), num_warps=warps,
     )
     return q_out, k_out
 
