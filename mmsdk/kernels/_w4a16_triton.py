@@ -17,6 +17,7 @@ from mmsdk.kernels._gemv_quad_triton import (
     load_norm_parts,
     rms_from_parts,
 )
+from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 __all__ = ["dequant", "fused", "gemv", "gemv_idot", "gemv_idot_gated", "gemv_mma", "gemv_quad", "gemv_quad_gated",
            "quantize_activations", "split_gated", "split_sum"]
@@ -181,11 +182,13 @@ def gemv(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_
 @triton.jit
 def split_sum(p_ptr, b_ptr, r_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, g_ptr=None, scaled_ptr=None, sq_ptr=None, n_parts=0,
-              LEAVE_NORM: tl.constexpr = False):
+              LEAVE_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``; programs
     ``(column block, row)``); with ``HAS_RESIDUAL`` that product plus the residual ``r`` (:func:`add_residual`);
     with ``LEAVE_NORM`` the statistics of the RMSNorm that reads ``out`` as well (:func:`leave_norm_statistics`,
-    one part per column block)."""
+    one part per column block). With ``PDL`` the launch overlaps the GEMV's tail and the next kernel's first loads
+    overlap this one (mmsdk/kernels/_pdl_triton.py)."""
+    wait_for_inputs(PDL)
     part, row = tl.program_id(0), tl.program_id(1)
     columns = part * BLOCK + tl.arange(0, BLOCK)
     ok = columns < N
@@ -203,14 +206,15 @@ def split_sum(p_ptr, b_ptr, r_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIA
 
 @triton.jit
 def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, sq_ptr=None, n_parts=0, K_in=1,
-                eps=0.0, PARTS: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False):
+                eps=0.0, PARTS: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False, PDL: tl.constexpr = False):
     """``out = silu(gate) * up`` from fp32 partials ``p [SPLITS, M, 2N]`` (gate at columns < N, up after).
 
     SiLU and the product run in fp32 and are rounded once (transformers rounds the SiLU output and
     the product to the model dtype separately: the difference is one bf16 rounding). With ``ROW_SCALE`` (one row)
     both sums are scaled by the row's ``1 / rms`` first: the GEMV read an RMSNorm's input times its weight, whose
-    statistics the kernel before it left (:func:`load_norm_parts`).
+    statistics the kernel before it left (:func:`load_norm_parts`). ``PDL`` as in :func:`split_sum`.
     """
+    wait_for_inputs(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < MN
     at = (r // N) * (2 * N) + r % N

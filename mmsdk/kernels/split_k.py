@@ -25,13 +25,14 @@ def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
     channels)."""
     import triton
 
-    from mmsdk.kernels import _w4a16_triton
+    from mmsdk.kernels import _w4a16_triton, pdl_ready
 
     m, n = out.shape
     block = 1024
+    pdl = pdl_ready(out)  # launched while the GEMV drains; the next kernel's first loads overlap this one
     if paired:
         _w4a16_triton.split_gated[(triton.cdiv(m * n, block),)](
-            partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, num_warps=4,
+            partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4,
             **(row_scale_arguments(row_scale, k_in) | ({"K_in": k_in} if row_scale is not None else {})))
     else:
         parts = triton.cdiv(n, block)
@@ -39,7 +40,8 @@ def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
         _w4a16_triton.split_sum[(parts, m)](partials, bias if bias is not None else partials,
                                             residual if residual is not None else partials, out, m * n, n,
                                             SPLITS=n_splits, HAS_BIAS=bias is not None,
-                                            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4, **leaving)
+                                            HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl,
+                                            num_warps=4, **leaving)
 
 
 def _ceil(a: int, b: int) -> int:
