@@ -133,9 +133,16 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
     step = kept(model).step
     assert counts == {"build": 1, "capture": 1} and step is not None
     _assert_agrees(got, _greedy(model, inputs, 40))
-    # the same call again through generate(): the kept graph replays from token 2 on (the first call's token 2
-    # came from the eager warm-up step: same kernels, so the same tokens)
-    assert torch.equal(model.generate(**inputs, max_new_tokens=40), got)
+    # the same call again through generate(): the kept graph replays from token 1 on (the first call's token 1
+    # came from the eager warm-up step: same kernels, so the same tokens), and the language model runs eagerly only
+    # for the prefill (the forward for the first decode token stops where it would start)
+    ran = []
+    handle = opt.adapter.language_model(model).register_forward_hook(lambda *_: ran.append(1))
+    try:
+        assert torch.equal(model.generate(**inputs, max_new_tokens=40), got)
+    finally:
+        handle.remove()
+    assert len(ran) == 1
     other = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS, seed=3).items()}
     again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 33}).run()  # other images, fewer tokens
     assert kept(model).step is step and counts == {"build": 1, "capture": 1}  # reused: no warm-up, no capture
@@ -390,8 +397,9 @@ def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, sess
     assert kept(model) is not state and kept(model).capacity > state.capacity and counts["capture"] == 2
     _fast(opt, inputs, 2 * state.capacity)
     big = kept(model)
-    _fast(opt, inputs, 3)  # needs far less than the big cache: attention over it would cost more than a rebuild
-    assert kept(model) is not big and kept(model).capacity < big.capacity and kept(model).step is None  # 3: no replay
+    _fast(opt, inputs, 2)  # needs far less than the big cache: attention over it would cost more than a rebuild
+    # 2 tokens: the prefill picks token 0, the warm-up step writes token 1, so nothing is replayed or captured
+    assert kept(model) is not big and kept(model).capacity < big.capacity and kept(model).step is None
     single = tiny_inputs(opt.processor, QUESTIONS[:1])
     _fast(opt, single, 5)  # another batch size
     assert kept(model).tokens.shape[0] == 1 and counts == {"build": 5, "capture": 4}

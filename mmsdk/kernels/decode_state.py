@@ -11,13 +11,14 @@ compares with the kept state:
   whose dtype and storage change when the model is converted or moved);
 * the cache capacity (:func:`fits`).
 
-After its first decode step (eager, through the model) it compares with the kept step: the
-:func:`signature` of the arguments the language model received, and a :class:`Watch` of every
-module of the language model, embedding and LM head with its forward overrides, hooks, parameters
-and buffers (a pass that replaced a module, or a ``.to()`` that moved a weight, stales a graph).
+After its prefill (and the model's forward for the first decode token, stopped where the language
+model would run) it compares with the kept step: the :func:`signature` of the arguments the language
+model receives, and a :class:`Watch` of every module of the language model, embedding and LM head
+with its forward overrides, hooks, parameters and buffers (a pass that replaced a module, or a
+``.to()`` that moved a weight, stales a graph).
 
 A difference before the prefill drops the kept state (first, so its memory can serve the new one)
-and builds a new one; a difference after the first step builds and captures the step again, in the
+and builds a new one; a difference in the step builds and captures the step again, in the
 kept cache. :func:`release` frees everything on request. The state lives in the model's ``__dict__``: nothing is kept
 at module level.
 """
