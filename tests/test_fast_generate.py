@@ -134,15 +134,16 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
     assert counts == {"build": 1, "capture": 1} and step is not None
     _assert_agrees(got, _greedy(model, inputs, 40))
     # the same call again through generate(): the kept graph replays from token 1 on (the first call's token 1
-    # came from the eager warm-up step: same kernels, so the same tokens), and the language model runs eagerly only
-    # for the prefill (the forward for the first decode token stops where it would start)
-    ran = []
-    handle = opt.adapter.language_model(model).register_forward_hook(lambda *_: ran.append(1))
+    # came from the eager warm-up step: same kernels, so the same tokens); the model's forward runs to its end
+    # only for the prefill (the one for the first decode token stops where the language model would start). The
+    # hook sits on the outer model: one on the language model would stale the kept step (its Watch sees hooks).
+    finished = []
+    handle = model.register_forward_hook(lambda *_: finished.append(1))
     try:
         assert torch.equal(model.generate(**inputs, max_new_tokens=40), got)
     finally:
         handle.remove()
-    assert len(ran) == 1
+    assert len(finished) == 1 and counts == {"build": 1, "capture": 1}
     other = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS, seed=3).items()}
     again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 33}).run()  # other images, fewer tokens
     assert kept(model).step is step and counts == {"build": 1, "capture": 1}  # reused: no warm-up, no capture
@@ -381,6 +382,15 @@ def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, sess
     first_answer = _fast(opt, inputs, 7)
     kept_answer, state = first_answer.clone(), kept(model)
     assert counts == {"build": 1, "capture": 1} and state.capacity == capacity_for(prompt + 8)
+    # the model's forward runs to its end for the prefill only: the one for the first decode token stops where the
+    # language model would start, and the kept step makes every new token
+    finished = []
+    handle = model.register_forward_hook(lambda *_: finished.append(1))
+    try:
+        again = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 7}, graphs=False).run()
+    finally:
+        handle.remove()
+    assert torch.equal(again, first_answer) and finished == [1] and kept(model).step is state.step
     step, cache, tokens = state.step, state.cache, state.tokens
     most = state.capacity - prompt - 1  # the most new tokens the kept cache holds for this prompt
     other_images = tiny_inputs(opt.processor, QUESTIONS, seed=3)
