@@ -858,7 +858,7 @@ def rope(rounds: int = 5) -> list[dict[str, Any]]:
             for name, call in calls.items():
                 times[name].append(gtime(call))
         us = {name: statistics.median(t) for name, t in times.items()}
-        row: dict[str, Any] = {"tokens": tokens, "default_tile": gpu.rope_tile(tokens, 32, 64),
+        row: dict[str, Any] = {"tokens": tokens, "default_tile": gpu.rope_tile(tokens, 32, 32, 64),
                                "default_us": us["default"], "eager_us": us["eager"], "liger_us": us.get("liger"),
                                "rounds": {str(name): t for name, t in times.items()}, "tiles": []}
         for tile in ROPE_TILES:

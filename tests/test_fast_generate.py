@@ -134,9 +134,10 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
     assert counts == {"build": 1, "capture": 1} and step is not None
     _assert_agrees(got, _greedy(model, inputs, 40))
     # the same call again through generate(): the kept graph replays from token 1 on (the first call's token 1
-    # came from the eager warm-up step: same kernels, so the same tokens); the model's forward runs to its end
-    # only for the prefill (the one for the first decode token stops where the language model would start). The
-    # hook sits on the outer model: one on the language model would stale the kept step (its Watch sees hooks).
+    # came from the eager warm-up step: the same kernels' arithmetic, so the same tokens); the model's forward runs
+    # to its end only for the prefill (the one for the first decode token stops where the language model would
+    # start). The hook sits on the outer model: one on the language model would stale the kept step (its Watch sees
+    # hooks).
     finished = []
     handle = model.register_forward_hook(lambda *_: finished.append(1))
     try:
@@ -288,6 +289,50 @@ def _assert_agrees(got, expected):
     """bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie."""
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()
     assert got.shape[0] == expected.shape[0] and agree > 0.9, (agree, got, expected)
+
+
+@pytest.mark.parametrize("name,passes", [("tiny:llava", ("token-prune",)), ("tiny:llava", ("token-merge", "int4-kv")),
+                                         ("tiny:qwen2-vl", ("token-prune",))])
+def test_decode_positions_continue_the_unpruned_prompt(name, passes, session, tiny):
+    """Every decode token is rotated at the position transformers gives it with the passes (the prompt's length
+    before pruning plus the tokens so far), not at the pruned cache's length: the logits of a tiny model can keep
+    their argmax at a wrong position, so the positions themselves are compared."""
+    opt, inputs = _optimized(tiny, session, name, passes)
+    positions = []
+    rotary = opt.adapter.language_model(opt.model).rotary_emb
+    handle = rotary.register_forward_hook(  # position_ids: rotary_emb(x, position_ids), by position or by name
+        lambda module, args, kwargs, out: positions.append(int((args[1:] or [kwargs["position_ids"]])[0].max())),
+        with_kwargs=True)
+    try:
+        expected, reference = _greedy(opt.model, inputs, 5), list(positions)
+        positions.clear()
+        got = _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 5}, graphs=False).run()
+    finally:
+        handle.remove()
+    # the prefill's last position, then one more per step (LLaVA: the unpruned prompt's length - 1 first; Qwen2-VL's
+    # M-RoPE numbers an image's tokens by its grid, so fewer)
+    assert reference == list(range(reference[0], reference[0] + 5))
+    assert name != "tiny:llava" or reference[0] == inputs["input_ids"].shape[1] - 1
+    assert torch.equal(got, expected) and positions == reference
+
+
+def test_rows_pruned_to_different_lengths_refuse_the_captured_step(session, tiny, monkeypatch):
+    """A cache with padding inside (pruning kept fewer tokens in one row) needs the attention mask the captured
+    step does not pass: the fast path refuses, so generate() runs transformers' loop."""
+    from mmsdk.plugins import _runtime
+
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ("token-prune",))
+    translate = _runtime.ModelRuntime._translate
+
+    def padded(self, kwargs, *args):  # the decode step's mask as a row pruned to one token fewer leaves it
+        translate(self, kwargs, *args)
+        kwargs["attention_mask"] = kwargs["attention_mask"].clone()
+        kwargs["attention_mask"][0, 0] = 0
+
+    monkeypatch.setattr(_runtime.ModelRuntime, "_translate", padded)
+    with pytest.raises(fast_generate._Unsupported, match="different numbers of tokens per row"):
+        _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False).run()
+    assert kept(opt.model) is None  # nothing half-built is kept
 
 
 @pytest.mark.parametrize("passes", [("token-prune",), ("token-prune", "int4-kv"), ("token-merge", "int4-kv")])

@@ -703,6 +703,9 @@ def test_fused_norm_and_rope_kernels(target):
     got = gpu.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin)
     for a, b in zip(got, ref.rms_norm_rope_qk(q, k, qw, kw, (1e-6, 1e-5), cos, sin), strict=True):
         assert _rel(a, b) < tol
+    # the blocks the launcher picks: LLaVA-1.5-7B's 32 + 32 heads of 128, Qwen2-VL-7B's 28 + 4 (as measured)
+    assert gpu.rope_tile(1, 32, 32, 64) == gpu.rope_tile(64, 32, 32, 64) == (16, 4)
+    assert gpu.rope_tile(132, 32, 32, 64) == gpu.rope_tile(4096, 28, 4, 64) == (32, 4)
     # blocks of heads per program: one head, a block past q's 3 heads, a block wider than k's one head; with the norm
     for tile in ((1, 1), (2, 1), (4, 2)):
         for weights, reference in ((None, ref.rope_qk(q, k, cos, sin)),

@@ -9,12 +9,14 @@ decoding without padding, it runs:
    prefill runs in chunks of ``PREFILL_TOKENS`` tokens over all rows of the batch (only the last
    position's logits are kept), so the prefill's transient activations (attention scores, MLP
    intermediates) scale with the chunk, not with the prompt or the batch;
-2. the model's forward once more for the first decode token, stopped where the language model would
-   run: what the language model receives on a decode step (embeddings, positions, cross-attention
-   inputs) is recorded as the model makes it, without running the language model eagerly;
-3. every decode step by replaying one CUDA graph that embeds the last token, runs the language model
-   and the LM head, takes the argmax and advances the positions, all on the device; the host checks
-   for end-of-sequence every ``CHECK_EVERY`` steps.
+2. the model's forward once more for the first decode token, stopped where the language model's own
+   body would run: what the language model receives on a decode step (embeddings, cross-attention
+   inputs) and the positions the passes' wrappers give it (token pruning's continue the prompt as it
+   was before pruning) are recorded, without running the language model eagerly;
+3. every decode token from the first on by one CUDA graph that embeds the last token, runs the
+   language model and the LM head, takes the argmax and advances the positions, all on the device
+   (replayed; on a call that builds the graph, its eager warm-up run makes the first token); the host
+   checks for end-of-sequence every ``CHECK_EVERY`` steps.
 
 The static cache, the step's buffers and its graph stay on the model for the next call whose
 shapes fit (:mod:`mmsdk.kernels.decode_state`), which then pays only for its prefill and the graph's
@@ -270,7 +272,7 @@ class _Generator:
             raise
 
     def _generate(self, state: DecodeState) -> torch.Tensor:
-        """Prefill and the first step through the model, then the decode steps: prompt + new tokens."""
+        """Prefill through the model, then the decode steps: prompt + new tokens."""
         tokens = state.tokens[:, : self.new_tokens]
         state.tokens.fill_(state.pad)  # columns after an early stop stay pad
         state.finished.zero_()
@@ -285,28 +287,44 @@ class _Generator:
     def _step_arguments(self, token: torch.Tensor, cache: Any) -> dict[str, Any]:
         """What the language model receives on the decode step of ``token``, as the model's forward makes it.
 
-        The forward stops where the language model would start (a pre-hook records its arguments and raises), so
-        the first decode token costs a replay of the step's graph instead of an eager pass through every layer
-        (on an H200, LLaVA-1.5-7B with int4 weights and KV: ~50 ms eager against ~2 ms replayed).
+        The forward stops where the language model's body would start, so the first decode token costs a replay
+        of a kept graph (or, on a call that builds one, its eager warm-up run) instead of one more eager pass
+        through every layer (on an H200, LLaVA-1.5-7B with int4 weights and KV: ~50 ms eager, ~2 ms replayed).
+        The arguments are taken before the passes' forward wrappers, which the step runs again (a cross-attention
+        reducer must see the states once); the positions after them: token pruning's wrapper renumbers a decode
+        step's positions to continue the unpruned prompt, which it does only inside the model's forward.
         """
+        from mmsdk.plugins._forward import innermost_override
+
         language = self.adapter.language_model(self.model)
         seen: dict[str, Any] = {}
+        body: dict[str, Any] = {}
 
         def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             seen.update(kwargs)
+
+        def stop(*args: Any, **kwargs: Any) -> None:
+            body.update(kwargs)
             raise _Recorded
 
         self.first_position = int(cache.get_seq_length())
         handle = language.register_forward_pre_hook(record, with_kwargs=True)
         try:
-            # no mask: the batch has no padding, and a 2-D mask makes some models rebuild all positions
-            self.model(input_ids=token[:, None], **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
+            with innermost_override(language, lambda forward: stop):
+                # no mask: the batch has no padding, and a 2-D mask makes some models rebuild all positions
+                self.model(input_ids=token[:, None], **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
         except _Recorded:
             pass
         finally:
             handle.remove()
-        if seen.get("inputs_embeds") is None:
+        if seen.get("inputs_embeds") is None or not body:
             raise _Unsupported("the language model got no inputs_embeds on a decode step")
+        mask = body.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+            raise _Unsupported("token pruning kept different numbers of tokens per row, so the cache holds padding "
+                               "that the captured step (no attention mask) would attend to")
+        if isinstance(body.get("position_ids"), torch.Tensor):
+            seen["position_ids"] = body["position_ids"]
         return seen
 
     def _decode(self, state: DecodeState, seen: dict[str, Any]) -> None:

@@ -95,18 +95,22 @@ def _bhl(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int, int, int, 
     return x.shape[2], x.shape[1], x.stride(0), x.stride(2), x.stride(1), 0
 
 
-def rope_tile(tokens: int, heads: int, half: int) -> tuple[int, int]:
-    """(heads per program, warps) of the RoPE kernel for ``tokens`` tokens of ``heads`` q + k heads.
+ROPE_MIN_PROGRAMS = 264  # about two per multiprocessor on an H100/H200: below this, RoPE takes smaller head blocks
 
-    Up to 2048 values of a half-row tile per program (4 warps); where few tokens would leave fewer than 264
-    programs, 1024 values. Measured on an H200 (benchmarks/gpu_kernel_sweeps.py rope, 32 + 32 heads of 128): at 16
+
+def rope_tile(tokens: int, q_heads: int, k_heads: int, half: int) -> tuple[int, int]:
+    """(heads per program, warps) of the RoPE kernel for ``tokens`` tokens of ``q_heads`` + ``k_heads`` heads.
+
+    Up to 2048 values of a half-row tile per program (4 warps); where fewer than ``ROPE_MIN_PROGRAMS`` programs
+    would run, 1024 values. Measured on an H200 (benchmarks/gpu_kernel_sweeps.py rope, 32 + 32 heads of 128): at 16
     tokens 16 heads per program (4 warps) ran 1.86 µs against 2.00 for 32 and 2.3-2.4 for 4-8; at one token 16, 2
     and 1 heads ran 1.64-1.67 µs (launch-bound), 4-8 heads 2.1-2.2 and 32 heads 1.78-1.82; at 4096 tokens 32 heads
     ran 36.5 µs against 38.8 for 16.
     """
     block_d2 = _pow2(half)
-    block = max(1, min(_pow2(heads), 2048 // block_d2))
-    while block > 1 and block * block_d2 > 1024 and tokens * 2 * -(-heads // block) < 264:
+    block = max(1, min(_pow2(max(q_heads, k_heads)), 2048 // block_d2))
+    while (block > 1 and block * block_d2 > 1024
+           and tokens * (-(-q_heads // block) + -(-k_heads // block)) < ROPE_MIN_PROGRAMS):
         block //= 2
     return block, max(1, min(4, block * block_d2 // 256))
 
@@ -125,7 +129,7 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     _, _, oqb, oqh, oql, _ = _bhl(q_out, unsqueeze_dim)
     _, _, okb, okh, okl, _ = _bhl(k_out, unsqueeze_dim)
     qw, kw = weights if weights is not None else (cos, cos)
-    block_heads, warps = tile or rope_tile(batch * length, max(hq, hk), dim // 2)
+    block_heads, warps = tile or rope_tile(batch * length, hq, hk, dim // 2)
     blocks = -(-hq // block_heads) + -(-hk // block_heads)
     _kernels().rope_qk[(batch * length, blocks)](
         q, k, q_out, k_out, cos, sin, qw, kw, length, hq, hk, dim // 2, dim,
