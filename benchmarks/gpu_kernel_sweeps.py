@@ -71,13 +71,25 @@ TILES = [(8, 128, 4, 1, "quad", 528), (16, 64, 2, 1, "quad", 528), (8, 64, 2, 1,
          (8, 128, 2, 1, "quad", 528), (4, 64, 1, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)]
 
 
+def _one_row_problem(name: str) -> tuple[Any, torch.Tensor, torch.Tensor, float]:
+    """Shape ``name`` of SHAPES at g128, random: (packed weight, one bf16 activation row, their fp32 product, bf16
+    cuBLAS µs on a weight of that shape read from HBM)."""
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    n, k = SHAPES[name]
+    packed = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    expected = x.float() @ dequantize_int4(packed, torch.float32).T
+    return packed, x, expected, gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense))
+
+
 def tiles(shapes: list[str] | None = None) -> list[dict[str, Any]]:
     """The tuner's pick and every tile of TILES per shape: time, error, packed bytes per second (``shapes``: keys of
     SHAPES, all by default; when given, the three leading tiles at 264, 528, 1056 and 1584 programs and two "idot" tiles
     instead, and the gated rows are left out)."""
     from mmsdk.kernels.w4a16 import w4a16_gemv
     from mmsdk.kernels.w4a16_tuning import tuning
-    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     configs = TILES
     if shapes:  # the three leading tiles and two "idot" tiles at more K-slice targets
@@ -86,13 +98,10 @@ def tiles(shapes: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for name in shapes or SHAPES:
         n, k = SHAPES[name]
-        p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        expected = x.float() @ dequantize_int4(p, torch.float32).T
+        p, x, expected, bf16_us = _one_row_problem(name)
         out = w4a16_gemv(x, p.qweight, p.scales, None, 128)
         row: dict[str, Any] = {
-            "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
+            "shape": name, "bf16_us": bf16_us,
             "tuned": {"us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
                       "rel_err": rel(out, expected),
                       "cfg": tuning().chosen.get(("gemv", 1, n, k // 128, 128, torch.bfloat16, False, False,
@@ -142,17 +151,13 @@ def idot(shapes: list[str] | None = None) -> list[dict[str, Any]]:
     all by default; when given, the first four tiles are also timed at 1056 and 2112 programs)."""
     from mmsdk.kernels.gemv_idot import quantize_row_activations
     from mmsdk.kernels.w4a16 import w4a16_gemv
-    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
     for name in shapes or SHAPES:
-        n, k = SHAPES[name]
-        p = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        expected = x.float() @ dequantize_int4(p, torch.float32).T
+        k = SHAPES[name][1]
+        p, x, expected, bf16_us = _one_row_problem(name)
         row: dict[str, Any] = {
-            "shape": name, "bf16_us": gtime(cold(lambda w: torch.nn.functional.linear(x, w), dense)),
+            "shape": name, "bf16_us": bf16_us,
             "tuned_us": gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales)),
             "rounding_us": gtime(lambda: quantize_row_activations(x, k // 8))}
         tiles = IDOT_TILES
