@@ -116,7 +116,8 @@ class _Unsupported(Exception):
 
 
 class _Recorded(Exception):
-    """Raised by the language model's pre-hook once it has recorded a decode step's arguments."""
+    """Raised in place of the language model's body once a decode step's arguments are recorded
+    (:meth:`_Generator._step_arguments`)."""
 
 
 def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -98,6 +98,11 @@ def _bhl(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int, int, int, 
 ROPE_MIN_PROGRAMS = 264  # about two per multiprocessor on an H100/H200: below this, RoPE takes smaller head blocks
 
 
+def _head_blocks(q_heads: int, k_heads: int, block: int) -> int:
+    """Programs per token of the RoPE kernel: q's blocks of ``block`` heads, then k's."""
+    return -(-q_heads // block) + -(-k_heads // block)
+
+
 def rope_tile(tokens: int, q_heads: int, k_heads: int, half: int) -> tuple[int, int]:
     """(heads per program, warps) of the RoPE kernel for ``tokens`` tokens of ``q_heads`` + ``k_heads`` heads.
 
@@ -109,8 +114,7 @@ def rope_tile(tokens: int, q_heads: int, k_heads: int, half: int) -> tuple[int, 
     """
     block_d2 = _pow2(half)
     block = max(1, min(_pow2(max(q_heads, k_heads)), 2048 // block_d2))
-    while (block > 1 and block * block_d2 > 1024
-           and tokens * (-(-q_heads // block) + -(-k_heads // block)) < ROPE_MIN_PROGRAMS):
+    while block > 1 and block * block_d2 > 1024 and tokens * _head_blocks(q_heads, k_heads, block) < ROPE_MIN_PROGRAMS:
         block //= 2
     return block, max(1, min(4, block * block_d2 // 256))
 
@@ -130,8 +134,7 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     _, _, okb, okh, okl, _ = _bhl(k_out, unsqueeze_dim)
     qw, kw = weights if weights is not None else (cos, cos)
     block_heads, warps = tile or rope_tile(batch * length, hq, hk, dim // 2)
-    blocks = -(-hq // block_heads) + -(-hk // block_heads)
-    _kernels().rope_qk[(batch * length, blocks)](
+    _kernels().rope_qk[(batch * length, _head_blocks(hq, hk, block_heads))](
         q, k, q_out, k_out, cos, sin, qw, kw, length, hq, hk, dim // 2, dim,
         sqb, sqh, sql, skb, skh, skl, oqb, oqh, oql, okb, okh, okl, cos.stride(0), cos.stride(1),
         float(eps[0]), float(eps[1]),
