@@ -32,6 +32,9 @@
   statistics): the step's config and every "gated" and "idot" tile of mmsdk.kernels.w4a16_gated, against bf16.
 * ``rope``: the RoPE kernel's blocks of heads per program (mmsdk.kernels.norm_rope_gpu.rope_tile) at 1, 16 and
   4096 tokens, against Liger's RoPE and eager.
+* ``gemv_floor``: per batch-1 GEMV shape, a kernel that only reads the packed weight and its scales (``read_floor``),
+  against the tuner's pick and bf16 cuBLAS: how far each GEMV is from the bytes it must read, and what the 3x-bf16
+  goal leaves for everything but the reads.
 * ``mha``: the same as ``gqa`` for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
   program instead of a second, combine kernel measured slower for every configuration, MHA and GQA, at
   1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
@@ -826,6 +829,27 @@ def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]
             "read_tb_s": 8 * n_words / best / 1e6}
 
 
+def gemv_floor(shapes: list[str] | None = None) -> list[dict[str, Any]]:
+    """Per shape of SHAPES (g128, one row, weights from HBM): bf16 cuBLAS, the tuner's pick, and the read floor of
+    the packed weight + scales (their bytes as one buffer split in two halves for :func:`read_floor`)."""
+    from mmsdk.kernels import l2_spill_copies
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+
+    rows = []
+    for name in shapes or SHAPES:
+        p, x, _, bf16_us = _one_row_problem(name)
+        tuned = gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales))
+        data = torch.cat([p.qweight.reshape(-1).view(torch.uint8), p.scales.reshape(-1).view(torch.uint8)])
+        half = -(-data.numel() // 16) * 8  # two halves of whole int64s (the floor reads int32 words of both)
+        data = torch.nn.functional.pad(data, (0, 2 * half - data.numel()))
+        floor = read_floor([tuple(copy.split(half)) for (copy,) in l2_spill_copies((data,))])
+        rows.append({"shape": name, "bytes": data.numel(), "bf16_us": bf16_us, "tuned_us": tuned,
+                     "floor": floor, "tuned_over_floor": tuned / floor["read_us"],
+                     "bf16_over_floor": bf16_us / floor["read_us"], "goal_3x_us": bf16_us / 3})
+        print(rows[-1], flush=True)
+    return rows
+
+
 # (heads per program, warps) of the RoPE kernel (mmsdk.kernels.norm_rope_gpu.rope_tile picks one per call)
 ROPE_TILES = [(32, 4), (32, 8), (16, 2), (16, 4), (8, 1), (8, 2), (4, 1), (2, 1), (1, 1)]
 
@@ -882,7 +906,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the tiles and idot sections "
                         "(all by default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot, gated, rope")
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot, gated, rope, gemv_floor")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
                                + (f" --shapes {args.shapes}" if args.shapes else "")}
@@ -890,7 +914,8 @@ def main() -> None:
     sections = {"tiles": lambda: tiles(shapes), "step_gemvs": step_gemvs, "step_norms": step_norms,
                 "step_folds": step_folds, "step_left_norm": step_left_norm,
                 "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha,
-                "idot": lambda: idot(shapes), "gated": gated, "rope": rope}
+                "idot": lambda: idot(shapes), "gated": gated, "rope": rope,
+                "gemv_floor": lambda: gemv_floor(shapes)}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 
 

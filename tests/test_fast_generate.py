@@ -76,6 +76,49 @@ def test_chunked_prefill_matches_whole_prefill_on_cpu(name, passes, session, tin
     assert len(prefill) >= 2 and max(prefill) <= 5, calls  # the prefill really ran in chunks of <= 5 tokens
 
 
+@pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:qwen2-vl", ("token-prune",))])
+def test_prefill_chunks_attend_over_the_tokens_written_so_far(name, passes, session, tiny, monkeypatch):
+    """A static cache has room for the whole generation; each prefill chunk must attend over the tokens written
+    before and in it, not over every slot (twice a causal prefill's work), and give transformers' answer."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    opt, inputs = _optimized(tiny, session, name, passes)
+    model = opt.model
+    expected = _greedy(model, inputs, 6)
+    keys: list[int] = []  # the keys of each causal attention call of the prefill
+    masked: list[bool] = []
+    prefilling = [False]
+    sdpa, chunks = F.scaled_dot_product_attention, _Generator._prefill_in_chunks
+
+    def recording(query, key, value, attn_mask=None, *args, **kwargs):
+        if prefilling[0] and (attn_mask is not None or kwargs.get("is_causal", False)):  # not the vision tower's
+            keys.append(key.shape[-2])
+            masked.append(attn_mask is not None)
+        return sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def flagged(self, cache):
+        prefilling[0] = True
+        with chunks(self, cache):
+            yield
+        prefilling[0] = False
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(_Generator, "_prefill_in_chunks", flagged)
+    generator = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False)
+    generator.prefill_chunk = 5
+    assert torch.equal(generator.run(), expected)
+    layers = len(opt.adapter.decoder_layers(model))
+    ends = keys[::layers]  # one entry per chunk: every layer sees the same lengths
+    assert keys == [end for end in ends for _ in range(layers)]
+    prompt = int(kept(model).cache.get_seq_length()) - 5  # the prompt and the 5 new tokens fed back (of 6)
+    assert len(ends) >= 2 and ends == [min(5 * (i + 1), prompt) for i in range(len(ends))] and ends[-1] == prompt
+    assert masked[0] is False  # the first chunk holds all its keys: plain causal attention, no mask
+    assert all("update" not in vars(layer) for layer in kept(model).cache.layers)  # the layers' own methods again
+
+
 def test_fast_path_refuses_what_it_does_not_do(tiny):
     model = tiny("tiny:llava").model
     inputs = tiny_inputs(tiny("tiny:llava").processor, QUESTIONS)

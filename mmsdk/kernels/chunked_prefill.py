@@ -6,18 +6,24 @@ the passes' forward wrappers, so token pruning still sees the whole prompt. Its 
 hears the prompt length the language model actually receives, before anything runs, which is when
 :func:`size_static_cache` fits a new cache to it (token pruning may have cut the prompt that
 ``input_ids`` sized the cache for).
+
+A static cache hands attention all its slots, with a mask over the empty ones, so every prefill chunk
+would attend over the whole capacity; :func:`filled_prefix` makes transformers' ``StaticCache`` layers
+hand only the tokens written so far (the first chunk, or a whole prompt, then runs as plain causal
+attention).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from mmsdk.kernels.decode_state import capacity_for
 
-__all__ = ["Regrow", "chunked", "size_static_cache"]
+__all__ = ["Regrow", "chunked", "filled_prefix", "size_static_cache"]
 
 # language-model tensor arguments whose token axis chunked prefill knows how to cut
 _CHUNKED_TENSORS = {"inputs_embeds", "attention_mask", "position_ids", "cache_position"}
@@ -27,25 +33,37 @@ class Regrow(Exception):
     """The kept cache is too small for the prompt the language model got (raised before the prefill writes)."""
 
 
-def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None) -> Any:
+def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None, cache: Any = None) -> Any:
     """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens.
 
     Each chunk writes its K/V into the static cache and attends to everything before it; only the
     last chunk's hidden states are returned (the caller keeps the last position's logits only).
     Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
-    ``on_prompt`` hears the prompt length the language model gets, before anything runs.
+    ``on_prompt`` hears the prompt length the language model gets, before anything runs. With ``cache``
+    (empty when the prefill starts, and holding no cross-attention states) each call attends over the
+    tokens written so far only (:func:`filled_prefix`).
     """
+    written = [0]  # tokens this prefill wrote into ``cache``: every call's prompt goes in after the last
+
+    def whole(end: int, *args: Any, **kwargs: Any) -> Any:
+        with filled_prefix(cache, end):
+            return forward(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         embeds = kwargs.get("inputs_embeds")
         mask = kwargs.get("attention_mask")
-        if on_prompt is not None and isinstance(embeds, torch.Tensor):
+        if not isinstance(embeds, torch.Tensor):
+            return forward(*args, **kwargs)
+        if on_prompt is not None:
             on_prompt(embeds.shape[1])
         unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _CHUNKED_TENSORS]
-        if (args or unknown or not isinstance(embeds, torch.Tensor) or embeds.shape[1] <= chunk
-                or (isinstance(mask, torch.Tensor) and mask.dim() != 2)):
+        total, begin = embeds.shape[1], written[0]
+        written[0] += total
+        if isinstance(mask, torch.Tensor) and mask.dim() != 2:  # sized for the whole cache by its maker
             return forward(*args, **kwargs)
-        total, out = embeds.shape[1], None
+        if args or unknown or total <= chunk:
+            return whole(begin + total, *args, **kwargs)
+        out = None
         for start in range(0, total, chunk):
             end = min(start + chunk, total)
             part = dict(kwargs, inputs_embeds=embeds[:, start:end])
@@ -55,10 +73,43 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
                 part["cache_position"] = kwargs["cache_position"][start:end]
             if isinstance(mask, torch.Tensor):
                 part["attention_mask"] = mask[:, :end]
-            out = forward(**part)
+            out = whole(begin + end, **part)
         return out
 
     return run
+
+
+@contextmanager
+def filled_prefix(cache: Any, end: int) -> Iterator[None]:
+    """While inside, ``cache``'s plain ``StaticLayer`` layers return their first ``end`` tokens from ``update`` and
+    size attention masks to them, instead of all ``max_cache_len`` slots with the empty ones masked.
+
+    ``end`` is the number of tokens written once the call inside has written its own. A chunk attends over what is
+    there and no more (the chunks of a long prompt did twice the attention work of one causal prefill), and a
+    call whose tokens are all there is (the first chunk, a whole prompt) gets no mask, so it runs as causal
+    attention. Other layers (sliding-window, mmsdk's packed KV, which sizes its masks itself) are left alone; so is
+    a ``cache`` of None.
+    """
+    from transformers.cache_utils import StaticLayer
+
+    layers = [layer for layer in getattr(cache, "layers", ()) if type(layer) is StaticLayer
+              and not {"update", "get_mask_sizes"} & set(vars(layer))]  # one changed by someone else: left as is
+    for layer in layers:
+        layer.update = _prefix_update(layer.update, end)
+        layer.get_mask_sizes = lambda query_length, *args: (end, 0)
+    try:
+        yield
+    finally:
+        for layer in layers:  # the class's methods again
+            del layer.update, layer.get_mask_sizes
+
+
+def _prefix_update(update: Callable[..., tuple[torch.Tensor, torch.Tensor]], end: int) -> Callable[..., Any]:
+    def first_tokens(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = update(*args, **kwargs)
+        return keys[:, :, :end], values[:, :, :end]
+
+    return first_tokens
 
 
 def size_static_cache(cache: Any, needed: int) -> None:

@@ -246,12 +246,19 @@ class _Generator:
         return state
 
     def _prefill_in_chunks(self, cache: Any) -> AbstractContextManager[None]:
-        """Chunk the language model's prefill inside the passes' wrappers (token pruning sees the whole prompt)."""
+        """Chunk the language model's prefill inside the passes' wrappers (token pruning sees the whole prompt).
+
+        The cache is empty here (new or reset). Where it holds only the language model's own tokens (no
+        cross-attention states), each chunk attends over the tokens written so far, not the whole capacity.
+        """
+        from mmsdk.core.adapter import INLINE_IMAGE_TOKENS
         from mmsdk.plugins._forward import innermost_override
 
         language = self.adapter.language_model(self.model)
+        own_tokens_only = INLINE_IMAGE_TOKENS in self.adapter.capabilities(self.model)
         return innermost_override(
-            language, lambda forward: chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n)))
+            language, lambda forward: chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n),
+                                              cache if own_tokens_only else None))
 
     def _size_cache(self, cache: Any, prompt: int) -> None:
         """Fit the static cache to the prompt the language model gets (see :func:`size_static_cache`)."""
