@@ -5,7 +5,9 @@ The waterfall (gpu_suite.py --sections memory) puts LLaVA-1.5-7B with int4-weigh
 CUDA caching allocator's history recorded, replays the trace to the moment of the peak and lists the live
 allocations there by the Python line that made them (the innermost mmsdk / transformers / torch frame). Then it runs the
 row again for each prefill chunk in ``--chunks`` (tokens over all batch rows; fast generate's PREFILL_TOKENS) and
-reports each peak against the floor.
+reports each peak against the floor, and the time to the first token at that chunk (one new token, median of
+``--reps`` calls), of this row and of the same model in bf16 with no passes (mmsdk's generate either way): what the
+chunk trades. Each chunk is one more pass of the language model through the host's kernel launches.
 
     python benchmarks/gpu_memory_peak.py --out peak.json
 """
@@ -13,7 +15,9 @@ reports each peak against the floor.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 from collections import defaultdict
 from typing import Any
 
@@ -84,6 +88,19 @@ def generate_peak(model: Any, inputs: dict[str, torch.Tensor], chunk: int) -> fl
         fast_generate.PREFILL_TOKENS = saved
 
 
+def first_token_ms(model: Any, inputs: dict[str, torch.Tensor], chunk: int, reps: int) -> float:
+    """Median milliseconds of a one-new-token generate() with prefill chunks of ``chunk`` tokens over all rows."""
+    from benchmarks.gpu_suite import timed_calls
+    from mmsdk.kernels import fast_generate
+
+    saved = fast_generate.PREFILL_TOKENS
+    fast_generate.PREFILL_TOKENS = chunk
+    try:
+        return statistics.median(timed_calls(model.generate, inputs, 1, reps))
+    finally:
+        fast_generate.PREFILL_TOKENS = saved
+
+
 def workspace_per_stream() -> float:
     """Bytes that stay allocated after a first bf16 matmul on a new stream (cuBLAS's workspace for that stream)."""
     a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
@@ -97,14 +114,18 @@ def workspace_per_stream() -> float:
 
 
 def main() -> None:
+    from benchmarks.gpu_models import build_llava, optimized
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="peak.json")
     parser.add_argument("--chunks", default="4096,2048,1024")
+    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     workspace = workspace_per_stream()
     leftover = torch.cuda.memory_allocated()  # not the model's: the peaks below count from it
     model, inputs, floor = build()
-    results: dict[str, Any] = {"command": "python benchmarks/gpu_memory_peak.py --chunks " + args.chunks,
+    command = f"python benchmarks/gpu_memory_peak.py --chunks {args.chunks} --reps {args.reps}"
+    results: dict[str, Any] = {"command": command,
                                "floor_GB": floor / 1e9, "torch": torch.__version__,
                                "kept_after_a_matmul_on_a_new_stream_MB": workspace / 1e6}
     from mmsdk.kernels import fast_generate
@@ -124,10 +145,18 @@ def main() -> None:
     results["trace"]["events"] = len(trace)
     print(json.dumps(results["trace"], indent=1), flush=True)
     results["chunks"] = []
-    for chunk in (int(c) for c in args.chunks.split(",")):
+    chunks = [int(c) for c in args.chunks.split(",")]
+    for chunk in chunks:
         peak = generate_peak(model, inputs, chunk) - leftover
-        results["chunks"].append({"chunk_tokens": chunk, "peak_GB": peak / 1e9, "peak_over_floor": peak / floor})
+        results["chunks"].append({"chunk_tokens": chunk, "peak_GB": peak / 1e9, "peak_over_floor": peak / floor,
+                                  "ttft_ms": first_token_ms(model, inputs, chunk, args.reps)})
         print(results["chunks"][-1], flush=True)
+    model = None
+    gc.collect()  # an optimized model holds reference cycles
+    plain = optimized(build_llava(), (), kv=False)
+    for row in results["chunks"]:
+        row["bf16_ttft_ms"] = first_token_ms(plain, inputs, row["chunk_tokens"], args.reps)
+        print(row, flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
