@@ -101,6 +101,35 @@ def first_token_ms(model: Any, inputs: dict[str, torch.Tensor], chunk: int, reps
         fast_generate.PREFILL_TOKENS = saved
 
 
+def profile_first_token(model: Any, inputs: dict[str, torch.Tensor], chunk: int, top: int = 20) -> dict[str, Any]:
+    """One one-new-token generate() (after a warm one) under torch.profiler: the host's time, the GPU kernels' summed
+    time, and the ``top`` kernels by GPU time (where the prefill goes at this chunk)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mmsdk.kernels import fast_generate
+
+    saved = fast_generate.PREFILL_TOKENS
+    fast_generate.PREFILL_TOKENS = chunk
+    try:
+        model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    finally:
+        fast_generate.PREFILL_TOKENS = saved
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"chunk_tokens": chunk, "wall_ms_profiled": wall * 1e3,
+            "gpu_kernels_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+            "top": [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+                    for e in kernels[:top]]}
+
+
 def workspace_per_stream() -> float:
     """Bytes that stay allocated after a first bf16 matmul on a new stream (cuBLAS's workspace for that stream)."""
     a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
@@ -120,11 +149,13 @@ def main() -> None:
     parser.add_argument("--out", default="peak.json")
     parser.add_argument("--chunks", default="4096,2048,1024")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="also profile one first-token call per chunk")
     args = parser.parse_args()
     workspace = workspace_per_stream()
     leftover = torch.cuda.memory_allocated()  # not the model's: the peaks below count from it
     model, inputs, floor = build()
-    command = f"python benchmarks/gpu_memory_peak.py --chunks {args.chunks} --reps {args.reps}"
+    command = (f"python benchmarks/gpu_memory_peak.py --chunks {args.chunks} --reps {args.reps}"
+               + (" --profile" if args.profile else ""))
     results: dict[str, Any] = {"command": command,
                                "floor_GB": floor / 1e9, "torch": torch.__version__,
                                "kept_after_a_matmul_on_a_new_stream_MB": workspace / 1e6}
@@ -150,6 +181,8 @@ def main() -> None:
         peak = generate_peak(model, inputs, chunk) - leftover
         results["chunks"].append({"chunk_tokens": chunk, "peak_GB": peak / 1e9, "peak_over_floor": peak / floor,
                                   "ttft_ms": first_token_ms(model, inputs, chunk, args.reps)})
+        if args.profile:
+            results["chunks"][-1]["profile"] = profile_first_token(model, inputs, chunk)
         print(results["chunks"][-1], flush=True)
     model = None
     gc.collect()  # an optimized model holds reference cycles
