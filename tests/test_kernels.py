@@ -666,9 +666,10 @@ def test_code_dequantization_is_bitwise_the_torch_decode(target, fmt):
     device, dtype, _ = target
     if fmt == "fp8" and device == "cpu":
         pytest.skip("Triton's interpreter has no float8 loads")
-    # (batch, heads, head_dim, t_max, length): an odd head_dim (the last byte's high nibble is padding), a length
-    # that is no multiple of the 16-token tile, an empty prefix
-    for batch, heads, dim, t_max, length in ((2, 3, 15, 40, 37), (1, 2, 32, 64, 64), (1, 1, 16, 8, 0)):
+    # (batch, heads, head_dim, t_max, length): an odd head_dim (the last byte's high nibble is padding), lengths
+    # that are no multiple of the 64-token tile (one tile, several), an empty prefix
+    for batch, heads, dim, t_max, length in ((2, 3, 15, 40, 37), (1, 2, 32, 64, 64), (2, 2, 128, 160, 131),
+                                             (1, 1, 16, 8, 0)):
         scale = torch.rand(heads, dim, device=device) * 0.3 + 0.05
         codec = StaticCodec(fmt, scale)
         codes = codec.encode(torch.randn(batch, heads, t_max, dim, device=device) * 0.5).data.contiguous()

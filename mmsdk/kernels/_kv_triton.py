@@ -171,6 +171,8 @@ def dequantize(c_ptr, s_ptr, out_ptr, H, TMAX, ROWS_B, T, D, HDP, so_b, so_h, so
     The same arithmetic as the torch decode (``(q - 8) * s`` or ``q * s`` in fp32, then one rounding), so
     the result is bitwise equal, without its fp32 temporaries the size of the whole prefix. The codes
     may be a run of heads of a larger buffer: a batch row starts ``ROWS_B`` token rows after the last.
+    Even and odd channels are interleaved in registers and stored as whole rows (two stores of every other
+    channel wrote at a tenth of the memory's speed).
     """
     bh = tl.program_id(0)
     h = bh % H
@@ -178,13 +180,13 @@ def dequantize(c_ptr, s_ptr, out_ptr, H, TMAX, ROWS_B, T, D, HDP, so_b, so_h, so
     t_ok = rt < T
     rd = tl.arange(0, BLOCK_HD)
     qe, qo = load_codes(c_ptr, (bh // H).to(tl.int64) * ROWS_B + h * TMAX + rt, t_ok, rd, D, HDP, FMT)
-    de, do = (2 * rd) < D, (2 * rd + 1) < D
-    se = tl.load(s_ptr + h * D + 2 * rd, mask=de, other=0.0)
-    so = tl.load(s_ptr + h * D + 2 * rd + 1, mask=do, other=0.0)
-    dst = out_ptr + (bh // H).to(tl.int64) * so_b + h.to(tl.int64) * so_h + rt[:, None].to(tl.int64) * so_t
+    se = tl.load(s_ptr + h * D + 2 * rd, mask=(2 * rd) < D, other=0.0)
+    so = tl.load(s_ptr + h * D + 2 * rd + 1, mask=(2 * rd + 1) < D, other=0.0)
     kind = out_ptr.dtype.element_ty
-    tl.store(dst + 2 * rd[None, :], (qe * se[None, :]).to(kind), mask=t_ok[:, None] & de[None, :])
-    tl.store(dst + 2 * rd[None, :] + 1, (qo * so[None, :]).to(kind), mask=t_ok[:, None] & do[None, :])
+    row = tl.reshape(tl.join((qe * se[None, :]).to(kind), (qo * so[None, :]).to(kind)), (BLOCK_T, 2 * BLOCK_HD))
+    ch = tl.arange(0, 2 * BLOCK_HD)  # channel 2 * rd + (0 even, 1 odd): join's new last axis, flattened
+    dst = out_ptr + (bh // H).to(tl.int64) * so_b + h.to(tl.int64) * so_h + rt[:, None].to(tl.int64) * so_t
+    tl.store(dst + ch[None, :], row, mask=t_ok[:, None] & (ch < D)[None, :])
 
 
 @triton.jit

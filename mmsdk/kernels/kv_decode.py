@@ -77,7 +77,7 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt: str, length:
     out = torch.empty(b, h, length, dim, device=codes.device, dtype=dtype)
     if length == 0:
         return out
-    block_t = 16
+    block_t = 64
     half = width if fmt == "int4" else (dim + 1) // 2
     _kv_triton.dequantize[(b * h, _ceil_div(length, block_t))](
         codes, scale.contiguous(), out, h, t_max, codes.stride(0) // width, length, dim,
