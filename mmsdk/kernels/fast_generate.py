@@ -59,9 +59,9 @@ __all__ = ["CHECK_EVERY", "PREFILL_TOKENS", "install", "release", "unsupported_r
 CHECK_EVERY = 16
 # tokens of all batch rows per prefill chunk: memory against time to the first token. LLaVA-1.5-7B with int4-weight +
 # int4-kv + token-prune 0.25 at batch 4 x 4096 tokens (H200, benchmarks/gpu_memory_peak.py): chunks of 4096 / 2048 /
-# 1024 peaked at 1.117 / 1.098 / 1.091x its packed floor and took 600 / 712 / 905 ms to the first token (bf16, no
-# passes: 542 / 558 / 620 ms). Every chunk is one more pass through the host's kernel launches and, with a packed KV
-# cache, one more decode of the prefix written so far.
+# 1024 peaked at 1.117 / 1.098 / 1.091x its packed floor and took 520 / 571 / 770 ms to the first token (bf16, no
+# passes: 537 / 544 / 566 ms). Every chunk is one more pass through the host's kernel launches and, with a packed KV
+# cache, one more decode of the prefix written so far; 2048 is the largest chunk within 10% of the floor.
 PREFILL_TOKENS = 2048
 ATTRIBUTE = "_mmsdk_fast_generate"
 _REFUSAL = "_mmsdk_fast_generate_refusal"
