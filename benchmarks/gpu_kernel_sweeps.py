@@ -840,7 +840,7 @@ def gemv_floor(shapes: list[str] | None = None) -> list[dict[str, Any]]:
         p, x, _, bf16_us = _one_row_problem(name)
         tuned = gtime(cold(lambda q, s: w4a16_gemv(x, q, s, None, 128), p.qweight, p.scales))
         data = torch.cat([p.qweight.reshape(-1).view(torch.uint8), p.scales.reshape(-1).view(torch.uint8)])
-        half = -(-data.numel() // 16) * 8  # two halves of whole int64s (the floor reads int32 words of both)
+        half = -(-data.numel() // 32) * 16  # two halves, each 16-byte aligned (the floor reads int32 words of both)
         data = torch.nn.functional.pad(data, (0, 2 * half - data.numel()))
         floor = read_floor([tuple(copy.split(half)) for (copy,) in l2_spill_copies((data,))])
         rows.append({"shape": name, "bytes": data.numel(), "bf16_us": bf16_us, "tuned_us": tuned,

@@ -54,7 +54,7 @@ def parse_gemv(text: str) -> tuple[tuple[int, int], tuple[Any, ...]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gemv", nargs="*", default=None, help="only these GEMVs, SHAPE:CONFIG each")
+    parser.add_argument("--gemv", nargs="+", default=None, help="only these GEMVs, SHAPE:CONFIG each")
     args = parser.parse_args()
     if args.gemv is None:
         for ctx in (4096, 16384):

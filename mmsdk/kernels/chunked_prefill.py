@@ -8,9 +8,9 @@ hears the prompt length the language model actually receives, before anything ru
 ``input_ids`` sized the cache for).
 
 A static cache hands attention all its slots, with a mask over the empty ones, so every prefill chunk
-would attend over the whole capacity; :func:`filled_prefix` makes transformers' ``StaticCache`` layers
-hand only the tokens written so far (the first chunk, or a whole prompt, then runs as plain causal
-attention).
+after the first would attend over the whole capacity with that mask; :func:`filled_prefix` makes
+transformers' ``StaticCache`` layers hand only the tokens written so far. (On an empty cache transformers
+already runs the first chunk as causal attention, which never reads past the diagonal.)
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
     last chunk's hidden states are returned (the caller keeps the last position's logits only).
     Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
     ``on_prompt`` hears the prompt length the language model gets, before anything runs. With ``cache``
-    (empty when the prefill starts, and holding no cross-attention states) each call attends over the
-    tokens written so far only (:func:`filled_prefix`).
+    (holding no cross-attention states) each call attends over the tokens written so far only
+    (:func:`filled_prefix`).
     """
-    written = [0]  # tokens this prefill wrote into ``cache``: every call's prompt goes in after the last
 
     def whole(end: int, *args: Any, **kwargs: Any) -> Any:
         with filled_prefix(cache, end):
@@ -57,10 +56,10 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
         if on_prompt is not None:
             on_prompt(embeds.shape[1])
         unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _CHUNKED_TENSORS]
-        total, begin = embeds.shape[1], written[0]
-        written[0] += total
         if isinstance(mask, torch.Tensor) and mask.dim() != 2:  # sized for the whole cache by its maker
             return forward(*args, **kwargs)
+        total = embeds.shape[1]
+        begin = int(cache.get_seq_length()) if cache is not None else 0  # what earlier calls wrote: one read
         if args or unknown or total <= chunk:
             return whole(begin + total, *args, **kwargs)
         out = None
@@ -71,8 +70,8 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
                 part["position_ids"] = kwargs["position_ids"][..., start:end]
             if isinstance(kwargs.get("cache_position"), torch.Tensor):
                 part["cache_position"] = kwargs["cache_position"][start:end]
-            if isinstance(mask, torch.Tensor):
-                part["attention_mask"] = mask[:, :end]
+            if isinstance(mask, torch.Tensor):  # it covers what the cache holds, then this call's tokens
+                part["attention_mask"] = mask[:, : mask.shape[1] - total + end]
             out = whole(begin + end, **part)
         return out
 
@@ -85,10 +84,9 @@ def filled_prefix(cache: Any, end: int) -> Iterator[None]:
     size attention masks to them, instead of all ``max_cache_len`` slots with the empty ones masked.
 
     ``end`` is the number of tokens written once the call inside has written its own. A chunk attends over what is
-    there and no more (the chunks of a long prompt did twice the attention work of one causal prefill), and a
-    call whose tokens are all there is (the first chunk, a whole prompt) gets no mask, so it runs as causal
-    attention. Other layers (sliding-window, mmsdk's packed KV, which sizes its masks itself) are left alone; so is
-    a ``cache`` of None.
+    there and no more: the chunks of a long prompt after the first each ran a masked attention over every slot,
+    about twice the attention work of one causal prefill, in a kernel slower than the causal one. Other layers
+    (sliding-window, mmsdk's packed KV, which sizes its masks itself) are left alone; so is a ``cache`` of None.
     """
     from transformers.cache_utils import StaticLayer
 

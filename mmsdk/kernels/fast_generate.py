@@ -250,14 +250,15 @@ class _Generator:
     def _prefill_in_chunks(self, cache: Any) -> AbstractContextManager[None]:
         """Chunk the language model's prefill inside the passes' wrappers (token pruning sees the whole prompt).
 
-        The cache is empty here (new or reset). Where it holds only the language model's own tokens (no
-        cross-attention states), each chunk attends over the tokens written so far, not the whole capacity.
+        Where the cache holds only the language model's own tokens (no cross-attention states), each chunk
+        attends over the tokens written so far, not the whole capacity.
         """
-        from mmsdk.core.adapter import INLINE_IMAGE_TOKENS
+        from mmsdk.core.adapter import CROSS_ATTENTION, INLINE_IMAGE_TOKENS
         from mmsdk.plugins._forward import innermost_override
 
         language = self.adapter.language_model(self.model)
-        own_tokens_only = INLINE_IMAGE_TOKENS in self.adapter.capabilities(self.model)
+        capabilities = self.adapter.capabilities(self.model)
+        own_tokens_only = INLINE_IMAGE_TOKENS in capabilities and CROSS_ATTENTION not in capabilities
         return innermost_override(
             language, lambda forward: chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n),
                                               cache if own_tokens_only else None))
