@@ -116,6 +116,28 @@ def test_prefill_chunks_attend_over_the_tokens_written_so_far(name, passes, sess
     assert all("update" not in vars(layer) for layer in kept(model).cache.layers)  # the layers' own methods again
 
 
+def test_filled_prefix_hands_the_first_tokens_and_gives_the_layers_back():
+    from transformers import LlamaConfig
+    from transformers.cache_utils import StaticCache
+
+    from mmsdk.kernels.chunked_prefill import filled_prefix
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                         intermediate_size=32, vocab_size=10)
+    cache = StaticCache(config=config, max_cache_len=12)
+    new = torch.randn(1, 1, 3, 8)
+    with pytest.raises(RuntimeError, match="inside"), filled_prefix(cache, 3):
+        keys, values = cache.update(new, -new, 0)
+        assert torch.equal(keys, new) and torch.equal(values, -new)  # the 3 written tokens, not 12 slots
+        assert cache.get_mask_sizes(3, 0) == (3, 0)
+        raise RuntimeError("inside")
+    assert not any({"update", "get_mask_sizes"} & set(vars(layer)) for layer in cache.layers)
+    keys, _ = cache.update(new, new, 0)
+    assert keys.shape[-2] == 12 and cache.get_mask_sizes(3, 0) == (12, 0)  # every slot again
+    with filled_prefix(None, 3):  # no cache: nothing to do
+        pass
+
+
 def test_fast_path_refuses_what_it_does_not_do(tiny):
     model = tiny("tiny:llava").model
     inputs = tiny_inputs(tiny("tiny:llava").processor, QUESTIONS)

@@ -40,26 +40,32 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
     last chunk's hidden states are returned (the caller keeps the last position's logits only).
     Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
     ``on_prompt`` hears the prompt length the language model gets, before anything runs. With ``cache``
-    (holding no cross-attention states) each call attends over the tokens written so far only
-    (:func:`filled_prefix`).
+    (empty when the prefill starts, holding no cross-attention states) each call attends over the tokens
+    written so far only (:func:`filled_prefix`).
     """
 
+    # tokens the calls so far wrote into ``cache`` (empty when the prefill starts), counted on the host: reading the
+    # cache's count would wait for the GPU; None once a call wrote an unknown number (no view from then on)
+    written: list[int | None] = [0]
+
     def whole(end: int, *args: Any, **kwargs: Any) -> Any:
-        with filled_prefix(cache, end):
+        with filled_prefix(cache if written[0] is not None else None, end):
             return forward(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         embeds = kwargs.get("inputs_embeds")
         mask = kwargs.get("attention_mask")
         if not isinstance(embeds, torch.Tensor):
+            written[0] = None
             return forward(*args, **kwargs)
         if on_prompt is not None:
             on_prompt(embeds.shape[1])
         unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _CHUNKED_TENSORS]
+        total, begin = embeds.shape[1], written[0] or 0
+        if written[0] is not None:
+            written[0] += total
         if isinstance(mask, torch.Tensor) and mask.dim() != 2:  # sized for the whole cache by its maker
             return forward(*args, **kwargs)
-        total = embeds.shape[1]
-        begin = int(cache.get_seq_length()) if cache is not None else 0  # what earlier calls wrote: one read
         if args or unknown or total <= chunk:
             return whole(begin + total, *args, **kwargs)
         out = None
