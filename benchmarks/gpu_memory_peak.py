@@ -4,7 +4,7 @@ The waterfall (gpu_suite.py --sections memory) puts LLaVA-1.5-7B with int4-weigh
 4 x 4096-token prompts, 128 new tokens, above its floor (packed weights + packed KV). This script runs that row with the
 CUDA caching allocator's history recorded, replays the trace to the moment of the peak and lists the live
 allocations there by the Python line that made them (the innermost mmsdk / transformers / torch frame). Then it runs the
-row again for each prefill chunk in ``--chunks`` (tokens over all batch rows; fast generate's PREFILL_TOKENS) and
+row again for each prefill chunk in ``--chunks`` (tokens over all batch rows; ``MMSDK_PREFILL_TOKENS``) and
 reports each peak against the floor, and the time to the first token at that chunk (one new token, median of
 ``--reps`` calls), of this row and of the same model in bf16 with no passes (mmsdk's generate either way): what the
 chunk trades. Each chunk is one more pass of the language model through the host's kernel launches.
@@ -72,33 +72,25 @@ def build() -> tuple[Any, dict[str, torch.Tensor], float]:
 def generate_peak(model: Any, inputs: dict[str, torch.Tensor], chunk: int) -> float:
     """Peak allocated bytes of one generate() call with prefill chunks of ``chunk`` tokens over all rows (fresh
     decode state)."""
+    from benchmarks.gpu_tune import prefill_setting
     from mmsdk.kernels import fast_generate
 
     fast_generate.release(model)
-    saved = fast_generate.PREFILL_TOKENS
-    fast_generate.PREFILL_TOKENS = chunk
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.inference_mode():
-            model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    finally:
-        fast_generate.PREFILL_TOKENS = saved
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode(), prefill_setting(chunk):
+        model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
 
 
 def first_token_ms(model: Any, inputs: dict[str, torch.Tensor], chunk: int, reps: int) -> float:
     """Median milliseconds of a one-new-token generate() with prefill chunks of ``chunk`` tokens over all rows."""
     from benchmarks.gpu_suite import timed_calls
-    from mmsdk.kernels import fast_generate
+    from benchmarks.gpu_tune import prefill_setting
 
-    saved = fast_generate.PREFILL_TOKENS
-    fast_generate.PREFILL_TOKENS = chunk
-    try:
+    with prefill_setting(chunk):
         return statistics.median(timed_calls(model.generate, inputs, 1, reps))
-    finally:
-        fast_generate.PREFILL_TOKENS = saved
 
 
 def profile_first_token(model: Any, inputs: dict[str, torch.Tensor], chunk: int, top: int = 20) -> dict[str, Any]:
@@ -108,11 +100,9 @@ def profile_first_token(model: Any, inputs: dict[str, torch.Tensor], chunk: int,
 
     from torch.profiler import ProfilerActivity, profile
 
-    from mmsdk.kernels import fast_generate
+    from benchmarks.gpu_tune import prefill_setting
 
-    saved = fast_generate.PREFILL_TOKENS
-    fast_generate.PREFILL_TOKENS = chunk
-    try:
+    with prefill_setting(chunk):
         model.generate(**inputs, max_new_tokens=1, do_sample=False)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -120,8 +110,6 @@ def profile_first_token(model: Any, inputs: dict[str, torch.Tensor], chunk: int,
             model.generate(**inputs, max_new_tokens=1, do_sample=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-    finally:
-        fast_generate.PREFILL_TOKENS = saved
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: -e.self_device_time_total)
     return {"chunk_tokens": chunk, "wall_ms_profiled": wall * 1e3,
@@ -166,7 +154,7 @@ def main() -> None:
     start = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     try:
-        peak = generate_peak(model, inputs, fast_generate.PREFILL_TOKENS)
+        peak = generate_peak(model, inputs, fast_generate.prefill_tokens())
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -46,19 +46,31 @@ def cold(fn: Callable[..., Any], *tensors: Any) -> list[Callable[[], Any]]:
 
 
 @contextmanager
-def pdl_setting(on: bool) -> Iterator[None]:
-    """Programmatic dependent launch on or off (``MMSDK_PDL``) for kernels launched inside the block."""
-    from mmsdk.kernels import PDL_ENV
-
-    before = os.environ.get(PDL_ENV)
-    os.environ[PDL_ENV] = "1" if on else "0"
+def env_setting(name: str, value: str) -> Iterator[None]:
+    """Environment variable ``name`` set to ``value`` inside the block, as it was after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(PDL_ENV)
+            os.environ.pop(name)
         else:
-            os.environ[PDL_ENV] = before
+            os.environ[name] = before
+
+
+def pdl_setting(on: bool) -> AbstractContextManager[None]:
+    """Programmatic dependent launch on or off (``MMSDK_PDL``) for kernels launched inside the block."""
+    from mmsdk.kernels import PDL_ENV
+
+    return env_setting(PDL_ENV, "1" if on else "0")
+
+
+def prefill_setting(chunk: int) -> AbstractContextManager[None]:
+    """Fast generate's prefill chunk (``MMSDK_PREFILL_TOKENS``: tokens over all batch rows) inside the block."""
+    from mmsdk.kernels.fast_generate import PREFILL_ENV
+
+    return env_setting(PREFILL_ENV, str(chunk))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -260,8 +272,7 @@ def memory_probe() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         inputs = suite.llava_inputs(4, 4096, images=True)
-        for chunk in (1 << 20, fast_generate.PREFILL_TOKENS):
-            fast_generate.PREFILL_TOKENS = chunk
+        for chunk in (1 << 20, fast_generate.prefill_tokens()):
             for label, passes, kv in (("int4-weight", ("int4-weight",), False), ("int4-weight+int4-kv", ("int4-weight",), True)):
                 model = suite.optimized(suite.build_llava(), passes, kv)
                 peaks: dict[str, float] = {}
@@ -281,14 +292,12 @@ def memory_probe() -> dict[str, Any]:
                     hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
-                with torch.inference_mode():
+                with torch.inference_mode(), prefill_setting(chunk):
                     model.generate(**inputs, max_new_tokens=4, do_sample=False)
                 for h in hooks:
                     h.remove()
-                for h in hooks:
-                    h.remove()
                 torch.cuda.reset_peak_memory_stats()
-                with torch.inference_mode():
+                with torch.inference_mode(), prefill_setting(chunk):
                     model.generate(**inputs, max_new_tokens=4, do_sample=False)
                 out[f"{label} chunk={chunk}"] = {"module_transient_GB": peaks, "weights_GB": base / 1e9,
                                                   "peak_GB": torch.cuda.max_memory_allocated() / 1e9}
@@ -297,7 +306,6 @@ def memory_probe() -> dict[str, Any]:
                 torch.cuda.empty_cache()
     finally:
         suite.llava_config = original
-        fast_generate.PREFILL_TOKENS = 1024
     return out
 
 

@@ -138,6 +138,26 @@ def test_filled_prefix_hands_the_first_tokens_and_gives_the_layers_back():
         pass
 
 
+def test_the_prefill_chunk_comes_from_the_environment(session, tiny, monkeypatch):
+    from mmsdk.kernels.fast_generate import PREFILL_ENV, PREFILL_TOKENS, prefill_tokens
+
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())  # the fast path installed
+    kwargs = {**inputs, "max_new_tokens": 2}  # 2 rows
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    assert prefill_tokens() == PREFILL_TOKENS
+    monkeypatch.setenv(PREFILL_ENV, "4096")
+    assert prefill_tokens() == 4096
+    assert _Generator(opt.model, opt.adapter, kwargs, graphs=False).prefill_chunk == 2048  # per row
+    assert _Generator(opt.model, opt.adapter, kwargs, graphs=False, prefill=6).prefill_chunk == 3
+    for bad in ("0", "-5", "2k", "1.5"):
+        monkeypatch.setenv(PREFILL_ENV, bad)
+        with pytest.raises(ValueError, match="positive integer"):
+            prefill_tokens()
+    monkeypatch.setattr(fast_generate, "unsupported_reason", lambda *args: None)  # as if on CUDA
+    with pytest.raises(ValueError, match=PREFILL_ENV):  # the user's setting to fix: no quiet fallback
+        opt.model.generate(**kwargs)
+
+
 def test_fast_path_refuses_what_it_does_not_do(tiny):
     model = tiny("tiny:llava").model
     inputs = tiny_inputs(tiny("tiny:llava").processor, QUESTIONS)
@@ -567,8 +587,8 @@ def test_release_and_model_changes_drop_what_they_make_stale(session, tiny, monk
 
 def test_a_failure_while_reusing_drops_the_state_and_answers_like_transformers(session, tiny, monkeypatch):
     class OnCpu(_Generator):
-        def __init__(self, model, adapter, kwargs, graphs=False):
-            super().__init__(model, adapter, kwargs, graphs)
+        def __init__(self, model, adapter, kwargs, graphs=False, prefill=None):
+            super().__init__(model, adapter, kwargs, graphs, prefill)
 
     opt, inputs = _optimized(tiny, session, "tiny:llava", ("int4-kv",))
     model = opt.model
