@@ -132,6 +132,7 @@ def workspace_per_stream() -> float:
 
 def main() -> None:
     from benchmarks.gpu_models import build_llava, optimized
+    from mmsdk.kernels.chunked_prefill import prefill_tokens
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="peak.json")
@@ -154,7 +155,7 @@ def main() -> None:
     start = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     try:
-        peak = generate_peak(model, inputs, fast_generate.prefill_tokens())
+        peak = generate_peak(model, inputs, prefill_tokens())
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -68,7 +68,7 @@ def pdl_setting(on: bool) -> AbstractContextManager[None]:
 
 def prefill_setting(chunk: int) -> AbstractContextManager[None]:
     """Fast generate's prefill chunk (``MMSDK_PREFILL_TOKENS``: tokens over all batch rows) inside the block."""
-    from mmsdk.kernels.fast_generate import PREFILL_ENV
+    from mmsdk.kernels.chunked_prefill import PREFILL_ENV
 
     return env_setting(PREFILL_ENV, str(chunk))
 
@@ -263,7 +263,7 @@ def sweep_kv(deadline: float) -> list[dict[str, Any]]:
 def memory_probe() -> dict[str, Any]:
     """Which module holds the prefill transient: 2-layer LLaVA-1.5-7B shapes, batch 4 x 4096, whole vs chunked."""
     import benchmarks.gpu_suite as suite
-    from mmsdk.kernels import fast_generate
+    from mmsdk.kernels.chunked_prefill import prefill_tokens
 
     config = suite.llava_config()
     config.text_config.num_hidden_layers = 2
@@ -272,7 +272,7 @@ def memory_probe() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         inputs = suite.llava_inputs(4, 4096, images=True)
-        for chunk in (1 << 20, fast_generate.prefill_tokens()):
+        for chunk in (1 << 20, prefill_tokens()):
             for label, passes, kv in (("int4-weight", ("int4-weight",), False), ("int4-weight+int4-kv", ("int4-weight",), True)):
                 model = suite.optimized(suite.build_llava(), passes, kv)
                 peaks: dict[str, float] = {}

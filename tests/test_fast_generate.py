@@ -139,7 +139,7 @@ def test_filled_prefix_hands_the_first_tokens_and_gives_the_layers_back():
 
 
 def test_the_prefill_chunk_comes_from_the_environment(session, tiny, monkeypatch):
-    from mmsdk.kernels.fast_generate import PREFILL_ENV, PREFILL_TOKENS, prefill_tokens
+    from mmsdk.kernels.chunked_prefill import PREFILL_ENV, PREFILL_TOKENS, prefill_tokens
 
     opt, inputs = _optimized(tiny, session, "tiny:llava", ())  # the fast path installed
     kwargs = {**inputs, "max_new_tokens": 2}  # 2 rows

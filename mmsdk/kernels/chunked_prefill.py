@@ -15,6 +15,7 @@ already runs the first chunk as causal attention, which never reads past the dia
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,10 +24,31 @@ import torch
 
 from mmsdk.kernels.decode_state import capacity_for
 
-__all__ = ["Regrow", "chunked", "filled_prefix", "size_static_cache"]
+__all__ = ["PREFILL_ENV", "PREFILL_TOKENS", "Regrow", "chunked", "filled_prefix", "prefill_tokens", "size_static_cache"]
+
+# tokens of all batch rows per prefill chunk: memory against time to the first token. LLaVA-1.5-7B with int4-weight +
+# int4-kv + token-prune 0.25 at batch 4 x 4096 tokens (H200, benchmarks/gpu_memory_peak.py): chunks of 4096 / 2048 /
+# 1024 peaked at 1.117 / 1.098 / 1.091x its packed floor and took 520 / 571 / 770 ms to the first token (bf16, no
+# passes: 537 / 544 / 566 ms). Every chunk is one more pass through the host's kernel launches and, with a packed KV
+# cache, one more decode of the prefix written so far; 2048 is the largest chunk within 10% of the floor.
+# ``MMSDK_PREFILL_TOKENS`` picks another chunk (e.g. 4096: a faster first token for more memory).
+PREFILL_TOKENS = 2048
+PREFILL_ENV = "MMSDK_PREFILL_TOKENS"
 
 # language-model tensor arguments whose token axis chunked prefill knows how to cut
 _CHUNKED_TENSORS = {"inputs_embeds", "attention_mask", "position_ids", "cache_position"}
+
+
+def prefill_tokens() -> int:
+    """Tokens of all batch rows per prefill chunk: ``MMSDK_PREFILL_TOKENS`` when set, else :data:`PREFILL_TOKENS`."""
+    text = os.environ.get(PREFILL_ENV, "").strip()
+    if not text:
+        return PREFILL_TOKENS
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{PREFILL_ENV}={text!r} is not a number of tokens: set a positive integer (tokens of all "
+                         f"batch rows per prefill chunk; more is a faster first token and a higher memory peak) or "
+                         f"unset it for the default {PREFILL_TOKENS}.")
+    return int(text)
 
 
 class Regrow(Exception):

@@ -6,8 +6,8 @@ decoding without padding, it runs:
 1. the prefill through the model's own forward (images, token pruning, M-RoPE offsets: everything
    the model and mmsdk's runtimes do stays in charge), into a static cache (mmsdk's packed KV layers
    when a KV-cache pass is installed, else transformers' ``StaticCache``). The language model's
-   prefill runs in chunks of ``PREFILL_TOKENS`` tokens over all rows of the batch (``MMSDK_PREFILL_TOKENS``
-   sets another; only the last position's logits are kept), so the prefill's transient activations (attention scores, MLP
+   prefill runs in chunks of tokens over all rows of the batch (mmsdk.kernels.chunked_prefill.prefill_tokens;
+   only the last position's logits are kept), so the prefill's transient activations (attention scores, MLP
    intermediates) scale with the chunk, not with the prompt or the batch;
 2. the model's forward once more for the first decode token, stopped where the language model's own
    body would run: what the language model receives on a decode step (embeddings, cross-attention
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -40,7 +39,7 @@ import torch
 from torch import nn
 
 from mmsdk.kernels import note_fallback
-from mmsdk.kernels.chunked_prefill import Regrow, chunked, size_static_cache
+from mmsdk.kernels.chunked_prefill import Regrow, chunked, prefill_tokens, size_static_cache
 from mmsdk.kernels.decode_state import (
     DecodeState,
     Step,
@@ -55,17 +54,9 @@ from mmsdk.kernels.decode_state import (
 )
 from mmsdk.kernels.greedy import greedy_step
 
-__all__ = ["CHECK_EVERY", "PREFILL_ENV", "PREFILL_TOKENS", "install", "prefill_tokens", "release", "unsupported_reason"]
+__all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
 
 CHECK_EVERY = 16
-# tokens of all batch rows per prefill chunk: memory against time to the first token. LLaVA-1.5-7B with int4-weight +
-# int4-kv + token-prune 0.25 at batch 4 x 4096 tokens (H200, benchmarks/gpu_memory_peak.py): chunks of 4096 / 2048 /
-# 1024 peaked at 1.117 / 1.098 / 1.091x its packed floor and took 520 / 571 / 770 ms to the first token (bf16, no
-# passes: 537 / 544 / 566 ms). Every chunk is one more pass through the host's kernel launches and, with a packed KV
-# cache, one more decode of the prefix written so far; 2048 is the largest chunk within 10% of the floor.
-# ``MMSDK_PREFILL_TOKENS`` picks another chunk (e.g. 4096: a faster first token for more memory).
-PREFILL_TOKENS = 2048
-PREFILL_ENV = "MMSDK_PREFILL_TOKENS"
 ATTRIBUTE = "_mmsdk_fast_generate"
 _REFUSAL = "_mmsdk_fast_generate_refusal"
 _PASSTHROUGH = {
@@ -76,18 +67,6 @@ _PASSTHROUGH = {
 _DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
 # language-model arguments of a decode step that the captured step makes itself
 _STEP_ARGUMENTS = ("inputs_embeds", "attention_mask", "position_ids", "cache_position")
-
-
-def prefill_tokens() -> int:
-    """Tokens of all batch rows per prefill chunk: ``MMSDK_PREFILL_TOKENS`` when set, else :data:`PREFILL_TOKENS`."""
-    text = os.environ.get(PREFILL_ENV, "").strip()
-    if not text:
-        return PREFILL_TOKENS
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{PREFILL_ENV}={text!r} is not a number of tokens: set a positive integer (tokens of all "
-                         f"batch rows per prefill chunk; more is a faster first token and a higher memory peak) or "
-                         f"unset it for the default {PREFILL_TOKENS}.")
-    return int(text)
 
 
 def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
