@@ -2,7 +2,7 @@
 
 Imported by benchmarks/gpu_kernel_sweeps.py when it runs on a GPU. Each program XORs its share of the int32 words
 and stores one word, so the loads cannot be dropped and nothing else costs time; ``EMPTY`` stores without reading
-(the launch alone); ``CACHE`` and ``EVICT`` are the loads' cache modifier and eviction policy.
+(the launch alone).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import triton.language as tl
 
 
 @triton.jit
-def read_words(a_ptr, b_ptr, out_ptr, n_words, BLOCK: tl.constexpr, EMPTY: tl.constexpr = False,
-               CACHE: tl.constexpr = "", EVICT: tl.constexpr = ""):
+def read_words(a_ptr, b_ptr, out_ptr, n_words, BLOCK: tl.constexpr, EMPTY: tl.constexpr = False):
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK,), tl.int32)
     if not EMPTY:
@@ -21,6 +20,5 @@ def read_words(a_ptr, b_ptr, out_ptr, n_words, BLOCK: tl.constexpr, EMPTY: tl.co
         for start in range(pid * BLOCK, n_words, step):
             offs = start + tl.arange(0, BLOCK)
             ok = offs < n_words
-            acc ^= (tl.load(a_ptr + offs, mask=ok, other=0, cache_modifier=CACHE, eviction_policy=EVICT)
-                    ^ tl.load(b_ptr + offs, mask=ok, other=0, cache_modifier=CACHE, eviction_policy=EVICT))
+            acc ^= tl.load(a_ptr + offs, mask=ok, other=0) ^ tl.load(b_ptr + offs, mask=ok, other=0)
     tl.store(out_ptr + pid, tl.xor_sum(acc, 0))

@@ -808,7 +808,7 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
     return rows
 
 
-def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]], cache: str = "", evict: str = "") -> dict[str, Any]:
+def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """The fastest of a few grids of one kernel that only reads the K and V codes (each call its own copy, as the
     decode kernels are timed), and the same launch reading nothing: the floor under any decode kernel in this
     harness, in µs."""
@@ -819,7 +819,7 @@ def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]], cache: str = "", 
 
     def launch(k: torch.Tensor, v: torch.Tensor, programs: int, block: int, empty: bool = False) -> None:
         read_words[(programs,)](k.view(torch.int32), v.view(torch.int32), out, n_words, BLOCK=block, EMPTY=empty,
-                                CACHE=cache, EVICT=evict, num_warps=4)
+                                num_warps=4)
 
     grids = {(p, b): gtime([lambda p=p, b=b, kv=kv: launch(*kv, p, b) for kv in codes])
              for p in (132, 264, 528, 1056, 2112) for b in (512, 1024)}
@@ -847,51 +847,6 @@ def gemv_floor(shapes: list[str] | None = None) -> list[dict[str, Any]]:
                      "floor": floor, "tuned_over_floor": tuned / floor["read_us"],
                      "bf16_over_floor": bf16_us / floor["read_us"], "goal_3x_us": bf16_us / 3})
         print(rows[-1], flush=True)
-    return rows
-
-
-# (cache modifier, eviction policy) of the weight loads tried by load_hints: Triton's defaults, streaming hints
-# (ptxas rejects .cg with an eviction policy; Triton's loads take no .cs)
-LOAD_HINTS = [("", ""), ("", "evict_first"), (".cg", ""), ("", "evict_last")]
-
-
-class _Hinted:
-    """A Triton kernel whose launches get extra constexpr arguments (the weight loads' cache hints)."""
-
-    def __init__(self, kernel: Any, **extra: Any) -> None:
-        self.kernel, self.extra = kernel, extra
-
-    def __getitem__(self, grid: Any) -> Any:
-        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.extra)
-
-
-def load_hints(shapes: list[str] | None = None) -> list[dict[str, Any]]:
-    """Per shape (g128, one row, weights from HBM): the "quad" GEMV's leading tiles and the read floor with each
-    (cache modifier, eviction policy) of LOAD_HINTS on the weight loads: does a streaming hint move either?"""
-    from mmsdk.kernels import l2_spill_copies
-    from mmsdk.kernels.w4a16 import triton_kernels
-
-    kernels = triton_kernels()
-    plain = kernels.gemv_quad
-    configs = [(16, 64, 2, 1, "quad", 528), (8, 128, 4, 1, "quad", 528), (4, 64, 1, 1, "quad", 1056)]
-    rows = []
-    try:
-        for name in shapes or ["qkv", "down", "gate+up"]:
-            p, x, expected, bf16_us = _one_row_problem(name)
-            data = torch.cat([p.qweight.reshape(-1).view(torch.uint8), p.scales.reshape(-1).view(torch.uint8)])
-            half = -(-data.numel() // 32) * 16
-            data = torch.nn.functional.pad(data, (0, 2 * half - data.numel()))
-            copies = [tuple(copy.split(half)) for (copy,) in l2_spill_copies((data,))]
-            for cache, evict in LOAD_HINTS:
-                kernels.gemv_quad = _Hinted(plain, W_CACHE=cache, W_EVICT=evict)
-                tiles = _timed_gemv_configs(configs, x, p, expected)
-                floor = read_floor(copies, cache, evict)
-                rows.append({"shape": name, "cache": cache, "evict": evict, "bf16_us": bf16_us,
-                             "floor_us": floor["read_us"], "tiles": tiles})
-                print({k: v for k, v in rows[-1].items() if k != "tiles"},
-                      [round(t.get("us", -1), 2) for t in tiles], flush=True)
-    finally:
-        kernels.gemv_quad = plain
     return rows
 
 
@@ -957,7 +912,6 @@ def main() -> None:
                                + (f" --shapes {args.shapes}" if args.shapes else "")}
     shapes = [s for s in args.shapes.split(",") if s] or None
     sections = {"tiles": lambda: tiles(shapes), "step_gemvs": step_gemvs, "step_norms": step_norms,
-                "load_hints": lambda: load_hints(shapes),
                 "step_folds": step_folds, "step_left_norm": step_left_norm,
                 "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha,
                 "idot": lambda: idot(shapes), "gated": gated, "rope": rope,

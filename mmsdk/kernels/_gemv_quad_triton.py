@@ -258,7 +258,7 @@ def whole_steps_end(w_loop, w_end, K_in, STEP: tl.constexpr):
 
 @triton.jit
 def step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, MASK_K: tl.constexpr,
-               MASK_N: tl.constexpr, W_CACHE: tl.constexpr = "", W_EVICT: tl.constexpr = ""):
+               MASK_N: tl.constexpr):
     """One weight's words of the step at word ``w0``, ``[BLOCK_N, BLOCK_C, 4]`` (``at``: ``row * KW + i`` for each row
     and each word ``i`` of a step, 0 .. 4 BLOCK_C - 1).
 
@@ -267,12 +267,11 @@ def step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N: tl.constexpr, BLOCK_C: t
     (offline sm_90 builds).
     """
     if MASK_K:
-        flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0,
-                       cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+        flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None] & (w0 + rw < w_end)[None, :], other=0)
     elif MASK_N:
-        flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None], other=0, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+        flat = tl.load(w_ptr + at + w0, mask=n_ok[:, None], other=0)
     else:
-        flat = tl.load(w_ptr + at + w0, cache_modifier=W_CACHE, eviction_policy=W_EVICT)
+        flat = tl.load(w_ptr + at + w0)
     return tl.reshape(flat, (BLOCK_N, BLOCK_C, 4))
 
 
@@ -288,14 +287,13 @@ def step_scales(s_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N: tl.constexpr, BLOCK_C
 @triton.jit
 def quad_step_at(w_ptr, at, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr, stride_zn,
                  WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                 MASK_K: tl.constexpr, MASK_N: tl.constexpr, f_row=None, NORM: tl.constexpr = False,
-                 W_CACHE: tl.constexpr = "", W_EVICT: tl.constexpr = ""):
+                 MASK_K: tl.constexpr, MASK_N: tl.constexpr, f_row=None, NORM: tl.constexpr = False):
     """One weight's step at word ``w0``: its words, scales and activations loaded (masked as in
     :func:`step_words`), :func:`quad_step` run."""
     cw = w0 + 4 * rc  # first word of each quad
     c_ok = cw < w_end
     ok = n_ok[:, None] & c_ok[None, :]
-    words = step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N, BLOCK_C, MASK_K, MASK_N, W_CACHE, W_EVICT)
+    words = step_words(w_ptr, at, w0, rw, n_ok, w_end, BLOCK_N, BLOCK_C, MASK_K, MASK_N)
     g = cw // WPG
     s = step_scales(s_ptr, rn, g, ok, n_ok, k_blocks, BLOCK_N, BLOCK_C, MASK_K, MASK_N)
     return quad_accumulate(words, s, x_row, cw, c_ok, K_in, z_ptr, rn, g, ok, stride_zn, HAS_ZP, BLOCK_N, BLOCK_C,
@@ -309,8 +307,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
               BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
               HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0,
               NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False,
-              g_ptr=None, scaled_ptr=None, sq_ptr=None, LEAVE_NORM: tl.constexpr = False,
-              W_CACHE: tl.constexpr = "", W_EVICT: tl.constexpr = ""):
+              g_ptr=None, scaled_ptr=None, sq_ptr=None, LEAVE_NORM: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -426,12 +423,11 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
         row_words = rn[:, None].to(tl.int64) * KW + rw[None, :]
         for w0 in range(w_loop, full_end, 4 * BLOCK_C):  # no K masks: every word and activation exists
             acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
-                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK, f_row, NORM, W_CACHE,
-                                W_EVICT)
+                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, False, ROW_MASK, f_row, NORM)
             ssq += squares_at(x_row, w0, w_end, rc, K_in, False, NORM, WHOLE_ROW)
         for w0 in range(full_end, w_end, 4 * BLOCK_C):  # the slice's last, partial step
             acc += quad_step_at(w_ptr, row_words, w0, w_end, rw, rc, n_ok, s_ptr, rn, k_blocks, x_row, K_in, z_ptr,
-                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True, f_row, NORM, W_CACHE, W_EVICT)
+                                stride_zn, WPG, HAS_ZP, BLOCK_N, BLOCK_C, True, True, f_row, NORM)
             ssq += squares_at(x_row, w0, w_end, rc, K_in, True, NORM, WHOLE_ROW)
     out = tl.sum(acc, 1) * 1.8446744073709552e+19  # undo 2**-64
     if NORM:  # every K slice's partial: the sum of them is linear in the row's scale
