@@ -53,6 +53,61 @@ def test_static_path_matches_transformers_greedy_on_cpu(name, passes, session, t
     assert torch.equal(got, expected)
 
 
+def _cross_attention_model(tiny, session, name, passes, device="cpu", dtype=torch.float32):
+    """A tiny cross-attention model with its language model's matrices redrawn (std 0.05, seeded) and its
+    cross-attention gates opened (tanh 0.995): at their own initialisation every answer is one token whatever the
+    image, which would hide a decode step that lost the image or its mask."""
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model.to(device, dtype), loaded.processor, session=session)
+    model, adapter = opt.model, opt.adapter
+    vision = {id(p) for part in (adapter.vision_tower(model), adapter.projector(model)) if part is not None
+              for p in part.parameters()}
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        matrices = [p for p in adapter.language_model(model).parameters() if p.dim() == 2 and id(p) not in vision]
+        for weight in [*matrices, adapter.lm_head(model).weight]:
+            weight.copy_(torch.randn(weight.shape, generator=generator).to(weight) * 0.05)
+        for block in adapter.cross_attention_blocks(model):
+            for gate in block.gate_names:
+                getattr(block.module, gate).fill_(3.0)
+    if passes:
+        opt.apply(*passes)
+    return opt, {k: v.to(device) for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+
+
+# per cross-attention family: the generate() input that says which text tokens see which image
+IMAGE_MASKS = {"tiny:mllama": "cross_attention_mask", "tiny:idefics": "image_attention_mask"}
+
+
+@pytest.mark.parametrize("name,passes", [("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn",)),
+                                         ("tiny:mllama", (INT4_HEAD,)), ("tiny:idefics", ()),
+                                         ("tiny:idefics", ("gated-xattn",))])
+def test_cross_attention_models_match_transformers_greedy_on_cpu(name, passes, session, tiny):
+    """Mllama keeps its image K/V in the cache (written by the prefill, read by every decode step); IDEFICS gets the
+    prefill's image states again at every step. Both take a per-token image mask whose last row transformers'
+    generate repeats for every new token."""
+    from mmsdk.kernels.image_kv import ImageKVLayer
+
+    opt, inputs = _cross_attention_model(tiny, session, name, passes)
+    model, key = opt.model, IMAGE_MASKS[name]
+    masked = dict(inputs, **{key: inputs[key].clone()})
+    masked[key][1, 3:] = 0  # the second row's text from its third token on ignores its image
+    answers = []
+    for case in (inputs, masked):
+        expected = _greedy(model, case, 8)
+        got = _Generator(model, opt.adapter, {**case, "max_new_tokens": 8}, graphs=False).run()
+        assert torch.equal(got, expected)
+        answers.append(got)
+    assert torch.equal(answers[0][0], answers[1][0])
+    if INT4_HEAD not in passes:  # the mask changes these models' answers (with int4 weights the row's tokens coincide)
+        assert not torch.equal(answers[0][1], answers[1][1])
+    assert _reason_on_cuda(model, tiny(name).processor) is None  # generate() on CUDA takes this path
+    cached = [block.decoder_index for block in opt.adapter.cross_attention_blocks(model) if block.kv_cached]
+    layers = kept(model).cache.layers
+    assert all(isinstance(layers[i], ImageKVLayer) == (i in cached) for i in range(len(layers)))
+    assert bool(cached) == (name == "tiny:mllama")
+
+
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ("int4-kv",)), ("tiny:qwen2-vl", ())])
 def test_chunked_prefill_matches_whole_prefill_on_cpu(name, passes, session, tiny):
     opt, inputs = _optimized(tiny, session, name, passes)
@@ -170,7 +225,8 @@ FULL_STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")
 @pytest.mark.parametrize("name,passes", [("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK),
                                          ("tiny:qwen2-vl", ("token-prune", "int8-kv")),
                                          ("tiny:llava", ("token-merge", "ptq-align", "int4-kv")),
-                                         ("tiny:qwen2.5-vl", ("vit-prune", "rmsnorm-rope-fusion"))])
+                                         ("tiny:qwen2.5-vl", ("vit-prune", "rmsnorm-rope-fusion")),
+                                         ("tiny:mllama", ("gated-xattn",)), ("tiny:idefics", ("gated-xattn",))])
 def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, monkeypatch):
     """A CUDA-graph capture refuses host-to-device copies and host syncs: the step must make none."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -231,6 +287,30 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
     again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 33}).run()  # other images, fewer tokens
     assert kept(model).step is step and counts == {"build": 1, "capture": 1}  # reused: no warm-up, no capture
     _assert_agrees(again, _greedy(model, other, 33))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name,passes", [("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn", "int4-weight")),
+                                         ("tiny:idefics", ("gated-xattn",))])
+def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name, passes, session, tiny, monkeypatch):
+    """The captured decode step reads Mllama's image K/V from the cache and IDEFICS's image states from the step's
+    fixed inputs; a second call with other images and another image mask refills them in place and replays."""
+    passes = tuple(Int4WeightConfig(indivisible="pad") if p == "int4-weight" else p for p in passes)
+    opt, inputs = _cross_attention_model(tiny, session, name, passes, "cuda", torch.bfloat16)
+    model = opt.model
+    assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 24}) is None
+    counts = _count_builds(monkeypatch)
+    got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 24}).run()
+    assert counts == {"build": 1, "capture": 1} and kept(model).step is not None
+    _assert_agrees(got, _greedy(model, inputs, 24))
+    key = IMAGE_MASKS[name]
+    loaded = tiny(name)
+    other = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS, seed=3).items()}
+    other[key][1, 3:] = 0
+    again = model.generate(**other, max_new_tokens=20)
+    assert counts == {"build": 1, "capture": 1}  # the kept graph, refilled
+    _assert_agrees(again, _greedy(model, other, 20))
 
 
 def _bf16_decode_stack(tiny, session, name: str, fusion, questions) -> tuple:

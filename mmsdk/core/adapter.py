@@ -331,6 +331,13 @@ class ModelAdapter:
         """True if the family's cross-attention already caches the projected image K/V across decode steps."""
         return False
 
+    def decode_step_inputs(self, model: nn.Module, prompt_inputs: Mapping[str, Any],
+                           prefill_output: Any) -> dict[str, Any]:
+        """Inputs besides the token and the cache that the model's forward needs on a decode step, made from the
+        prompt's ``generate()`` inputs and the prefill's output as transformers' generate makes them for the next
+        token (fast generate runs the first decode token's forward with them and replays that step). Default: none."""
+        return {}
+
     def rope_function_name(self, attention: nn.Module) -> str | None:
         """Name of the module-level function the attention's forward calls to rotate q and k (None: none)."""
         code = getattr(getattr(type(attention).forward, "__wrapped__", type(attention).forward), "__code__", None)

@@ -62,11 +62,12 @@ _REFUSAL = "_mmsdk_fast_generate_refusal"
 _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
     "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
-    "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "min_new_tokens",
+    "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
+    "min_new_tokens",
 }
 _DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
 # language-model arguments of a decode step that the captured step makes itself
-_STEP_ARGUMENTS = ("inputs_embeds", "attention_mask", "position_ids", "cache_position")
+_STEP_ARGUMENTS = ("inputs_embeds", "input_ids", "attention_mask", "position_ids", "cache_position")
 
 
 def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
@@ -202,6 +203,10 @@ class _Generator:
         from mmsdk.plugins.quantizers.kv_runtime import installed_state
 
         state = installed_state(self.model)
+        image_layers = [block.decoder_index for block in self.adapter.cross_attention_blocks(self.model)
+                        if block.kv_cached]
+        if state is not None and image_layers:
+            raise _Unsupported("the quantized KV cache holds cross-attention K/V (no static packed layer for them)")
         if state is not None:
             reason = state.packed_decode_reason(self.ids.device) if self.graphs else None
             if reason is not None:
@@ -212,7 +217,10 @@ class _Generator:
             return cache
         from transformers.cache_utils import StaticCache
 
-        return StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
+        from mmsdk.kernels.image_kv import with_image_layers
+
+        cache = StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
+        return with_image_layers(cache, image_layers)  # Mllama: image K/V written by the prefill, read by each step
 
     def _key(self) -> tuple[Any, ...]:
         """The plain values a kept decode state must share with this call."""
@@ -288,10 +296,10 @@ class _Generator:
         token = pick(out.logits[:, -1], state.finished, state.eos, state.pad)
         tokens[:, 0] = token
         if self.new_tokens > 1:
-            self._decode(state, self._step_arguments(token, state.cache))
+            self._decode(state, self._step_arguments(token, state.cache, out))
         return self._finish(tokens, state.eos)
 
-    def _step_arguments(self, token: torch.Tensor, cache: Any) -> dict[str, Any]:
+    def _step_arguments(self, token: torch.Tensor, cache: Any, prefill_output: Any) -> dict[str, Any]:
         """What the language model receives on the decode step of ``token``, as the model's forward makes it.
 
         The forward stops where the language model's body would start, so the first decode token costs a replay
@@ -319,13 +327,14 @@ class _Generator:
         try:
             with innermost_override(language, lambda forward: stop):
                 # no mask: the batch has no padding, and a 2-D mask makes some models rebuild all positions
-                self.model(input_ids=token[:, None], **{self.cache_name: cache}, use_cache=True, logits_to_keep=1)
+                self.model(input_ids=token[:, None], **{self.cache_name: cache}, use_cache=True, logits_to_keep=1,
+                           **self.adapter.decode_step_inputs(self.model, self.kwargs, prefill_output))
         except _Recorded:
             pass
         finally:
             handle.remove()
-        if seen.get("inputs_embeds") is None or not body:
-            raise _Unsupported("the language model got no inputs_embeds on a decode step")
+        if (seen.get("inputs_embeds") is None and seen.get("input_ids") is None) or not body:
+            raise _Unsupported("the language model got neither inputs_embeds nor input_ids on a decode step")
         mask = body.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
             raise _Unsupported("token pruning kept different numbers of tokens per row, so the cache holds padding "
@@ -370,9 +379,12 @@ class _Generator:
         fixed = {k: v for k, v in seen.items() if k not in _STEP_ARGUMENTS}
         token, index = state.tokens[:, 0].clone(), torch.tensor([1], device=self.ids.device)
         tokens, finished, eos, pad = state.tokens, state.finished, state.eos, state.pad
+        takes_ids = seen.get("inputs_embeds") is None  # a language model that embeds its tokens itself (Mllama)
 
         def run() -> None:  # refers to no Step / state / model: nothing here forms a reference cycle
-            hidden = language(inputs_embeds=embed(token[:, None]), attention_mask=None, position_ids=positions, **fixed)
+            ids = token[:, None]
+            given = {"input_ids": ids} if takes_ids else {"inputs_embeds": embed(ids)}
+            hidden = language(**given, attention_mask=None, position_ids=positions, **fixed)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden.last_hidden_state
             greedy_step(head(hidden[:, -1]), finished, eos, pad, token, tokens, index)  # token, finished, tokens
             index.add_(1)

@@ -70,6 +70,24 @@ class IdeficsAdapter(ModelAdapter):
     def image_tokens(self, model: nn.Module) -> ImageTokenLayout:
         return ImageTokenLayout(mode="cross-attention", image_token_id=None)
 
+    def decode_step_inputs(self, model: nn.Module, prompt_inputs: Mapping[str, Any],
+                           prefill_output: Any) -> dict[str, Any]:
+        """The prefill's image states (the vision tower does not run again) and the image mask's last row, as
+        transformers' generate passes them on (``IdeficsForVisionText2Text._update_model_kwargs_for_generation`` and
+        ``prepare_inputs_for_generation``, which changed between transformers releases: both are followed)."""
+        encoded = getattr(prefill_output, "image_outputs", None)
+        if encoded is not None:  # the encoder's states; the model resamples them again at every step
+            inputs = {"image_encoder_embeddings": encoded.last_hidden_state}
+        else:  # releases whose output carries the states the cross-attention read
+            states = getattr(prefill_output, "image_hidden_states", None)
+            if states is None:
+                return {}
+            inputs = {"perceiver_embeddings" if model.config.use_resampler else "image_encoder_embeddings": states}
+        mask = prompt_inputs.get("image_attention_mask")
+        if isinstance(mask, torch.Tensor):
+            inputs["image_attention_mask"] = mask[:, -1:]
+        return inputs
+
     def rotary_embedding(self, model: nn.Module) -> nn.Module:
         return model.model.layers[0].self_attn.rotary_emb  # IDEFICS keeps one per attention module
 
@@ -170,6 +188,16 @@ class MllamaAdapter(ModelAdapter):
 
     def cross_kv_cached(self, model: nn.Module) -> bool:
         return True  # MllamaTextCrossAttention writes the projected image K/V into the cache once
+
+    def decode_step_inputs(self, model: nn.Module, prompt_inputs: Mapping[str, Any],
+                           prefill_output: Any) -> dict[str, Any]:
+        """The cross-attention mask over the prompt and one more token: transformers' generate repeats its last row
+        for every new token (``MllamaForConditionalGeneration._update_model_kwargs_for_generation``), and the model
+        takes the row at the token's position."""
+        mask = prompt_inputs.get("cross_attention_mask")
+        if not isinstance(mask, torch.Tensor):
+            return {}
+        return {"cross_attention_mask": torch.cat([mask, mask[:, -1:]], dim=1)}
 
     def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
         """Attention in each tile of the last local vision layer (tiles are padded to a multiple of 8)."""

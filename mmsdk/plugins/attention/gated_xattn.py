@@ -224,6 +224,7 @@ def mmsdk_register_attention(register: Registrar[PassSpec]) -> None:
             apply=apply_gated_xattn,
             restore=restore_gated_xattn,
             requires=frozenset({CROSS_ATTENTION}),
+            fast_generate=True,  # tests/test_fast_generate.py: same tokens as transformers' loop (Mllama, IDEFICS)
             summary="Flamingo family: image K/V once per image, skip closed-gate layers, fit a latency budget",
         )
     )
