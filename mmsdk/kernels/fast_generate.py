@@ -53,6 +53,7 @@ from mmsdk.kernels.decode_state import (
     watched_objects,
 )
 from mmsdk.kernels.greedy import greedy_step
+from mmsdk.kernels.image_kv import image_lengths, with_image_layers
 
 __all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
 
@@ -217,8 +218,6 @@ class _Generator:
             return cache
         from transformers.cache_utils import StaticCache
 
-        from mmsdk.kernels.image_kv import with_image_layers
-
         cache = StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
         return with_image_layers(cache, image_layers)  # Mllama: image K/V written by the prefill, read by each step
 
@@ -354,17 +353,19 @@ class _Generator:
         else:
             state.step = None  # a stale graph goes before another is captured
             step = self._build_step(state, seen, wanted)
-            side = self._warm_up(step.replay)
-            replays = self.new_tokens - 2  # the warm-up step wrote token 1
-            if replays <= 0:
-                return
-            step.replay = self._capture(step.replay, side)
+            with image_lengths(self.adapter, self.model, state.cache):
+                side = self._warm_up(step.replay)
+                replays = self.new_tokens - 2  # the warm-up step wrote token 1
+                if replays <= 0:
+                    return
+                step.replay = self._capture(step.replay, side)
             step.watch = Watch(_step_objects(self.model, self.adapter))  # what the graph just captured reads
             state.step = step
-        for i in range(replays):
-            step.replay()
-            if (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
-                break
+        with image_lengths(self.adapter, self.model, state.cache):  # eager steps (no graphs) as the captured one
+            for i in range(replays):
+                step.replay()
+                if (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
+                    break
 
     def _build_step(self, state: DecodeState, seen: dict[str, Any], wanted: tuple[Any, ...]) -> Step:
         """A decode step over new buffers: embeds the last token, runs the language model and head, advances."""

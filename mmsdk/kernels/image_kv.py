@@ -10,12 +10,15 @@ place on the next call whose images have the same shape.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["ImageKVLayer", "with_image_layers"]
+__all__ = ["ImageKVLayer", "cross_attention_reads_its_own_length", "image_lengths", "with_image_layers"]
 
 
 class ImageKVLayer(DynamicLayer):
@@ -61,3 +64,43 @@ def with_image_layers(cache: Any, indices: list[int]) -> Any:
                              "adapter's cross_attention_blocks() must number blocks as the model's decoder layers")
         cache.layers[index] = ImageKVLayer()
     return cache
+
+
+@contextmanager
+def cross_attention_reads_its_own_length(cache: Any, modules: list[tuple[int, nn.Module]]) -> Iterator[None]:
+    """While inside, a cross-attention module (``(layer index, module)`` in ``modules``) that asks ``cache`` for its
+    length gets its own :class:`ImageKVLayer`'s count, a host int, instead of the first layer's.
+
+    transformers 5.17's Mllama cross-attention checks ``cache.get_seq_length() > 0`` before it reads its image K/V: on
+    a static cache that is the first (self-attention) layer's count, a device tensor, so the check waits for the GPU
+    and a CUDA-graph capture of the decode step fails. The image layer's count is the same at every step, so the
+    answer a captured step keeps is right for every replay. Other callers get the cache's own answer.
+    """
+    if not modules:
+        yield
+        return
+    reading: list[int | None] = [None]  # the cross-attention layer running now, if any
+    original = cache.get_seq_length
+
+    def get_seq_length(layer_idx: int = 0) -> Any:
+        return original(layer_idx if reading[0] is None else reading[0])
+
+    handles = []
+    for index, module in modules:
+        handles.append(module.register_forward_pre_hook(lambda *_, index=index: reading.__setitem__(0, index)))
+        handles.append(module.register_forward_hook(lambda *_: reading.__setitem__(0, None)))
+    cache.get_seq_length = get_seq_length
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        del cache.get_seq_length
+
+
+def image_lengths(adapter: Any, model: nn.Module, cache: Any) -> Any:
+    """:func:`cross_attention_reads_its_own_length` for the model's cross-attention layers whose image K/V ``cache``
+    holds in :class:`ImageKVLayer` layers (none for other models: then nothing changes)."""
+    modules = [(block.decoder_index, block.attention) for block in adapter.cross_attention_blocks(model)
+               if block.kv_cached and isinstance(cache.layers[block.decoder_index], ImageKVLayer)]
+    return cross_attention_reads_its_own_length(cache, modules)
