@@ -338,6 +338,12 @@ class ModelAdapter:
         token (fast generate runs the first decode token's forward with them and replays that step). Default: none."""
         return {}
 
+    def decode_mask_over_cache(self, model: nn.Module) -> bool:
+        """True when the language model, given no attention mask on a decode step, makes one as long as the tokens
+        cached so far: a length the host reads, which a captured decode step would freeze. Fast generate's step then
+        hands it an all-ones mask over the static cache's capacity (its batches have no padding)."""
+        return False
+
     def rope_function_name(self, attention: nn.Module) -> str | None:
         """Name of the module-level function the attention's forward calls to rotate q and k (None: none)."""
         code = getattr(getattr(type(attention).forward, "__wrapped__", type(attention).forward), "__code__", None)

@@ -381,11 +381,15 @@ class _Generator:
         token, index = state.tokens[:, 0].clone(), torch.tensor([1], device=self.ids.device)
         tokens, finished, eos, pad = state.tokens, state.finished, state.eos, state.pad
         takes_ids = seen.get("inputs_embeds") is None  # a language model that embeds its tokens itself (Mllama)
+        mask = None  # the batch has no padding
+        if self.adapter.decode_mask_over_cache(self.model):  # IDEFICS: a mask as long as the static cache's slots
+            slots = max(getattr(layer, "max_cache_len", 0) for layer in state.cache.layers)
+            mask = torch.ones(self.ids.shape[0], slots, dtype=torch.long, device=self.ids.device)
 
         def run() -> None:  # refers to no Step / state / model: nothing here forms a reference cycle
             ids = token[:, None]
             given = {"input_ids": ids} if takes_ids else {"inputs_embeds": embed(ids)}
-            hidden = language(**given, attention_mask=None, position_ids=positions, **fixed)
+            hidden = language(**given, attention_mask=mask, position_ids=positions, **fixed)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden.last_hidden_state
             greedy_step(head(hidden[:, -1]), finished, eos, pad, token, tokens, index)  # token, finished, tokens
             index.add_(1)
