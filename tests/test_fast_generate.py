@@ -80,7 +80,9 @@ IMAGE_MASKS = {"tiny:mllama": "cross_attention_mask", "tiny:idefics": "image_att
 
 
 @pytest.mark.parametrize("name,passes", [("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn",)),
-                                         ("tiny:mllama", (INT4_HEAD,)), ("tiny:idefics", ()),
+                                         ("tiny:mllama", (INT4_HEAD,)),
+                                         ("tiny:mllama", ("qkv-fuse", INT4_HEAD, "rmsnorm-rope-fusion")),
+                                         ("tiny:idefics", ()),
                                          ("tiny:idefics", ("gated-xattn",))])
 def test_cross_attention_models_match_transformers_greedy_on_cpu(name, passes, session, tiny):
     """Mllama keeps its image K/V in the cache (written by the prefill, read by every decode step); IDEFICS gets the
@@ -292,6 +294,7 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name,passes", [("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn", "int4-weight")),
+                                         ("tiny:mllama", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
                                          ("tiny:idefics", ("gated-xattn",))])
 def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name, passes, session, tiny, monkeypatch):
     """The captured decode step reads Mllama's image K/V from the cache and IDEFICS's image states from the step's
