@@ -1,0 +1,125 @@
+"""Where the time to the first token goes: transformers' generate against mmsdk's on LLaVA-1.5-7B (bf16, CUDA only).
+
+At batch 4 x 4096-token prompts the prefill is bound by the GPU. This script profiles one one-new-token call of each
+generate (after a warm call) on the same model and sums the GPU kernels' time by kind (matmuls, attention, elementwise,
+Triton, other), so a gap between the two shows up as the kernels that make it. mmsdk's generate is profiled at each
+prefill chunk in ``--chunks`` (tokens over all batch rows; ``MMSDK_PREFILL_TOKENS``).
+
+    python benchmarks/ttft_breakdown.py --out ttft_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+# (kind, substrings of a kernel's name) in the order they are tried; the first match names the kind
+KINDS = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas")),
+    ("elementwise", ("elementwise", "reduce_kernel", "CatArray", "copy_kernel", "index")),
+)
+# host calls that wait for the GPU or the driver: where the GPU can go idle between a chunk's kernels
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense", "cudaMemcpyAsync",
+              "cudaMalloc", "cudaFree", "aten::nonzero", "cudaEventSynchronize")
+
+
+def kind_of(kernel: str) -> str:
+    for kind, parts in KINDS:
+        if any(part in kernel for part in parts):
+            return kind
+    return "other"
+
+
+def idle_gaps(events: Any, least_us: float = 300.0, top: int = 12) -> dict[str, Any]:
+    """Stretches of ``least_us`` or more with no GPU kernel running, and what the host ran meanwhile: the total idle
+    time, and the longest gaps each with its offset from the first kernel, the next kernel and the host ops that
+    started inside it (by name, with the stack of the first)."""
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: e.time_range.start)
+    if not kernels:
+        return {"idle_ms": 0.0, "gaps": []}
+    origin, busy_until, gaps = kernels[0].time_range.start, kernels[0].time_range.end, []
+    for kernel in kernels[1:]:
+        if kernel.time_range.start - busy_until >= least_us:
+            gaps.append((busy_until, kernel.time_range.start, kernel.name))
+        busy_until = max(busy_until, kernel.time_range.end)
+    longest = sorted(gaps, key=lambda g: g[0] - g[1])[:top]
+    rows = []
+    for begin, end, following in longest:
+        inside = [e for e in host if begin <= e.time_range.start < end]
+        names: dict[str, int] = defaultdict(int)
+        for e in inside:
+            names[e.name] += 1
+        rows.append({"at_ms": (begin - origin) / 1e3, "gap_ms": (end - begin) / 1e3, "next_kernel": following[:80],
+                     "host_ops": dict(sorted(names.items(), key=lambda n: -n[1])[:8]),
+                     "first_stack": list(inside[0].stack[:8]) if inside else []})
+    return {"idle_ms": sum(end - begin for begin, end, _ in gaps) / 1e3, "gaps_over_least": len(gaps), "gaps": rows}
+
+
+def profiled_call(run: Callable[..., Any], inputs: dict[str, torch.Tensor], top: int) -> dict[str, Any]:
+    """One warm call of ``run`` then one under torch.profiler: wall time, GPU kernel time by kind, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run(**inputs, max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        start = time.perf_counter()
+        run(**inputs, max_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    by_kind: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for e in kernels:
+        by_kind[kind_of(e.key)] += e.self_device_time_total / 1e3
+        calls[kind_of(e.key)] += e.count
+    gaps = idle_gaps(prof.events())
+    waits = [{"op": e.key, "calls": e.count, "host_ms": e.self_cpu_time_total / 1e3, "stack": e.stack[:6]}
+             for e in prof.key_averages(group_by_stack_n=6) if e.key in HOST_WAITS]
+    waits.sort(key=lambda w: -w["host_ms"])
+    return {"wall_ms_profiled": wall * 1e3, "gpu_kernels_ms": sum(by_kind.values()), "host_waits": waits[:12],
+            "idle": gaps,
+            "by_kind_ms": dict(sorted(by_kind.items())), "calls_by_kind": dict(sorted(calls.items())),
+            "top": [{"kernel": e.key[:100], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+                    for e in kernels[:top]]}
+
+
+def main() -> None:
+    from benchmarks.gpu_models import build_llava, llava_inputs, optimized
+    from benchmarks.gpu_tune import prefill_setting
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="ttft_breakdown.json")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--chunks", default="2048,4096")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    model = optimized(build_llava(), (), kv=False)
+    inputs = llava_inputs(args.batch, args.length, images=True)
+    results: dict[str, Any] = {
+        "command": f"python benchmarks/ttft_breakdown.py --batch {args.batch} --length {args.length} "
+                   f"--chunks {args.chunks}", "torch": torch.__version__, "runs": {}}
+    with torch.inference_mode():
+        results["runs"]["transformers"] = profiled_call(type(model).generate.__get__(model), inputs, args.top)
+        print("transformers", json.dumps(results["runs"]["transformers"], indent=1), flush=True)
+        for chunk in (int(c) for c in args.chunks.split(",")):
+            with prefill_setting(chunk):
+                row = profiled_call(model.generate, inputs, args.top)
+            results["runs"][f"mmsdk chunk {chunk}"] = row
+            print(f"mmsdk chunk {chunk}", json.dumps(row, indent=1), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
