@@ -88,7 +88,7 @@ def test_cross_attention_models_match_transformers_greedy_on_cpu(name, passes, s
     """Mllama keeps its image K/V in the cache (written by the prefill, read by every decode step); IDEFICS gets the
     prefill's image states again at every step. Both take a per-token image mask whose last row transformers'
     generate repeats for every new token."""
-    from mmsdk.kernels.image_kv import ImageKVLayer
+    from mmsdk.kernels.cross_attention_decode import ImageKVLayer
 
     opt, inputs = _cross_attention_model(tiny, session, name, passes)
     model, key = opt.model, IMAGE_MASKS[name]
@@ -108,6 +108,64 @@ def test_cross_attention_models_match_transformers_greedy_on_cpu(name, passes, s
     layers = kept(model).cache.layers
     assert all(isinstance(layers[i], ImageKVLayer) == (i in cached) for i in range(len(layers)))
     assert bool(cached) == (name == "tiny:mllama")
+
+
+def test_kept_cross_attention_state_follows_each_call_of_a_mllama(session, tiny, monkeypatch):
+    """Calls that reuse the kept cache: a text-only call after an image call must not see the old image (its image
+    layers read as empty), and a call with more images, which the image layers must hold in new tensors, must get a
+    step built for them (no cross-attention mask: nothing else in the step's inputs would tell)."""
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:mllama", ())
+    model = opt.model
+    unmasked = {k: v for k, v in inputs.items() if k != "cross_attention_mask"}
+    text_only = {k: inputs[k] for k in ("input_ids", "attention_mask")}
+    generator = torch.Generator().manual_seed(5)
+    second = unmasked["pixel_values"] + torch.randn(unmasked["pixel_values"].shape, generator=generator)
+    two_images = dict(unmasked, pixel_values=torch.cat([unmasked["pixel_values"], second], dim=1),
+                      aspect_ratio_ids=unmasked["aspect_ratio_ids"].repeat(1, 2),
+                      aspect_ratio_mask=unmasked["aspect_ratio_mask"].repeat(1, 2, 1))
+    counts = _count_builds(monkeypatch)
+    for case, builds in ((unmasked, 1), (text_only, 2), (unmasked, 3), (two_images, 4), (two_images, 4)):
+        got = _Generator(model, opt.adapter, {**case, "max_new_tokens": 6}, graphs=False).run()
+        assert torch.equal(got, _greedy(model, case, 6)) and counts["build"] == builds, (case.keys(), counts)
+
+
+def test_a_quantized_kv_cache_keeps_cross_attention_models_on_transformers_loop(session, tiny):
+    for name in ("tiny:mllama", "tiny:idefics"):
+        loaded = tiny(name)
+        opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
+        reason = _reason_on_cuda(opt.model, loaded.processor)
+        assert reason is not None and "without int4-kv / int8-kv" in reason, reason
+
+
+def test_cross_attention_length_redirect_is_scoped_and_restored():
+    from torch import nn
+
+    from mmsdk.kernels.cross_attention_decode import cross_attention_reads_its_own_length
+
+    class Cache:
+        def get_seq_length(self, layer_idx=0):
+            return f"layer {layer_idx}"
+
+    cache, seen = Cache(), []
+
+    class Asking(nn.Module):  # asks as transformers 5.17's Mllama cross-attention does, plus a named layer
+        def forward(self, x):
+            seen.append((cache.get_seq_length(), cache.get_seq_length(4)))
+            return x
+
+    first, second = Asking(), Asking()
+    with cross_attention_reads_its_own_length(cache, [(3, first)]):
+        with cross_attention_reads_its_own_length(cache, [(7, second)]):  # nested: each restores what it found
+            second(torch.zeros(1))
+        first(torch.zeros(1))
+        assert cache.get_seq_length() == "layer 0"  # outside the cross-attention modules: the cache's own answer
+    with pytest.raises(RuntimeError):
+        with cross_attention_reads_its_own_length(cache, [(3, first)]):
+            raise RuntimeError
+    assert "get_seq_length" not in vars(cache) and not first._forward_pre_hooks and not first._forward_hooks
+    assert seen == [("layer 7", "layer 4"), ("layer 3", "layer 4")]
+    first(torch.zeros(1))
+    assert seen[-1] == ("layer 0", "layer 4")
 
 
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ("int4-kv",)), ("tiny:qwen2-vl", ())])
@@ -228,7 +286,9 @@ FULL_STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")
                                          ("tiny:qwen2-vl", ("token-prune", "int8-kv")),
                                          ("tiny:llava", ("token-merge", "ptq-align", "int4-kv")),
                                          ("tiny:qwen2.5-vl", ("vit-prune", "rmsnorm-rope-fusion")),
-                                         ("tiny:mllama", ("gated-xattn",)), ("tiny:idefics", ("gated-xattn",))])
+                                         ("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn",)),
+                                         ("tiny:mllama", ("qkv-fuse", INT4_HEAD, "rmsnorm-rope-fusion")),
+                                         ("tiny:idefics", ("gated-xattn",))])
 def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, monkeypatch):
     """A CUDA-graph capture refuses host-to-device copies and host syncs: the step must make none."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -32,6 +32,24 @@ def test_idefics_image_kv_are_computed_once_and_outputs_do_not_change(session, t
     assert opt.results[0].records["kv_cache"] == "memoized 4 K/V projections"
 
 
+def test_a_memo_projects_again_while_a_decode_step_is_captured(session, tiny, monkeypatch):
+    """A captured decode step replays with each call's image states copied into its inputs: the capture must record
+    the projection itself, not the stored product of the call that captured it (the next image replaces it)."""
+    from mmsdk.plugins.attention import gated_xattn
+
+    loaded = tiny("tiny:idefics")
+    opt = Optimizer(loaded.model, session=session).apply("gated-xattn")
+    projection = opt.adapter.cross_attention_blocks(opt.model)[0].attention.k_proj
+    states = torch.randn(2, 5, projection.in_features)
+    with torch.inference_mode():
+        stored = projection(states)
+        assert projection(states) is stored  # a hit
+        monkeypatch.setattr(gated_xattn, "_capturing", lambda x: True)
+        captured = projection(states)
+    assert captured is not stored and torch.equal(captured, stored)
+    assert (projection.kv_memo.misses, projection.kv_memo.hits) == (1, 1) and projection.kv_memo.output is stored
+
+
 def test_closed_gates_are_skipped_exactly(session, tiny):
     loaded = tiny("tiny:mllama")
     layer = loaded.model.model.language_model.layers[1]

@@ -338,7 +338,7 @@ class ModelAdapter:
         token (fast generate runs the first decode token's forward with them and replays that step). Default: none."""
         return {}
 
-    def decode_mask_over_cache(self, model: nn.Module) -> bool:
+    def needs_decode_mask_over_cache(self, model: nn.Module) -> bool:
         """True when the language model, given no attention mask on a decode step, makes one as long as the tokens
         cached so far: a length the host reads, which a captured decode step would freeze. Fast generate's step then
         hands it an all-ones mask over the static cache's capacity (its batches have no padding)."""

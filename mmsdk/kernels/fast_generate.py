@@ -52,21 +52,14 @@ from mmsdk.kernels.decode_state import (
     signature,
     watched_objects,
 )
+from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
+from mmsdk.kernels.fast_generate_scope import unsupported_reason
 from mmsdk.kernels.greedy import greedy_step
-from mmsdk.kernels.image_kv import image_lengths, with_image_layers
 
 __all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
 
 CHECK_EVERY = 16
 ATTRIBUTE = "_mmsdk_fast_generate"
-_REFUSAL = "_mmsdk_fast_generate_refusal"
-_PASSTHROUGH = {
-    "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
-    "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
-    "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
-    "min_new_tokens",
-}
-_DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
 # language-model arguments of a decode step that the captured step makes itself
 _STEP_ARGUMENTS = ("inputs_embeds", "input_ids", "attention_mask", "position_ids", "cache_position")
 
@@ -79,10 +72,13 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
     A kept decode state is dropped here when the passes that just ran changed what it was built for
     (each call checks that too, but this frees the memory at once), or when the model is refused.
     """
+    from mmsdk.kernels.cross_attention_decode import kv_pass_reason
+
+    refusal = refusal or kv_pass_reason(model, adapter)
     model.__dict__[_REFUSAL] = refusal
     state = kept(model)
     if state is not None and (refusal or not state.watch.matches(_cache_objects(model)) or (
-            state.step is not None and not state.step.watch.matches(_step_objects(model, adapter)))):
+            state.step is not None and not state.step.watch.matches(_step_objects(model, adapter, state.cache)))):
         release(model)
     del state
     if getattr(model, ATTRIBUTE, None) is not None:
@@ -119,40 +115,6 @@ class _Recorded(Exception):
     (:meth:`_Generator._step_arguments`)."""
 
 
-def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why this generate() call cannot take the fast path ("cpu" when not on CUDA; None when it can)."""
-    param = next(model.parameters(), None)
-    if param is None or param.device.type != "cuda":
-        return "cpu"
-    refusal = model.__dict__.get(_REFUSAL)
-    if refusal:
-        return refusal
-    if args:
-        return "positional arguments to generate()"
-    extra = sorted(set(kwargs) - _PASSTHROUGH)
-    if extra:
-        return f"generate() options {extra} (the fast path does greedy decoding only)"
-    for key, default in _DEFAULTS.items():
-        value = kwargs.get(key, getattr(model.generation_config, key, default))
-        if value not in (default, None) and not (key == "min_new_tokens" and not value):
-            return f"{key}={value!r}"
-    config = model.generation_config
-    for key in ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
-                "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "min_length"):
-        value = getattr(config, key, None)
-        if value not in (None, 0, 1.0):
-            return f"generation_config.{key}={value!r}"
-    ids = kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        return "no 2-D input_ids"
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        return "padded batch (attention_mask has zeros)"
-    if kwargs.get("max_new_tokens") is None:
-        return "max_new_tokens not given"
-    return None
-
-
 def _cache_objects(model: nn.Module) -> list[Any]:
     """What a kept cache was built for: the KV-cache pass's state, and the embedding weight (its dtype and device)."""
     from mmsdk.plugins.quantizers.kv_runtime import installed_state
@@ -160,13 +122,15 @@ def _cache_objects(model: nn.Module) -> list[Any]:
     return [installed_state(model), getattr(model.get_input_embeddings(), "weight", None)]
 
 
-def _step_objects(model: nn.Module, adapter: Any) -> list[Any]:
-    """What a captured decode step reads: the KV-cache pass's state and the embedding, language model and LM head."""
+def _step_objects(model: nn.Module, adapter: Any, cache: Any) -> list[Any]:
+    """What a captured decode step reads: the KV-cache pass's state, the embedding, language model and LM head, and
+    the image K/V ``cache`` holds for cross-attention layers (a prefill that had to allocate them anew stales it)."""
+    from mmsdk.kernels.cross_attention_decode import image_tensors
     from mmsdk.plugins._forward import BODY_ATTR
     from mmsdk.plugins.quantizers.kv_runtime import installed_state
 
     modules = (adapter.language_model(model), model.get_input_embeddings(), adapter.lm_head(model))
-    return watched_objects(installed_state(model), modules, ("forward", BODY_ATTR))
+    return watched_objects(installed_state(model), modules, ("forward", BODY_ATTR)) + image_tensors(cache)
 
 
 def pick(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int) -> torch.Tensor:
@@ -203,11 +167,12 @@ class _Generator:
     def _cache(self, max_len: int) -> Any:
         from mmsdk.plugins.quantizers.kv_runtime import installed_state
 
+        from mmsdk.kernels.cross_attention_decode import kv_pass_reason
+
         state = installed_state(self.model)
-        image_layers = [block.decoder_index for block in self.adapter.cross_attention_blocks(self.model)
-                        if block.kv_cached]
-        if state is not None and image_layers:
-            raise _Unsupported("the quantized KV cache holds cross-attention K/V (no static packed layer for them)")
+        reason = kv_pass_reason(self.model, self.adapter)
+        if reason is not None:
+            raise _Unsupported(reason)
         if state is not None:
             reason = state.packed_decode_reason(self.ids.device) if self.graphs else None
             if reason is not None:
@@ -218,7 +183,11 @@ class _Generator:
             return cache
         from transformers.cache_utils import StaticCache
 
+        from mmsdk.kernels.cross_attention_decode import with_image_layers
+
         cache = StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
+        image_layers = [block.decoder_index for block in self.adapter.cross_attention_blocks(self.model)
+                        if block.kv_cached]
         return with_image_layers(cache, image_layers)  # Mllama: image K/V written by the prefill, read by each step
 
     def _key(self) -> tuple[Any, ...]:
@@ -332,7 +301,10 @@ class _Generator:
             pass
         finally:
             handle.remove()
-        if (seen.get("inputs_embeds") is None and seen.get("input_ids") is None) or not body:
+        if not body:
+            raise _Unsupported("the decode token's forward never reached the language model's body (a pass or the "
+                               "model ended it early)")
+        if seen.get("inputs_embeds") is None and seen.get("input_ids") is None:
             raise _Unsupported("the language model got neither inputs_embeds nor input_ids on a decode step")
         mask = body.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
@@ -344,24 +316,26 @@ class _Generator:
 
     def _decode(self, state: DecodeState, seen: dict[str, Any]) -> None:
         """Tokens 1.. : the kept graph refilled and replayed, or a new step warmed up once and captured."""
+        from mmsdk.kernels.cross_attention_decode import own_lengths_for_cross_attention
+
         step, wanted = state.step, signature(seen)
         # the watch is read after this call's prefill and forward, which could have re-registered a buffer
         if (step is not None and step.signature == wanted
-                and step.watch.matches(_step_objects(self.model, self.adapter))):
+                and step.watch.matches(_step_objects(self.model, self.adapter, state.cache))):
             self._refill(step, state, seen)
             replays = self.new_tokens - 1  # no warm-up step: the first replay writes token 1
         else:
             state.step = None  # a stale graph goes before another is captured
             step = self._build_step(state, seen, wanted)
-            with image_lengths(self.adapter, self.model, state.cache):
+            with own_lengths_for_cross_attention(self.adapter, self.model, state.cache):
                 side = self._warm_up(step.replay)
                 replays = self.new_tokens - 2  # the warm-up step wrote token 1
                 if replays <= 0:
                     return
                 step.replay = self._capture(step.replay, side)
-            step.watch = Watch(_step_objects(self.model, self.adapter))  # what the graph just captured reads
+            step.watch = Watch(_step_objects(self.model, self.adapter, state.cache))  # what the graph captured reads
             state.step = step
-        with image_lengths(self.adapter, self.model, state.cache):  # eager steps (no graphs) as the captured one
+        with own_lengths_for_cross_attention(self.adapter, self.model, state.cache):  # eager steps as captured ones
             for i in range(replays):
                 step.replay()
                 if (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
@@ -369,6 +343,8 @@ class _Generator:
 
     def _build_step(self, state: DecodeState, seen: dict[str, Any], wanted: tuple[Any, ...]) -> Step:
         """A decode step over new buffers: embeds the last token, runs the language model and head, advances."""
+        from mmsdk.kernels.cross_attention_decode import step_mask
+
         language = self.adapter.language_model(self.model)
         embed = self.model.get_input_embeddings()
         head = self.adapter.lm_head(self.model)
@@ -381,10 +357,7 @@ class _Generator:
         token, index = state.tokens[:, 0].clone(), torch.tensor([1], device=self.ids.device)
         tokens, finished, eos, pad = state.tokens, state.finished, state.eos, state.pad
         takes_ids = seen.get("inputs_embeds") is None  # a language model that embeds its tokens itself (Mllama)
-        mask = None  # the batch has no padding
-        if self.adapter.decode_mask_over_cache(self.model):  # IDEFICS: a mask as long as the static cache's slots
-            slots = max(getattr(layer, "max_cache_len", 0) for layer in state.cache.layers)
-            mask = torch.ones(self.ids.shape[0], slots, dtype=torch.long, device=self.ids.device)
+        mask = step_mask(self.adapter, self.model, state.cache, self.ids)  # None: the batch has no padding
 
         def run() -> None:  # refers to no Step / state / model: nothing here forms a reference cycle
             ids = token[:, None]

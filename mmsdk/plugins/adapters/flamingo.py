@@ -88,7 +88,7 @@ class IdeficsAdapter(ModelAdapter):
             inputs["image_attention_mask"] = mask[:, -1:]
         return inputs
 
-    def decode_mask_over_cache(self, model: nn.Module) -> bool:
+    def needs_decode_mask_over_cache(self, model: nn.Module) -> bool:
         return True  # IdeficsModel makes torch.ones((batch, length + cache.get_seq_length())) without a mask
 
     def rotary_embedding(self, model: nn.Module) -> nn.Module:

@@ -47,6 +47,11 @@ class GatedXAttnConfig(PassConfig):
     repeats: int = Field(5, ge=1, le=100, description="Forwards timed per measurement (the median counts).")
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """True while ``x``'s stream is being captured into a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class KVMemo:
     """Remembers a projection's last input (by storage, shape, stride, version) and output."""
 
@@ -70,6 +75,10 @@ class KVMemo:
             return inner(x, *args, **kwargs)
         if args or kwargs or torch.is_grad_enabled() or x.requires_grad:
             return inner(x, *args, **kwargs)
+        if _capturing(x):
+            # a captured decode step (fast generate) replays with each call's image states copied into its inputs:
+            # it must project them, not keep this call's stored product, whose tensor the next image replaces
+            return inner(x)
         key = (*storage_key(x), x.dtype, x.device)
         if key == self.key and self.output is not None:
             self.hits += 1

@@ -1,0 +1,59 @@
+"""Which ``generate()`` calls fast generate (mmsdk.kernels.fast_generate) takes, and why it refuses the others.
+
+The fast path decodes greedily, without padding, from a prompt of ``input_ids`` (with the image inputs the model
+families take) for ``max_new_tokens``; anything else keeps transformers' loop. Refusals are reasons, not errors: the
+caller logs them once and runs transformers' generate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["REFUSAL", "unsupported_reason"]
+
+REFUSAL = "_mmsdk_fast_generate_refusal"  # the model attribute that holds why it must keep transformers' loop
+
+_PASSTHROUGH = {
+    "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
+    "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
+    "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
+    "min_new_tokens",
+}
+_DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
+
+
+def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why this generate() call cannot take the fast path ("cpu" when not on CUDA; None when it can)."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return "cpu"
+    refusal = model.__dict__.get(REFUSAL)
+    if refusal:
+        return refusal
+    if args:
+        return "positional arguments to generate()"
+    extra = sorted(set(kwargs) - _PASSTHROUGH)
+    if extra:
+        return f"generate() options {extra} (the fast path does greedy decoding only)"
+    for key, default in _DEFAULTS.items():
+        value = kwargs.get(key, getattr(model.generation_config, key, default))
+        if value not in (default, None) and not (key == "min_new_tokens" and not value):
+            return f"{key}={value!r}"
+    config = model.generation_config
+    for key in ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+                "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "min_length"):
+        value = getattr(config, key, None)
+        if value not in (None, 0, 1.0):
+            return f"generation_config.{key}={value!r}"
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return "no 2-D input_ids"
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        return "padded batch (attention_mask has zeros)"
+    if kwargs.get("max_new_tokens") is None:
+        return "max_new_tokens not given"
+    return None
