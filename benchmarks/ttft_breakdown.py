@@ -1,9 +1,11 @@
 """Where the time to the first token goes: transformers' generate against mmsdk's on LLaVA-1.5-7B (bf16, CUDA only).
 
-At batch 4 x 4096-token prompts the prefill is bound by the GPU. This script profiles one one-new-token call of each
-generate (after a warm call) on the same model and sums the GPU kernels' time by kind (matmuls, attention, elementwise,
-Triton, other), so a gap between the two shows up as the kernels that make it. mmsdk's generate is profiled at each
-prefill chunk in ``--chunks`` (tokens over all batch rows; ``MMSDK_PREFILL_TOKENS``).
+At batch 4 x 4096-token prompts transformers' one-pass prefill is bound by the GPU. This script profiles one
+one-new-token call of each generate (after a warm call) on the same model and sums the GPU kernels' time by kind
+(matmuls, attention, elementwise and copies by their names; everything else, Triton kernels included, as other), the
+host's waits for the GPU, and the GPU's idle gaps with what the host ran meanwhile, so a gap between the two generates
+shows up as the kernels or the launches that make it. mmsdk's generate is profiled at each prefill chunk in
+``--chunks`` (tokens over all batch rows; ``MMSDK_PREFILL_TOKENS``).
 
     python benchmarks/ttft_breakdown.py --out ttft_breakdown.json
 """
