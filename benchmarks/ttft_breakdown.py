@@ -16,7 +16,8 @@ import argparse
 import json
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -11,7 +11,8 @@ place on the next call whose images have the same shape. A captured step watches
 Also here: what a cross-attention model's captured step needs besides (:func:`own_lengths_for_cross_attention`,
 :func:`step_mask`), and why a KV-cache pass keeps such a model on transformers' loop (:func:`kv_pass_reason`).
 
-Imported by fast generate only when it runs (the layer class derives from transformers' ``DynamicLayer``).
+Imported by fast generate when it is installed or runs, never with ``import mmsdk`` (the layer class derives from
+transformers' ``DynamicLayer``).
 """
 
 from __future__ import annotations

@@ -165,9 +165,8 @@ class _Generator:
         self.pad = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
 
     def _cache(self, max_len: int) -> Any:
-        from mmsdk.plugins.quantizers.kv_runtime import installed_state
-
         from mmsdk.kernels.cross_attention_decode import kv_pass_reason
+        from mmsdk.plugins.quantizers.kv_runtime import installed_state
 
         state = installed_state(self.model)
         reason = kv_pass_reason(self.model, self.adapter)
