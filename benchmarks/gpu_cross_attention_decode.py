@@ -48,14 +48,9 @@ def mllama_config(layers: int = 40, vision_layers: int = 32, global_layers: int 
 def build_mllama(config: Any, device: str = "cuda") -> Any:
     from transformers import MllamaForConditionalGeneration
 
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = MllamaForConditionalGeneration(config).eval()
-    finally:
-        torch.set_default_dtype(default)
+    from benchmarks.gpu_models import bf16_model
+
+    model = bf16_model(MllamaForConditionalGeneration, config, device)
     with torch.no_grad():
         for name, gate in model.named_parameters():
             if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):

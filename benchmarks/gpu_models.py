@@ -27,17 +27,22 @@ def llava_config() -> Any:
     return config
 
 
-def build_llava() -> Any:
-    from transformers import LlavaForConditionalGeneration
-
+def bf16_model(model_class: Any, config: Any, device: str = "cuda") -> Any:
+    """``model_class(config)`` with random bf16 weights made on ``device`` (seed 0), in eval mode."""
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
-            model = LlavaForConditionalGeneration(llava_config()).eval()
+        with torch.device(device):
+            return model_class(config).eval()
     finally:
         torch.set_default_dtype(default)
+
+
+def build_llava() -> Any:
+    from transformers import LlavaForConditionalGeneration
+
+    model = bf16_model(LlavaForConditionalGeneration, llava_config())
     model.generation_config.eos_token_id = None  # random weights: decode the full length every time
     model.generation_config.pad_token_id = 0
     return model
@@ -118,14 +123,7 @@ def qwen2_vl_config(layers: int = 28, vision_depth: int = 32) -> Any:
 def build_qwen2_vl(config: Any = None, device: str = "cuda") -> Any:
     from transformers import Qwen2VLForConditionalGeneration
 
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = Qwen2VLForConditionalGeneration(config or qwen2_vl_config()).eval()
-    finally:
-        torch.set_default_dtype(default)
+    model = bf16_model(Qwen2VLForConditionalGeneration, config or qwen2_vl_config(), device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
