@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["ImageKVLayer", "cross_attention_reads_its_own_length", "image_tensors", "kv_pass_reason",
-           "own_lengths_for_cross_attention", "step_mask", "with_image_layers"]
+__all__ = ["ImageKVLayer", "cross_attention_reads_its_own_length", "image_layer_indices", "image_tensors",
+           "kv_pass_reason", "own_lengths_for_cross_attention", "step_mask", "with_image_layers"]
 
 
 class ImageKVLayer(DynamicLayer):
@@ -64,6 +64,11 @@ class ImageKVLayer(DynamicLayer):
     def reset(self) -> None:
         self.keys = self.values = None
         self.is_initialized = False
+
+
+def image_layer_indices(adapter: Any, model: nn.Module) -> list[int]:
+    """Decoder indices of the cross-attention layers whose image K/V the model keeps in its cache (Mllama)."""
+    return [block.decoder_index for block in adapter.cross_attention_blocks(model) if block.kv_cached]
 
 
 def with_image_layers(cache: Any, indices: list[int]) -> Any:
@@ -125,8 +130,9 @@ def own_lengths_for_cross_attention(adapter: Any, model: nn.Module, cache: Any) 
     """:func:`cross_attention_reads_its_own_length` for the model's cross-attention layers whose image K/V ``cache``
     holds in :class:`ImageKVLayer` layers (none for other models: then nothing changes)."""
     layers = getattr(cache, "layers", ())
+    cached = set(image_layer_indices(adapter, model))
     modules = [(block.decoder_index, block.attention) for block in adapter.cross_attention_blocks(model)
-               if block.kv_cached and block.decoder_index < len(layers)
+               if block.decoder_index in cached and block.decoder_index < len(layers)
                and isinstance(layers[block.decoder_index], ImageKVLayer)]
     return cross_attention_reads_its_own_length(cache, modules)
 

@@ -182,12 +182,11 @@ class _Generator:
             return cache
         from transformers.cache_utils import StaticCache
 
-        from mmsdk.kernels.cross_attention_decode import with_image_layers
+        from mmsdk.kernels.cross_attention_decode import image_layer_indices, with_image_layers
 
         cache = StaticCache(config=self.adapter.text_config(self.model), max_cache_len=max_len)
-        image_layers = [block.decoder_index for block in self.adapter.cross_attention_blocks(self.model)
-                        if block.kv_cached]
-        return with_image_layers(cache, image_layers)  # Mllama: image K/V written by the prefill, read by each step
+        # Mllama: image K/V written by the prefill, read by each step
+        return with_image_layers(cache, image_layer_indices(self.adapter, self.model))
 
     def _key(self) -> tuple[Any, ...]:
         """The plain values a kept decode state must share with this call."""
