@@ -366,14 +366,14 @@ def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name
     counts = _count_builds(monkeypatch)
     got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 24}).run()
     assert counts == {"build": 1, "capture": 1} and kept(model).step is not None
-    _assert_agrees(got, _greedy(model, inputs, 24))
+    _assert_new_tokens_agree(got, _greedy(model, inputs, 24), inputs["input_ids"].shape[1])
     key = IMAGE_MASKS[name]
     loaded = tiny(name)
     other = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS, seed=3).items()}
     other[key][1, 3:] = 0
     again = model.generate(**other, max_new_tokens=20)
     assert counts == {"build": 1, "capture": 1}  # the kept graph, refilled
-    _assert_agrees(again, _greedy(model, other, 20))
+    _assert_new_tokens_agree(again, _greedy(model, other, 20), other["input_ids"].shape[1])
 
 
 def _bf16_decode_stack(tiny, session, name: str, fusion, questions) -> tuple:
@@ -514,6 +514,17 @@ def _assert_agrees(got, expected):
     """bf16 and other kernels: the first tokens agree; allow a late divergence after a near-tie."""
     agree = (got[:, : expected.shape[1]] == expected[:, : got.shape[1]]).float().mean().item()
     assert got.shape[0] == expected.shape[0] and agree > 0.9, (agree, got, expected)
+
+
+def _assert_new_tokens_agree(got, expected, prompt_length):
+    """Like :func:`_assert_agrees`, over the generated tokens only (a prompt's columns agree by construction): every
+    row's first new token is the same, and most of the rest (bf16 kernels may part after a near-tie)."""
+    new_got, new_expected = got[:, prompt_length:], expected[:, prompt_length:]
+    width = min(new_got.shape[1], new_expected.shape[1])
+    assert got.shape[0] == expected.shape[0] and width > 0, (got.shape, expected.shape)
+    same = new_got[:, :width] == new_expected[:, :width]
+    agree = same.float().mean().item()
+    assert bool(same[:, 0].all()) and agree > 0.75, (agree, new_got, new_expected)
 
 
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ("token-prune",)), ("tiny:llava", ("token-merge", "int4-kv")),
