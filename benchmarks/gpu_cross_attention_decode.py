@@ -3,8 +3,10 @@
 The Flamingo-style models keep the image out of the token sequence: Mllama's 8 cross-attention layers attend to the
 image's K/V (6404 tokens for one image of 4 tiles), written into the cache by the prefill and read by every decode
 step. This script times transformers' generate against mmsdk's (``opt.model.generate``: static cache, image K/V in
-fixed tensors, CUDA-graph decode steps), in bf16 and with ``int4-weight``, at a 64-token prompt with one 4-tile image
-and 128 new tokens, and reports each step against the bytes it must read (the speed limit at 4.27 TB/s).
+fixed tensors, CUDA-graph decode steps), in bf16, with ``int4-weight`` and with int4 K/V (the image's K/V packed in
+the cache too; static ranges set directly, as benchmarks/gpu_models.attach_int4_kv does), at a 64-token prompt with
+one 4-tile image and 128 new tokens, and reports each step against the bytes it must read (the speed limit at
+4.27 TB/s) and the K/V bytes the fast path's cache holds.
 
 The cross-attention gates are set to 0.5 (a random model's are 0, which would make every cross-attention layer a
 no-op; trained gates are not).
@@ -75,35 +77,43 @@ def mllama_inputs(config: Any, device: str = "cuda") -> dict[str, torch.Tensor]:
             "cross_attention_mask": cross}
 
 
-def step_bytes(model: Any, context: int) -> float:
+def step_bytes(model: Any, context: int, kv_element_bytes: float = 2.0) -> float:
     """Bytes a decode step reads: the text decoder and head (not the embedding table), the self-attention K/V of
-    ``context`` tokens and the cross-attention layers' image K/V."""
+    ``context`` tokens and the cross-attention layers' image K/V (``kv_element_bytes`` each: 2 bf16, 0.5 int4)."""
     text = model.model.language_model
     config = model.config.text_config
     weights = sum(t.numel() * t.element_size() for n, t in [*text.named_parameters(), *text.named_buffers()]
                   if "embed_tokens" not in n)
     weights += sum(t.numel() * t.element_size() for t in [*model.lm_head.parameters(), *model.lm_head.buffers()])
-    per_token = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
+    per_token = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * kv_element_bytes
     self_layers = config.num_hidden_layers - len(config.cross_attention_layers)
     return weights + per_token * (self_layers * context + len(config.cross_attention_layers) * TILES * TILE_TOKENS)
 
 
-# rows: name -> (passes applied to a fresh bf16 model, which generate: "mmsdk" = opt.model.generate, "hf" =
-# transformers' generate on the same model)
+# rows: name -> (passes applied to a fresh bf16 model, int4 K/V attached, which generate: "mmsdk" =
+# opt.model.generate, "hf" = transformers' generate on the same model, "hf-dequantizing" = transformers' generate on a
+# cache that dequantizes the packed K/V for every attention call: how int4 K/V on Mllama ran before the fast path
+# took it)
+STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")
 ROWS = {
-    "HF bf16 eager generate": ((), "hf"),
-    "mmsdk bf16 (fast generate)": ((), "mmsdk"),
-    "mmsdk int4-weight (fast generate)": (("int4-weight",), "mmsdk"),
-    "mmsdk int4-weight (HF generate, no graphs)": (("int4-weight",), "hf"),
-    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion (fast generate)":
-        (("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), "mmsdk"),
+    "HF bf16 eager generate": ((), False, "hf"),
+    "mmsdk bf16 (fast generate)": ((), False, "mmsdk"),
+    "mmsdk int4-weight (fast generate)": (("int4-weight",), False, "mmsdk"),
+    "mmsdk int4-weight (HF generate, no graphs)": (("int4-weight",), False, "hf"),
+    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion (fast generate)": (STACK, False, "mmsdk"),
+    "mmsdk int4-weight + int4-kv (fast generate)": (("int4-weight",), True, "mmsdk"),
+    "mmsdk int4-weight + int4-kv (HF generate, dequantizing cache)": (("int4-weight",), True, "hf-dequantizing"),
+    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv (fast generate)": (STACK, True, "mmsdk"),
+    "mmsdk bf16 + int4-kv (fast generate)": ((), True, "mmsdk"),
 }
 
 
 def main() -> None:
+    from benchmarks.gpu_models import attach_int4_kv
     from benchmarks.gpu_suite import COPY_BW, decode_rate, release_memory
     from mmsdk import Optimizer
     from mmsdk.kernels.decode_state import kept, release
+    from mmsdk.plugins.quantizers.kv_runtime import installed_state, kv_bytes
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="mllama_decode.json")
@@ -116,37 +126,43 @@ def main() -> None:
     results: dict[str, Any] = {"command": f"python benchmarks/gpu_cross_attention_decode.py --new {args.new} --reps "
                                f"{args.reps} --rows {args.rows}", "torch": torch.__version__, "rows": []}
     inputs = mllama_inputs(config)
-    built: tuple[tuple[Any, ...], Any] | None = None  # (passes, optimizer) of the model built last
+    built: tuple[tuple[Any, ...], Any] | None = None  # ((passes, int4 K/V), optimizer) of the model built last
     for index in (int(i) for i in args.rows.split(",")):
-        name, (passes, which) = list(ROWS.items())[index]
-        if built is None or built[0] != passes:
+        name, (passes, int4_kv, which) = list(ROWS.items())[index]
+        if built is None or built[0] != (passes, int4_kv):
             built = None  # the last model is gone before the next one is built (two 11B models need not fit)
             release_memory()
             opt = Optimizer(build_mllama(config), None)
             if passes:
                 opt.apply(*passes)
-            built = (passes, opt)
+            if int4_kv:
+                attach_int4_kv(opt.model, opt.adapter)
+            built = ((passes, int4_kv), opt)
             del opt
         model = built[1].model
         hf = type(model).generate.__get__(model)
-        if which == "hf":  # a fast row before it on this model kept a cache and a graph: not this row's memory
+        state = installed_state(model)
+        generate = {"mmsdk": None, "hf": hf, "hf-dequantizing":
+                    lambda _hf=hf, _state=state, **kw: _hf(**kw, past_key_values=_state.new_cache())}[which]
+        if which != "mmsdk":  # a fast row before it on this model kept a cache and a graph: not this row's memory
             release(model)
         with torch.inference_mode():
-            row = {"variant": name, **decode_rate(model, inputs, args.new, args.reps, hf if which == "hf" else None)}
+            row = {"variant": name, **decode_rate(model, inputs, args.new, args.reps, generate)}
             if which == "mmsdk":  # it took the fast path; its new tokens against transformers' on the same model
                 if kept(model) is None or kept(model).step is None:
                     raise RuntimeError(f"{name}: generate() did not take the fast path (see the mmsdk.kernels log)")
+                row["kv_cache_bytes"] = kv_bytes(kept(model).cache, model)  # after the timed calls: 128 new tokens
                 reference = hf(**inputs, max_new_tokens=32, do_sample=False)[:, PROMPT:]
                 ours = model.generate(**inputs, max_new_tokens=32, do_sample=False)[:, PROMPT:]
                 row["new_tokens_agree_with_hf"] = float((reference == ours).float().mean())
                 differ = (reference != ours).nonzero()
                 row["first_differing_new_token"] = int(differ[0, 1]) if len(differ) else None
-        row["bytes_per_step"] = step_bytes(model, PROMPT + args.new // 2)
+        row["bytes_per_step"] = step_bytes(model, PROMPT + args.new // 2, 0.5 if int4_kv else 2.0)
         row["floor_ms"] = row["bytes_per_step"] / COPY_BW * 1e3
         row["fraction_of_limit"] = row["floor_ms"] / row["step_ms"]
         results["rows"].append(row)
         print(row, flush=True)
-        del model, hf
+        del model, hf, generate, state
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -66,8 +66,8 @@ def attach_int4_kv(model: Any, adapter: Any, amax: float = 4.0) -> None:
     state = _state(model, adapter, "int4", Int4KVConfig())
     layout = adapter.kv_layout(model)
     shape = (layout.num_kv_heads, layout.head_dim)
-    for index in list(state.layers):
-        state.layers[index] = LayerRanges("self", torch.full(shape, amax), torch.full(shape, amax))
+    for index, ranges in list(state.layers.items()):  # "self", or "cross" for Mllama's cached image K/V
+        state.layers[index] = LayerRanges(ranges.kind, torch.full(shape, amax), torch.full(shape, amax))
     install(model, state, adapter)
 
 

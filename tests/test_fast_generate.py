@@ -18,6 +18,8 @@ from mmsdk.kernels.fast_generate import _Generator, release, unsupported_reason
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+from mmsdk.plugins.quantizers.kv_cache import Int4KVConfig
+from mmsdk.plugins.quantizers.kv_runtime import installed_state
 from mmsdk.testing import tiny_inputs
 
 QUESTIONS = ("what digit is this ?", "what digit is this ?")  # no padding: the fast path refuses padded batches
@@ -110,11 +112,12 @@ def test_cross_attention_models_match_transformers_greedy_on_cpu(name, passes, s
     assert bool(cached) == (name == "tiny:mllama")
 
 
-def test_kept_cross_attention_state_follows_each_call_of_a_mllama(session, tiny, monkeypatch):
+@pytest.mark.parametrize("passes", [(), ("int4-kv",)])
+def test_kept_cross_attention_state_follows_each_call_of_a_mllama(passes, session, tiny, monkeypatch):
     """Calls that reuse the kept cache: a text-only call after an image call must not see the old image (its image
     layers read as empty), and a call with more images, which the image layers must hold in new tensors, must get a
     step built for them (no cross-attention mask: nothing else in the step's inputs would tell)."""
-    opt, inputs = _cross_attention_model(tiny, session, "tiny:mllama", ())
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:mllama", passes)
     model = opt.model
     unmasked = {k: v for k, v in inputs.items() if k != "cross_attention_mask"}
     text_only = {k: inputs[k] for k in ("input_ids", "attention_mask")}
@@ -129,12 +132,46 @@ def test_kept_cross_attention_state_follows_each_call_of_a_mllama(session, tiny,
         assert torch.equal(got, _greedy(model, case, 6)) and counts["build"] == builds, (case.keys(), counts)
 
 
-def test_a_quantized_kv_cache_keeps_cross_attention_models_on_transformers_loop(session, tiny):
-    for name in ("tiny:mllama", "tiny:idefics"):
-        loaded = tiny(name)
-        opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
-        reason = _reason_on_cuda(opt.model, loaded.processor)
-        assert reason is not None and "without int4-kv / int8-kv" in reason, reason
+def test_a_quantized_kv_cache_keeps_a_model_that_recomputes_image_kv_on_transformers_loop(session, tiny):
+    loaded = tiny("tiny:idefics")
+    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
+    reason = _reason_on_cuda(opt.model, loaded.processor)
+    assert reason is not None and "without int4-kv / int8-kv" in reason, reason
+    assert installed_state(opt.model).recomputes_image_kv()  # so generate() on CUDA keeps the dequantizing cache
+
+
+@pytest.mark.parametrize("kv", ["int4-kv", "int8-kv", Int4KVConfig(cross_attention=False)])
+def test_mllama_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv, session, tiny):
+    """Mllama's image K/V go packed into the static cache (a PackedImageLayer per cross-attention layer, sized by the
+    image), or stay in full precision with cross_attention=False; the cross-attention mask still drops what it
+    masks. Transformers' loop on CPU runs the dequantizing cache with the same codes."""
+    from mmsdk.kernels.cross_attention_decode import ImageKVLayer
+    from mmsdk.plugins.quantizers.packed_image_kv import PackedImageLayer
+
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:mllama", (kv,))
+    model = opt.model
+    masked = dict(inputs, cross_attention_mask=inputs["cross_attention_mask"].clone())
+    masked["cross_attention_mask"][1, 3:] = 0
+    answers = []
+    for case in (inputs, masked):
+        expected = _greedy(model, case, 8)
+        got = _Generator(model, opt.adapter, {**case, "max_new_tokens": 8}, graphs=False).run()
+        assert torch.equal(got, expected)
+        answers.append(got)
+    assert torch.equal(answers[0][0], answers[1][0])
+    if kv == "int8-kv":  # the mask changes the answer (int4 K/V make this tiny model repeat one token, mask or not)
+        assert not torch.equal(answers[0][1], answers[1][1])
+    assert _reason_on_cuda(model, tiny("tiny:mllama").processor) is None
+    cached = {block.decoder_index for block in opt.adapter.cross_attention_blocks(model)}
+    image_layer = ImageKVLayer if isinstance(kv, Int4KVConfig) else PackedImageLayer
+    layers = kept(model).cache.layers
+    assert cached and all(isinstance(layers[i], image_layer) == (i in cached) for i in range(len(layers)))
+    if image_layer is PackedImageLayer:  # sized by the image's tokens, packed (int4: two codes per byte)
+        layer = layers[min(cached)]
+        vision = model.config.vision_config  # each tile: its patches and a class token
+        tokens = inputs["pixel_values"].shape[1:3].numel() * ((vision.image_size // vision.patch_size) ** 2 + 1)
+        per_byte = 2 if kv == "int4-kv" else 1
+        assert layer.key_codes.shape[2] == tokens and layer.key_codes.shape[-1] * per_byte == layer.head_dim
 
 
 def test_cross_attention_length_redirect_is_scoped_and_restored():
@@ -355,25 +392,40 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name,passes", [("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn", "int4-weight")),
                                          ("tiny:mllama", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+                                         ("tiny:mllama", ("int8-kv",)),
+                                         ("tiny:mllama", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")),
                                          ("tiny:idefics", ("gated-xattn",))])
 def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name, passes, session, tiny, monkeypatch):
-    """The captured decode step reads Mllama's image K/V from the cache and IDEFICS's image states from the step's
-    fixed inputs; a second call with other images and another image mask refills them in place and replays."""
+    """The captured decode step reads Mllama's image K/V from the cache (packed, with a KV-cache pass: the packed
+    kernel with the cross-attention mask's row) and IDEFICS's image states from the step's fixed inputs; a second
+    call with other images and another image mask refills them in place and replays. With a KV-cache pass the
+    reference is transformers' loop on the dequantizing cache (SDPA over the same codes)."""
+    from mmsdk.plugins.quantizers.packed_image_kv import PackedImageLayer
+
     passes = tuple(Int4WeightConfig(indivisible="pad") if p == "int4-weight" else p for p in passes)
     opt, inputs = _cross_attention_model(tiny, session, name, passes, "cuda", torch.bfloat16)
     model = opt.model
+    state = installed_state(model)
+
+    def reference(case, new_tokens):
+        return _greedy(model, case, new_tokens, **({"past_key_values": state.new_cache()} if state else {}))
+
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 24}) is None
     counts = _count_builds(monkeypatch)
     got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 24}).run()
     assert counts == {"build": 1, "capture": 1} and kept(model).step is not None
-    _assert_new_tokens_agree(got, _greedy(model, inputs, 24), inputs["input_ids"].shape[1])
+    _assert_new_tokens_agree(got, reference(inputs, 24), inputs["input_ids"].shape[1])
+    if state is not None:
+        cached = {block.decoder_index for block in opt.adapter.cross_attention_blocks(model)}
+        layers = kept(model).cache.layers
+        assert all(isinstance(layers[i], PackedImageLayer) == (i in cached) for i in range(len(layers)))
     key = IMAGE_MASKS[name]
     loaded = tiny(name)
     other = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS, seed=3).items()}
     other[key][1, 3:] = 0
     again = model.generate(**other, max_new_tokens=20)
     assert counts == {"build": 1, "capture": 1}  # the kept graph, refilled
-    _assert_new_tokens_agree(again, _greedy(model, other, 20), other["input_ids"].shape[1])
+    _assert_new_tokens_agree(again, reference(other, 20), other["input_ids"].shape[1])
 
 
 def _bf16_decode_stack(tiny, session, name: str, fusion, questions) -> tuple:

@@ -6,10 +6,13 @@ A transformers ``StaticLayer`` in that place would write them at the text's posi
 (and a ``DynamicLayer`` would grow on every refill), so fast generate gives those layers an :class:`ImageKVLayer`:
 it keeps what the prefill wrote in tensors whose addresses a captured decode graph can read, and refills them in
 place on the next call whose images have the same shape. A captured step watches those tensors
-(:func:`image_tensors`), so a refill that had to allocate anew makes the next call capture its step again.
+(:func:`image_tensors`), so a refill that had to allocate anew makes the next call capture its step again. With
+int4-kv / int8-kv those layers are packed (:class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer`, made by
+the KV-cache pass's state) and behave the same way (:func:`holds_image_kv`).
 
 Also here: what a cross-attention model's captured step needs besides (:func:`own_lengths_for_cross_attention`,
-:func:`step_mask`), and why a KV-cache pass keeps such a model on transformers' loop (:func:`kv_pass_reason`).
+:func:`step_mask`), and why a KV-cache pass keeps a model that recomputes its image K/V (IDEFICS) on transformers'
+loop (:func:`kv_pass_reason`).
 
 Imported by fast generate when it is installed or runs, never with ``import mmsdk`` (the layer class derives from
 transformers' ``DynamicLayer``).
@@ -25,8 +28,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["ImageKVLayer", "cross_attention_reads_its_own_length", "image_layer_indices", "image_tensors",
-           "kv_pass_reason", "own_lengths_for_cross_attention", "step_mask", "with_image_layers"]
+__all__ = ["ImageKVLayer", "cross_attention_reads_its_own_length", "holds_image_kv", "image_layer_indices",
+           "image_tensors", "kv_pass_reason", "own_lengths_for_cross_attention", "step_mask", "with_image_layers"]
 
 
 class ImageKVLayer(DynamicLayer):
@@ -61,6 +64,10 @@ class ImageKVLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return int(self.keys.shape[-2]) if self.is_initialized and self.keys is not None else 0
 
+    def image_buffers(self) -> list[torch.Tensor]:
+        """The tensors a captured decode step reads (none while reset)."""
+        return [self.keys, self.values] if self.is_initialized and self.keys is not None else []
+
     def reset(self) -> None:
         self.keys = self.values = None
         self.is_initialized = False
@@ -81,16 +88,23 @@ def with_image_layers(cache: Any, indices: list[int]) -> Any:
     return cache
 
 
+def holds_image_kv(layer: Any) -> bool:
+    """Whether a cache layer holds a cross-attention layer's image K/V: an :class:`ImageKVLayer`, or packed (with
+    int4-kv / int8-kv, :class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer`)."""
+    from mmsdk.plugins.quantizers.packed_image_kv import PackedImageLayer
+
+    return isinstance(layer, (ImageKVLayer, PackedImageLayer))
+
+
 def image_tensors(cache: Any) -> list[torch.Tensor]:
-    """The image K/V tensors ``cache``'s :class:`ImageKVLayer` layers hold now (what a captured step reads)."""
-    return [t for layer in getattr(cache, "layers", ()) if isinstance(layer, ImageKVLayer) and layer.is_initialized
-            for t in (layer.keys, layer.values)]
+    """The image K/V tensors (or packed codes) ``cache``'s image layers hold now (what a captured step reads)."""
+    return [t for layer in getattr(cache, "layers", ()) if holds_image_kv(layer) for t in layer.image_buffers()]
 
 
 @contextmanager
 def cross_attention_reads_its_own_length(cache: Any, modules: list[tuple[int, nn.Module]]) -> Iterator[None]:
     """While inside, a cross-attention module (``(layer index, module)`` in ``modules``) that asks ``cache`` for its
-    length without naming a layer gets its own :class:`ImageKVLayer`'s count, a host int, instead of the first
+    length without naming a layer gets its own image layer's count, a host int, instead of the first
     layer's.
 
     transformers 5.17's Mllama cross-attention checks ``cache.get_seq_length() > 0`` before it reads its image K/V: on
@@ -128,12 +142,12 @@ def cross_attention_reads_its_own_length(cache: Any, modules: list[tuple[int, nn
 
 def own_lengths_for_cross_attention(adapter: Any, model: nn.Module, cache: Any) -> AbstractContextManager[None]:
     """:func:`cross_attention_reads_its_own_length` for the model's cross-attention layers whose image K/V ``cache``
-    holds in :class:`ImageKVLayer` layers (none for other models: then nothing changes)."""
+    holds in image layers (:func:`holds_image_kv`; none for other models: then nothing changes)."""
     layers = getattr(cache, "layers", ())
     cached = set(image_layer_indices(adapter, model))
     modules = [(block.decoder_index, block.attention) for block in adapter.cross_attention_blocks(model)
                if block.decoder_index in cached and block.decoder_index < len(layers)
-               and isinstance(layers[block.decoder_index], ImageKVLayer)]
+               and holds_image_kv(layers[block.decoder_index])]
     return cross_attention_reads_its_own_length(cache, modules)
 
 
@@ -151,10 +165,15 @@ def step_mask(adapter: Any, model: nn.Module, cache: Any, ids: torch.Tensor) -> 
 
 
 def kv_pass_reason(model: nn.Module, adapter: Any) -> str | None:
-    """Why a cross-attention model with a KV-cache pass keeps transformers' loop (None otherwise)."""
+    """Why a cross-attention model with a KV-cache pass keeps transformers' loop (None otherwise).
+
+    Image K/V the model caches (Mllama) are packed in the static cache; image K/V it computes again at every step
+    from its image states (IDEFICS) have no static packed copy yet.
+    """
     from mmsdk.plugins.quantizers.kv_runtime import installed_state
 
-    if installed_state(model) is None or not adapter.cross_attention_blocks(model):
+    if installed_state(model) is None or all(block.kv_cached for block in adapter.cross_attention_blocks(model)):
         return None
-    return ("a quantized KV cache on a cross-attention model (the fast path has no static packed cache for its image "
-            "K/V or image states yet): apply the model's passes without int4-kv / int8-kv to decode through it")
+    return ("a quantized KV cache on a model that recomputes its cross-attention K/V at every step (the fast path "
+            "has no static packed copy of them yet): apply the model's passes without int4-kv / int8-kv to decode "
+            "through it")

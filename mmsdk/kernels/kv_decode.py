@@ -390,7 +390,8 @@ def _make_attention(base: str) -> Any:
         if layer is not None and (unsupported or not triton_ready(query)):
             note_fallback("packed KV decode attention", f"{unsupported or 'no CUDA'}")
             query = layer.rotated_query(query)  # a RoPE left to the kernel (PackedStaticLayer.take_rope) runs now
-            key, value, layer = layer.keys, layer.values, None
+            key, value = layer.dequantized_heads(0, layer.key_codes.shape[1])
+            layer = None
         if layer is None:
             return fallback(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5

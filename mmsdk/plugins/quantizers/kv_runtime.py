@@ -5,10 +5,12 @@ instance only, ``_prepare_cache_for_generation``: it lets transformers prepare i
 then swaps the default ``DynamicCache`` it created for mmsdk's quantized cache. A cache the user
 passes in is left alone. ``model._mmsdk_kv.new_cache()`` gives one for manual forward calls.
 
-On CUDA, with static scales and a self-attention-only model, generation gets a
+On CUDA, with static scales, generation gets a
 :class:`~mmsdk.plugins.quantizers.static_kv.PackedStaticLayer` cache instead (buffers sized for the
-whole generation) and the decoder's attention implementation is wrapped so that decode steps run
-the packed-KV Triton kernel; on CPU nothing changes.
+whole generation; Mllama's cross-attention layers get a
+:class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer` sized by the image) and the decoder's
+attention implementation is wrapped so that decode steps run the packed-KV Triton kernel; on CPU nothing
+changes. Models that recompute their image K/V at every step (IDEFICS) keep the dequantizing cache.
 
 Cross-attention K/V that the model recomputes at every step (IDEFICS passes no cache to those
 layers) are computed once per image instead: the K and V projections of each such block answer
@@ -99,15 +101,25 @@ class KVQuantState:
             return "not on CUDA or no Triton"
         if self.scales != "static" or self.exact_prefill:
             return "dynamic scales or exact prefill attention"
-        if any(r.kind != "self" for r in self.layers.values()) or self.memos:
-            return "the model has cross-attention K/V"
+        if self.recomputes_image_kv():
+            return "the model recomputes its cross-attention K/V at every step (no static packed copy of them yet)"
         base = getattr(self.attention_config, "_attn_implementation", None)
         if base is None or not (base.startswith("mmsdk_packed_kv_") or base in ("sdpa", "eager")):
             return f"attention implementation {base!r} (sdpa or eager can be wrapped)"
         return None
 
+    def recomputes_image_kv(self) -> bool:
+        """Whether the model computes cross-attention K/V again at every step (IDEFICS) instead of caching them."""
+        return bool(self.memos) or any(r.kind == "recomputed" for r in self.layers.values())
+
     def static_cache(self, max_cache_len: int, *, fused: bool) -> Any:
-        """A packed cache with buffers for ``max_cache_len`` tokens; ``fused`` decode steps run the packed kernel."""
+        """A packed cache with buffers for ``max_cache_len`` tokens; ``fused`` decode steps run the packed kernel.
+
+        A cross-attention layer whose image K/V the model caches (Mllama) gets buffers sized by its image's tokens
+        (:class:`PackedImageLayer`), or full-precision ones with ``cross_attention=False``.
+        """
+        from mmsdk.kernels.cross_attention_decode import ImageKVLayer
+        from mmsdk.plugins.quantizers.packed_image_kv import PackedImageLayer
         from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
 
         if fused:
@@ -119,9 +131,15 @@ class KVQuantState:
         layers = []
         for index in range(self.num_layers):
             ranges = self.layers.get(index, LayerRanges("self"))
+            if ranges.kind == "cross" and not self.cross_attention:
+                layers.append(ImageKVLayer())
+                continue
             keys = self.codec(ranges.k_amax, self.key_granularity)
             values = self.codec(ranges.v_amax, self.value_granularity)
-            layers.append(PackedStaticLayer(keys, values, max_cache_len, fused))
+            if ranges.kind == "cross":
+                layers.append(PackedImageLayer(keys, values, fused))
+            else:
+                layers.append(PackedStaticLayer(keys, values, max_cache_len, fused))
         return make_cache(layers)
 
     def generation_cache(self, device: torch.device, max_cache_len: int) -> Any:
