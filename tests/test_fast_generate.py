@@ -7,6 +7,7 @@ end-of-sequence logic; the CUDA test runs the graphs themselves.
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -35,7 +36,16 @@ def _optimized(tiny, session, name, passes):
 
 
 def _greedy(model, inputs, new_tokens, **kwargs):
-    return type(model).generate(model, **inputs, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+    """transformers' greedy generate, its decode steps' attention as fast generate's (on CUDA, grouped-query heads
+    take mmsdk.kernels.grouped_decode's kernel, checked against fp64 in tests/test_grouped_decode.py; elsewhere
+    nothing changes): these tests check the static cache and the graphs, which a near-tie of a tiny random model
+    between two attention kernels' roundings would hide. A model with a KV-cache pass runs the packed kernels in
+    both already (and its cache is chosen by the attention implementation's name, which must stay the pass's)."""
+    from mmsdk.kernels.grouped_decode import grouped_decode_steps
+
+    scope = grouped_decode_steps(model.config.get_text_config()) if installed_state(model) is None else nullcontext()
+    with scope:
+        return type(model).generate(model, **inputs, max_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
 # the LM head quantized too (int4-weight's lm_head=True): the step's last GEMV is an int4 one

@@ -332,18 +332,22 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
 @triton.jit
 def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h, len_ptr,
                            BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
-                           ADVANCE: tl.constexpr = False):
+                           ADVANCE: tl.constexpr = False, SCALED: tl.constexpr = True):
     """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine).
 
     With ``PDL`` the next kernel (the output projection's GEMV) may launch at once. With ``ADVANCE`` program 0
-    adds the step's token to the cache length ``len`` (the partial kernel appended it: its ``APPEND``).
+    adds the step's token to the cache length ``len`` (the partial kernel appended it: its ``APPEND``). Without
+    ``SCALED`` V has no scale to apply (unquantized K/V, mmsdk.kernels.grouped_decode).
     """
     let_next_launch(PDL)
     bh, b, h, hk, rs, s_ok = combine_program(HQ, G, n_splits, BLOCK_S)
     rd = tl.arange(0, D)
     rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
     parts = tl.load(rows, mask=s_ok[:, None], other=0.0)
-    scale = tl.load(vs_ptr + hk * D + rd)
+    if SCALED:
+        scale = tl.load(vs_ptr + hk * D + rd)
+    else:
+        scale = tl.full((D,), 1.0, tl.float32)
     tl.debug_barrier()  # keeps the compiler from moving these loads after the weights' (see split_weights)
     w, total = split_weights(pl_ptr, bh, rs, s_ok, n_splits)
     o = tl.sum(w[:, None] * parts, 0) / total * scale

@@ -53,8 +53,9 @@ class ImageKVLayer(DynamicLayer):
                                     for old, new in zip(kept, (key_states, value_states), strict=True)):
             kept[0].copy_(key_states)  # in place: a captured graph reads these addresses
             kept[1].copy_(value_states)
-        else:  # the projections' own outputs, which nothing else writes
-            kept = (key_states, value_states)
+        else:  # the projections' outputs (nothing else writes them), laid out as [B, H, T, D]: Mllama hands them
+            # over transposed, and the decode kernel (mmsdk.kernels.grouped_decode) reads contiguous K/V
+            kept = (key_states.contiguous(), value_states.contiguous())
         self._kept = kept
         self.keys, self.values = kept
         self.dtype, self.device = key_states.dtype, key_states.device

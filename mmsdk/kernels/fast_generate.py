@@ -16,7 +16,9 @@ decoding without padding, it runs:
 3. every decode token from the first on by one CUDA graph that embeds the last token, runs the
    language model and the LM head, takes the argmax and advances the positions, all on the device
    (replayed; on a call that builds the graph, its eager warm-up run makes the first token); the host
-   checks for end-of-sequence every ``CHECK_EVERY`` steps.
+   checks for end-of-sequence every ``CHECK_EVERY`` steps. In these steps grouped-query attention with a mask
+   (a static cache's empty slots, Mllama's image mask) runs the split decode kernel over the K/V as they are
+   (:mod:`mmsdk.kernels.grouped_decode`) instead of transformers' SDPA call, which copies them per query head.
 
 The static cache, the step's buffers and its graph stay on the model for the next call whose
 shapes fit (:mod:`mmsdk.kernels.decode_state`), which then pays only for its prefill and the graph's
@@ -24,15 +26,17 @@ replays; :func:`release` frees them.
 
 Anything else (CPU, sampling, beams, padding, streamers, extra logits processors, a cache passed in,
 a capture that fails) runs transformers' ``generate`` unchanged, and the ``mmsdk.kernels`` log says
-why once. The output equals transformers' greedy output: prompt ids followed by new ids, sequences
-that finished early padded with the pad token.
+why once. The output equals transformers' greedy output (bitwise on CPU; on CUDA the decode kernels round
+differently from SDPA, so tokens may part after a near-tie): prompt ids followed by new ids, sequences that
+finished early padded with the pad token.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -314,10 +318,19 @@ class _Generator:
             seen["position_ids"] = body["position_ids"]
         return seen
 
+    @contextmanager
+    def _step_scope(self, cache: Any) -> Iterator[None]:
+        """What decode steps (eager, warm-up, captured) run inside: cross-attention layers read their own image
+        layer's length, and grouped-query attention with a mask takes the kernel without copying K/V per head."""
+        from mmsdk.kernels.cross_attention_decode import own_lengths_for_cross_attention
+        from mmsdk.kernels.grouped_decode import grouped_decode_steps
+
+        with own_lengths_for_cross_attention(self.adapter, self.model, cache):
+            with grouped_decode_steps(self.adapter.text_config(self.model)):
+                yield
+
     def _decode(self, state: DecodeState, seen: dict[str, Any]) -> None:
         """Tokens 1.. : the kept graph refilled and replayed, or a new step warmed up once and captured."""
-        from mmsdk.kernels.cross_attention_decode import own_lengths_for_cross_attention
-
         step, wanted = state.step, signature(seen)
         # the watch is read after this call's prefill and forward, which could have re-registered a buffer
         if (step is not None and step.signature == wanted
@@ -327,7 +340,7 @@ class _Generator:
         else:
             state.step = None  # a stale graph goes before another is captured
             step = self._build_step(state, seen, wanted)
-            with own_lengths_for_cross_attention(self.adapter, self.model, state.cache):
+            with self._step_scope(state.cache):
                 side = self._warm_up(step.replay)
                 replays = self.new_tokens - 2  # the warm-up step wrote token 1
                 if replays <= 0:
@@ -335,7 +348,7 @@ class _Generator:
                 step.replay = self._capture(step.replay, side)
             step.watch = Watch(_step_objects(self.model, self.adapter, state.cache))  # what the graph captured reads
             state.step = step
-        with own_lengths_for_cross_attention(self.adapter, self.model, state.cache):  # eager steps as captured ones
+        with self._step_scope(state.cache):  # eager steps as captured ones
             for i in range(replays):
                 step.replay()
                 if (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
