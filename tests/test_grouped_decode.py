@@ -39,6 +39,8 @@ def test_takes_only_what_the_kernel_computes(monkeypatch):
         "a mask per head": (query, key, value, mask.expand(-1, 8, -1, -1), {}),
         "a mask over other keys": (query, key, value, mask[..., :-1], {}),
         "a 2-D mask": (query, key, value, mask[:, 0, 0], {}),
+        "an integer mask": (query, key, value, mask.long(), {}),
+        "a mask row read with a stride": (query, key, value, torch.cat([mask, mask], -1)[..., ::2], {}),
         "a sliding window": (query, key, value, mask, {"sliding_window": 16}),
         "dropout": (query, key, value, mask, {"dropout": 0.1}),
         "a packed cache's marker": (query, torch.empty(1), torch.empty(1), mask, {}),
@@ -67,6 +69,17 @@ def test_decode_steps_swap_the_attention_and_put_it_back():
     packed = kv_decode.attention_implementation("sdpa")  # a packed-KV cache's wrapper is wrapped in turn
     assert attention_implementation(packed) == "mmsdk_grouped_decode_mmsdk_packed_kv_sdpa"
     assert attention_implementation("mmsdk_packed_kv_flash") is None  # never registered
+
+
+def test_decode_steps_leave_sub_configs_attention_alone(session, tiny):
+    """IDEFICS's text config is the whole model's: its vision and perceiver configs keep their own implementation."""
+    config = tiny("tiny:idefics").model.config
+    config.vision_config._attn_implementation = "eager"
+    base = config._attn_implementation
+    with grouped_decode_steps(config):
+        assert config._attn_implementation == f"mmsdk_grouped_decode_{base}"
+        assert config.vision_config._attn_implementation == "eager"
+    assert config._attn_implementation == base and config.vision_config._attn_implementation == "eager"
 
 
 def test_calls_the_kernel_does_not_take_run_the_wrapped_attention():
@@ -146,3 +159,32 @@ def test_grouped_decode_under_the_interpreter():
 def test_module_has_no_state():
     assert not [name for name, value in vars(grouped_decode).items()
                 if isinstance(value, (dict, list, set)) and not name.startswith("__")]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:qwen2-vl", "tiny:mllama"])
+def test_a_models_decode_step_through_the_kernel_matches_sdpa(name, tiny, monkeypatch):
+    """In the model's own code (its masks, scaling and cache): the first decode step's logits with the kernel within
+    2e-2 of SDPA's (bf16; the prompt, and so the step's token, are the same)."""
+    from contextlib import nullcontext
+
+    from mmsdk.testing import tiny_inputs
+
+    loaded = tiny(name)
+    model = loaded.model.cuda().to(torch.bfloat16)
+    inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, ("what digit is this ?",) * 2).items()}
+    calls, original = [], grouped_decode.decode_attention
+    monkeypatch.setattr(grouped_decode, "decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def step_logits(scope):
+        with scope:
+            out = type(model).generate(model, **inputs, max_new_tokens=2, do_sample=False, output_logits=True,
+                                       return_dict_in_generate=True)
+        return out.logits[1].float()
+
+    sdpa = step_logits(nullcontext())
+    assert not calls
+    kernel = step_logits(grouped_decode_steps(model.config.get_text_config()))
+    assert calls  # the self-attention layers took the kernel
+    assert float((kernel - sdpa).norm() / sdpa.norm()) < 2e-2

@@ -121,3 +121,56 @@ def test_decode_kernel_reads_the_packed_image_with_its_mask(fmt, monkeypatch):
     assert float((got.double() - expected).norm() / expected.norm()) < 1e-2
     assert int(layer.length) == tokens  # a decode step leaves the image as it was
 
+
+
+@pytest.mark.parametrize("name", ["tiny:mllama", "tiny:llava"])
+def test_sparse_xattn_reads_a_packed_cache(name, session, tiny):
+    """transformers' generate on CUDA gets the packed static cache, whose layers hand the attention call markers;
+    sparse-xattn's layout needs the keys themselves, so it reads them dequantized: the same tokens as with the
+    dequantizing cache (here on CPU, the packed cache passed in as CUDA's generate would make it)."""
+    from mmsdk import Optimizer
+    from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
+    from mmsdk.plugins.quantizers.kv_runtime import installed_state
+    from mmsdk.testing import tiny_inputs
+
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    opt.apply("int4-kv", SparseXAttnConfig(density=0.5, block_size=4))
+    state, model = installed_state(opt.model), opt.model
+    inputs = tiny_inputs(loaded.processor, ("what digit is this ?", "what digit is this ?"))
+
+    def greedy(cache):
+        return type(model).generate(model, **inputs, max_new_tokens=5, do_sample=False, past_key_values=cache)
+
+    expected = greedy(state.new_cache())
+    packed = state.static_cache(inputs["input_ids"].shape[1] + 8, fused=True)
+    assert torch.equal(greedy(packed), expected)
+    if name == "tiny:mllama":
+        assert any(isinstance(layer, PackedImageLayer) and layer.is_initialized for layer in packed.layers)
+
+
+def test_a_layer_without_calibrated_ranges_keeps_the_dequantizing_cache():
+    from mmsdk.plugins.quantizers.kv_runtime import KVQuantState, LayerRanges
+
+    ranged = LayerRanges("self", torch.ones(2, 16), torch.ones(2, 16))
+    state = KVQuantState(fmt="int4", scales="static", num_layers=3, head_dim=16, group_size=16, residual_length=0,
+                         layers={0: ranged, 1: LayerRanges("cross"), 2: ranged},
+                         attention_config=SimpleNamespace(_attn_implementation="sdpa"))
+    reason = state._packs(1) and state.packed_decode_reason(torch.device("cuda"))
+    if reason == "not on CUDA or no Triton":  # checked before the ranges on a machine that cannot run the kernels
+        pytest.skip(reason)
+    assert "[1]" in reason and "calibrated" in reason
+    state.cross_attention = False  # cross-attention K/V kept in full precision: nothing unranged is packed
+    assert state.packed_decode_reason(torch.device("cuda")) is None
+
+
+def test_fitting_a_static_cache_to_a_call_leaves_image_layers_alone():
+    from mmsdk.kernels.chunked_prefill import size_static_cache
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+    codecs = _codecs("int4", 2, 16)
+    text, image = PackedStaticLayer(*codecs, 4096, fused=True), PackedImageLayer(*codecs, fused=True)
+    image.update(*_image_kv(1, 2, 300, 16))
+    image.reset()  # a kept cache: reset, its buffers sized by the last image
+    size_static_cache(SimpleNamespace(layers=[text, image]), 100)
+    assert text.max_cache_len < 4096 and image.max_cache_len == 300

@@ -144,14 +144,17 @@ def size_static_cache(cache: Any, needed: int) -> None:
     The kept decode state is sized from ``input_ids`` before the model runs; a new cache's layers allocate
     at their first write, so they take the capacity this call needs instead (LLaVA-1.5 at batch 4 x 4096
     tokens with token-prune 0.25: 3840 tokens instead of 4352, 0.3 GB of packed int4 KV). A kept cache
-    smaller than that raises :class:`Regrow` before anything is written. Sliding-window layers keep theirs.
+    smaller than that raises :class:`Regrow` before anything is written. Sliding-window layers and image layers
+    (sized by their image) keep theirs.
     """
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+    from mmsdk.plugins.quantizers.packed_image_kv import PackedImageLayer
     from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
 
     for layer in cache.layers:
-        if not isinstance(layer, (StaticLayer, PackedStaticLayer)) or isinstance(layer, StaticSlidingWindowLayer):
+        if (not isinstance(layer, (StaticLayer, PackedStaticLayer))
+                or isinstance(layer, (StaticSlidingWindowLayer, PackedImageLayer))):
             continue
         if not layer.is_initialized:
             layer.max_cache_len = min(layer.max_cache_len, capacity_for(needed))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_implementation", "decode_attention", "grouped_decode_steps", "takes"]
+__all__ = ["attention_implementation", "decode_attention", "grouped_decode_steps", "set_own_attention", "takes"]
 
 _PREFIX = "mmsdk_grouped_decode_"
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
@@ -78,7 +78,9 @@ def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
     if kwargs.get("dropout") or any(kwargs.get(name) is not None for name in _UNSUPPORTED):
         return False
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1
-                                 and mask.shape[-1] == tokens and mask.shape[0] in (1, batch)):
+                                 and mask.shape[-1] == tokens and mask.shape[0] in (1, batch)
+                                 and mask.stride(-1) == 1  # the kernel reads the row's keys one after another
+                                 and (mask.dtype == torch.bool or mask.dtype.is_floating_point)):
         return False
     return triton_ready(query, key, value)
 
@@ -127,8 +129,19 @@ def grouped_decode_steps(config: Any) -> Iterator[None]:
     if wrapped is None or wrapped == base:
         yield
         return
-    config._attn_implementation = wrapped
+    set_own_attention(config, wrapped)
     try:
         yield
     finally:
-        config._attn_implementation = base
+        set_own_attention(config, base)
+
+
+def set_own_attention(config: Any, name: str | None) -> None:
+    """Name ``config``'s attention implementation, leaving its sub-configs' as they are.
+
+    transformers' setter passes a plain name on to every sub-config (IDEFICS's text config is the whole model's, with
+    its vision and perceiver configs under it); a ``{"": name}`` mapping names this config's alone.
+    """
+    from transformers import PretrainedConfig
+
+    config._attn_implementation = {"": name} if isinstance(config, PretrainedConfig) else name

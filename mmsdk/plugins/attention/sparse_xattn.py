@@ -112,6 +112,12 @@ class _SparseInterface:
 
         def sparse(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
                    *args: Any, **kwargs: Any) -> Any:
+            from mmsdk.plugins.quantizers.static_kv import packed_layer
+
+            layer = packed_layer(k)
+            if layer is not None:  # a packed KV cache's marker (int4-kv / int8-kv on CUDA): the layout needs the keys
+                q = layer.rotated_query(q)  # a RoPE left to the packed kernel runs now
+                k, v = layer.dequantized_heads(0, layer.key_codes.shape[1])
             text_rows, image_cols, starts = self.masks(q, k)
             if not bool(text_rows.any()) or not bool(image_cols.any()):
                 return attention(module, q, k, v, mask, *args, **kwargs)

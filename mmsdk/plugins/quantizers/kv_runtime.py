@@ -103,6 +103,10 @@ class KVQuantState:
             return "dynamic scales or exact prefill attention"
         if self.recomputes_image_kv():
             return "the model recomputes its cross-attention K/V at every step (no static packed copy of them yet)"
+        unranged = [i for i in range(self.num_layers) if self._packs(i) and not self._ranged(i)]
+        if unranged:
+            return (f"cache layers {unranged[:4]} have no calibrated K/V range (calibration prompts never reached "
+                    "them)")
         base = getattr(self.attention_config, "_attn_implementation", None)
         if base is None or not (base.startswith("mmsdk_packed_kv_") or base in ("sdpa", "eager")):
             return f"attention implementation {base!r} (sdpa or eager can be wrapped)"
@@ -110,7 +114,15 @@ class KVQuantState:
 
     def recomputes_image_kv(self) -> bool:
         """Whether the model computes cross-attention K/V again at every step (IDEFICS) instead of caching them."""
-        return bool(self.memos) or any(r.kind == "recomputed" for r in self.layers.values())
+        return bool(self.memos)
+
+    def _packs(self, index: int) -> bool:
+        """Whether :meth:`static_cache` stores cache layer ``index`` packed (cross-attention K/V only if quantized)."""
+        return self.layers.get(index, LayerRanges("self")).kind != "cross" or self.cross_attention
+
+    def _ranged(self, index: int) -> bool:
+        ranges = self.layers.get(index)
+        return ranges is not None and ranges.k_amax is not None and ranges.v_amax is not None
 
     def static_cache(self, max_cache_len: int, *, fused: bool) -> Any:
         """A packed cache with buffers for ``max_cache_len`` tokens; ``fused`` decode steps run the packed kernel.
@@ -123,11 +135,11 @@ class KVQuantState:
         from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
 
         if fused:
+            from mmsdk.kernels.grouped_decode import set_own_attention
             from mmsdk.kernels.kv_decode import attention_implementation
 
-            self.attention_config._attn_implementation = attention_implementation(
-                self.attention_config._attn_implementation
-            )
+            set_own_attention(self.attention_config,
+                              attention_implementation(self.attention_config._attn_implementation))
         layers = []
         for index in range(self.num_layers):
             ranges = self.layers.get(index, LayerRanges("self"))
