@@ -91,6 +91,22 @@ def _cross_attention_model(tiny, session, name, passes, device="cpu", dtype=torc
 IMAGE_MASKS = {"tiny:mllama": "cross_attention_mask", "tiny:idefics": "image_attention_mask"}
 
 
+def _answers_with_an_image_mask(opt, inputs, key):
+    """The fast path's answers (no graphs) for ``inputs`` and for a copy whose image mask ``key`` makes the second
+    row's text from its third token on ignore its image; each equal to transformers' greedy generate, and the first
+    row's the same in both."""
+    masked = dict(inputs, **{key: inputs[key].clone()})
+    masked[key][1, 3:] = 0
+    answers = []
+    for case in (inputs, masked):
+        expected = _greedy(opt.model, case, 8)
+        got = _Generator(opt.model, opt.adapter, {**case, "max_new_tokens": 8}, graphs=False).run()
+        assert torch.equal(got, expected)
+        answers.append(got)
+    assert torch.equal(answers[0][0], answers[1][0])
+    return answers
+
+
 @pytest.mark.parametrize("name,passes", [("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn",)),
                                          ("tiny:mllama", (INT4_HEAD,)),
                                          ("tiny:mllama", ("qkv-fuse", INT4_HEAD, "rmsnorm-rope-fusion")),
@@ -103,16 +119,8 @@ def test_cross_attention_models_match_transformers_greedy_on_cpu(name, passes, s
     from mmsdk.kernels.cross_attention_decode import ImageKVLayer
 
     opt, inputs = _cross_attention_model(tiny, session, name, passes)
-    model, key = opt.model, IMAGE_MASKS[name]
-    masked = dict(inputs, **{key: inputs[key].clone()})
-    masked[key][1, 3:] = 0  # the second row's text from its third token on ignores its image
-    answers = []
-    for case in (inputs, masked):
-        expected = _greedy(model, case, 8)
-        got = _Generator(model, opt.adapter, {**case, "max_new_tokens": 8}, graphs=False).run()
-        assert torch.equal(got, expected)
-        answers.append(got)
-    assert torch.equal(answers[0][0], answers[1][0])
+    model = opt.model
+    answers = _answers_with_an_image_mask(opt, inputs, IMAGE_MASKS[name])
     if INT4_HEAD not in passes:  # the mask changes these models' answers (with int4 weights the row's tokens coincide)
         assert not torch.equal(answers[0][1], answers[1][1])
     assert _reason_on_cuda(model, tiny(name).processor) is None  # generate() on CUDA takes this path
@@ -160,15 +168,7 @@ def test_mllama_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv,
 
     opt, inputs = _cross_attention_model(tiny, session, "tiny:mllama", (kv,))
     model = opt.model
-    masked = dict(inputs, cross_attention_mask=inputs["cross_attention_mask"].clone())
-    masked["cross_attention_mask"][1, 3:] = 0
-    answers = []
-    for case in (inputs, masked):
-        expected = _greedy(model, case, 8)
-        got = _Generator(model, opt.adapter, {**case, "max_new_tokens": 8}, graphs=False).run()
-        assert torch.equal(got, expected)
-        answers.append(got)
-    assert torch.equal(answers[0][0], answers[1][0])
+    answers = _answers_with_an_image_mask(opt, inputs, "cross_attention_mask")
     if kv == "int8-kv":  # the mask changes the answer (int4 K/V make this tiny model repeat one token, mask or not)
         assert not torch.equal(answers[0][1], answers[1][1])
     assert _reason_on_cuda(model, tiny("tiny:mllama").processor) is None

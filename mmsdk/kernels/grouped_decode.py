@@ -107,17 +107,14 @@ def attention_implementation(base: str) -> str | None:
     implementations take no 4-D mask; "eager" is each model's own function, which the registry does not hold)."""
     if base.startswith(_PREFIX):
         return base
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from mmsdk.kernels.kv_decode import register_wrapper
 
     packed = base.startswith("mmsdk_packed_kv_") and base in ALL_ATTENTION_FUNCTIONS  # the packed-KV wrapper
     if base != "sdpa" and not packed:
         return None
-    name = f"{_PREFIX}{base}"
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, _make_attention(base))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    return name
+    return register_wrapper(f"{_PREFIX}{base}", base, _make_attention)
 
 
 @contextmanager

@@ -413,11 +413,16 @@ def attention_implementation(base: str) -> str | None:
         return base
     if base not in ("sdpa", "eager"):
         return None
+    return register_wrapper(f"{_PREFIX}{base}", base, _make_attention)
+
+
+def register_wrapper(name: str, base: str, make: Any) -> str:
+    """Register ``make(base)`` (once) as attention implementation ``name`` in transformers' registry, building its
+    masks as ``base`` does; returns ``name``."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    name = f"{_PREFIX}{base}"
     if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, _make_attention(base))
+        AttentionInterface.register(name, make(base))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     return name
