@@ -17,7 +17,7 @@ decoding without padding, it runs:
    language model and the LM head, takes the argmax and advances the positions, all on the device
    (replayed; on a call that builds the graph, its eager warm-up run makes the first token); the host
    checks for end-of-sequence every ``CHECK_EVERY`` steps. In these steps grouped-query attention with a mask
-   (a static cache's empty slots, Mllama's image mask) runs the split decode kernel over the K/V as they are
+   (a static cache's empty slots, Mllama's image mask) runs a flash-decoding kernel over the K/V as they are
    (:mod:`mmsdk.kernels.grouped_decode`) instead of transformers' SDPA call, which copies them per query head.
 
 The static cache, the step's buffers and its graph stay on the model for the next call whose
