@@ -328,8 +328,13 @@ class ModelAdapter:
         return False
 
     def cross_kv_cached(self, model: nn.Module) -> bool:
-        """True if the family's cross-attention already caches the projected image K/V across decode steps."""
-        return False
+        """True if the family's cross-attention already caches the projected image K/V across decode steps.
+
+        Default: every block of :meth:`cross_attention_blocks` says so (``CrossAttentionBlock.kv_cached``); False for
+        a model without cross-attention.
+        """
+        blocks = self.cross_attention_blocks(model)
+        return bool(blocks) and all(block.kv_cached for block in blocks)
 
     def decode_step_inputs(self, model: nn.Module, prompt_inputs: Mapping[str, Any],
                            prefill_output: Any) -> dict[str, Any]:

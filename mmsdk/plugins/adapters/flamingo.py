@@ -189,9 +189,6 @@ class MllamaAdapter(ModelAdapter):
         projected = model.model.multi_modal_projector(states)
         return projected.reshape(images["pixel_values"].shape[0], -1, projected.shape[-1])
 
-    def cross_kv_cached(self, model: nn.Module) -> bool:
-        return True  # MllamaTextCrossAttention writes the projected image K/V into the cache once
-
     def decode_step_inputs(self, model: nn.Module, prompt_inputs: Mapping[str, Any],
                            prefill_output: Any) -> dict[str, Any]:
         """The cross-attention mask over the prompt and one more token: transformers' generate repeats its last row
