@@ -180,11 +180,11 @@ class _Generator:
             reason = state.packed_decode_reason(self.ids.device) if self.graphs else None
             if reason is not None:
                 raise _Unsupported(f"the quantized KV cache cannot be static here ({reason})")
-            from mmsdk.plugins.quantizers.packed_image_kv import PackedImageLayer
+            from mmsdk.kernels.cross_attention_decode import holds_image_kv
 
             cache = state.static_cache(max_len, fused=self.graphs)
             for layer in cache.layers:  # the batch has no padding (checked before); an image's mask drops its
-                layer.unpadded = not isinstance(layer, PackedImageLayer)  # padding tiles, so image layers keep it
+                layer.unpadded = not holds_image_kv(layer)  # padding tiles, so image layers keep it
             return cache
         from transformers.cache_utils import StaticCache
 

@@ -103,7 +103,7 @@ class KVQuantState:
             return "dynamic scales or exact prefill attention"
         if self.recomputes_image_kv():
             return "the model recomputes its cross-attention K/V at every step (no static packed copy of them yet)"
-        unranged = [i for i in range(self.num_layers) if self._packs(i) and not self._ranged(i)]
+        unranged = [i for i in range(self.num_layers) if self._packs(i) and not self._kernel_reads(i)]
         if unranged:
             return (f"cache layers {unranged[:4]} have no calibrated K/V range (calibration prompts never reached "
                     "them)")
@@ -120,9 +120,14 @@ class KVQuantState:
         """Whether :meth:`static_cache` stores cache layer ``index`` packed (cross-attention K/V only if quantized)."""
         return self.layers.get(index, LayerRanges("self")).kind != "cross" or self.cross_attention
 
-    def _ranged(self, index: int) -> bool:
-        ranges = self.layers.get(index)
-        return ranges is not None and ranges.k_amax is not None and ranges.v_amax is not None
+    def _kernel_reads(self, index: int) -> bool:
+        """Whether the packed kernel reads cache layer ``index``'s codes as the dequantizing layer does (static
+        scales from calibrated ranges; a layer calibration never reached has none)."""
+        from mmsdk.plugins.quantizers.static_kv import fused_supported
+
+        ranges = self.layers.get(index, LayerRanges("self"))
+        return fused_supported(self.codec(ranges.k_amax, self.key_granularity),
+                               self.codec(ranges.v_amax, self.value_granularity), self.exact_prefill)
 
     def static_cache(self, max_cache_len: int, *, fused: bool) -> Any:
         """A packed cache with buffers for ``max_cache_len`` tokens; ``fused`` decode steps run the packed kernel.
