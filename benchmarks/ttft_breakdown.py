@@ -8,6 +8,9 @@ shows up as the kernels or the launches that make it. mmsdk's generate is profil
 ``--chunks`` (tokens over all batch rows; ``MMSDK_PREFILL_TOKENS``).
 
     python benchmarks/ttft_breakdown.py --out ttft_breakdown.json
+
+``--model mllama`` profiles mmsdk's generate on Llama-3.2-11B-Vision shapes instead, once per ``--variants`` entry
+(bf16, int4 weights, int4 K/V): where the first token's time goes when the passes make it slower.
 """
 
 from __future__ import annotations
@@ -96,30 +99,61 @@ def profiled_call(run: Callable[..., Any], inputs: dict[str, torch.Tensor], top:
                     for e in kernels[:top]]}
 
 
-def main() -> None:
+def llava_runs(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """transformers' generate, then mmsdk's at each prefill chunk, on one bf16 LLaVA-1.5-7B."""
     from benchmarks.gpu_models import build_llava, llava_inputs, optimized
     from benchmarks.gpu_tune import prefill_setting
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="ttft_breakdown.json")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--chunks", default="2048,4096")
-    parser.add_argument("--top", type=int, default=25)
-    args = parser.parse_args()
     model = optimized(build_llava(), (), kv=False)
     inputs = llava_inputs(args.batch, args.length, images=True)
-    results: dict[str, Any] = {
-        "command": f"python benchmarks/ttft_breakdown.py --batch {args.batch} --length {args.length} "
-                   f"--chunks {args.chunks}", "torch": torch.__version__, "runs": {}}
+    record(results, "transformers", profiled_call(type(model).generate.__get__(model), inputs, args.top))
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        with prefill_setting(chunk):
+            record(results, f"mmsdk chunk {chunk}", profiled_call(model.generate, inputs, args.top))
+
+
+def mllama_runs(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """mmsdk's generate on Llama-3.2-11B-Vision shapes (one 4-tile image, 64-token prompt) for each variant: passes
+    joined by "+", "int4-kv" meaning int4 K/V with static ranges (benchmarks/gpu_models.attach_int4_kv); "bf16" alone
+    is the unoptimized model, also profiled under transformers' generate."""
+    from benchmarks.gpu_cross_attention_decode import build_mllama, mllama_config, mllama_inputs
+    from benchmarks.gpu_models import optimized
+    from benchmarks.gpu_suite import release_memory
+
+    config = mllama_config()
+    inputs = mllama_inputs(config)
+    for variant in args.variants.split(","):
+        parts = tuple(p for p in variant.split("+") if p != "bf16")
+        passes = tuple(p for p in parts if p != "int4-kv")
+        release_memory()
+        model = optimized(build_mllama(config), passes, kv="int4-kv" in parts)
+        if not parts:
+            record(results, "transformers bf16", profiled_call(type(model).generate.__get__(model), inputs, args.top))
+        record(results, f"mmsdk {variant}", profiled_call(model.generate, inputs, args.top))
+        del model
+
+
+def record(results: dict[str, Any], name: str, row: dict[str, Any]) -> None:
+    results["runs"][name] = row
+    print(name, json.dumps(row, indent=1), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="ttft_breakdown.json")
+    parser.add_argument("--model", choices=("llava", "mllama"), default="llava")
+    parser.add_argument("--batch", type=int, default=4, help="LLaVA only")
+    parser.add_argument("--length", type=int, default=4096, help="LLaVA only")
+    parser.add_argument("--chunks", default="2048,4096", help="LLaVA only")
+    parser.add_argument("--variants", default="bf16,int4-weight,int4-weight+int4-kv", help="Mllama only")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    command = (f"python benchmarks/ttft_breakdown.py --model llava --batch {args.batch} --length {args.length} "
+               f"--chunks {args.chunks}" if args.model == "llava" else
+               f"python benchmarks/ttft_breakdown.py --model mllama --variants {args.variants}")
+    results: dict[str, Any] = {"command": command, "torch": torch.__version__, "runs": {}}
     with torch.inference_mode():
-        results["runs"]["transformers"] = profiled_call(type(model).generate.__get__(model), inputs, args.top)
-        print("transformers", json.dumps(results["runs"]["transformers"], indent=1), flush=True)
-        for chunk in (int(c) for c in args.chunks.split(",")):
-            with prefill_setting(chunk):
-                row = profiled_call(model.generate, inputs, args.top)
-            results["runs"][f"mmsdk chunk {chunk}"] = row
-            print(f"mmsdk chunk {chunk}", json.dumps(row, indent=1), flush=True)
+        (llava_runs if args.model == "llava" else mllama_runs)(args, results)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 
