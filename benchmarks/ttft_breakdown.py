@@ -99,6 +99,28 @@ def profiled_call(run: Callable[..., Any], inputs: dict[str, torch.Tensor], top:
                     for e in kernels[:top]]}
 
 
+def host_profile(run: Callable[..., Any], inputs: dict[str, torch.Tensor], top: int) -> dict[str, Any]:
+    """One one-new-token call of ``run`` under cProfile (after the torch profiler's calls): the host's Python, the
+    ``top`` functions by own time and by cumulative time (file:line(function), calls, ms)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run(**inputs, max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, function): (primitive calls, calls, own s, cumulative s, _)}
+
+    def rows(column: int) -> list[dict[str, Any]]:
+        ranked = sorted(stats.items(), key=lambda item: -item[1][column])[:top]
+        return [{"function": f"{file.rsplit('site-packages/', 1)[-1]}:{line}({func})", "calls": calls,
+                 "own_ms": own * 1e3, "cumulative_ms": cumulative * 1e3}
+                for (file, line, func), (_, calls, own, cumulative, _) in ranked]
+
+    return {"by_own_time": rows(2), "by_cumulative_time": rows(3)}
+
+
 def llava_runs(args: argparse.Namespace, results: dict[str, Any]) -> None:
     """transformers' generate, then mmsdk's at each prefill chunk, on one bf16 LLaVA-1.5-7B."""
     from benchmarks.gpu_models import build_llava, llava_inputs, optimized
@@ -129,7 +151,10 @@ def mllama_runs(args: argparse.Namespace, results: dict[str, Any]) -> None:
         model = optimized(build_mllama(config), passes, kv="int4-kv" in parts)
         if not parts:
             record(results, "transformers bf16", profiled_call(type(model).generate.__get__(model), inputs, args.top))
-        record(results, f"mmsdk {variant}", profiled_call(model.generate, inputs, args.top))
+        row = profiled_call(model.generate, inputs, args.top)
+        if args.host_profile:
+            row["host_profile"] = host_profile(model.generate, inputs, args.host_profile)
+        record(results, f"mmsdk {variant}", row)
         del model
 
 
@@ -147,10 +172,13 @@ def main() -> None:
     parser.add_argument("--chunks", default="2048,4096", help="LLaVA only")
     parser.add_argument("--variants", default="bf16,int4-weight,int4-weight+int4-kv", help="Mllama only")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host-profile", type=int, default=0,
+                        help="Mllama only: also profile mmsdk's call's Python (cProfile), this many top functions")
     args = parser.parse_args()
     command = (f"python benchmarks/ttft_breakdown.py --model llava --batch {args.batch} --length {args.length} "
                f"--chunks {args.chunks}" if args.model == "llava" else
-               f"python benchmarks/ttft_breakdown.py --model mllama --variants {args.variants}")
+               f"python benchmarks/ttft_breakdown.py --model mllama --variants {args.variants} --host-profile "
+               f"{args.host_profile}")
     results: dict[str, Any] = {"command": command, "torch": torch.__version__, "runs": {}}
     with torch.inference_mode():
         (llava_runs if args.model == "llava" else mllama_runs)(args, results)
