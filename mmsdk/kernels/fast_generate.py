@@ -159,6 +159,11 @@ class _Generator:
         self.kwargs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
                                                                      "use_cache", "pad_token_id", "eos_token_id",
                                                                      "min_new_tokens")}
+        # unsupported_reason refused batches with padding, so the mask is all ones and says nothing. Given one,
+        # transformers' causal-mask maker reads it on the GPU (whether SDPA may take is_causal), which waits for
+        # everything queued before: Mllama's whole vision encoder (~50 ms on an H200), after which the text
+        # prefill's launches no longer overlap GPU work. Without one it decides on the host.
+        self.kwargs.pop("attention_mask", None)
         self.ids: torch.Tensor = kwargs["input_ids"]
         self.prefill_chunk = max(1, (prefill or prefill_tokens()) // self.ids.shape[0])  # tokens per row
         self.new_tokens = int(kwargs["max_new_tokens"])

@@ -10,13 +10,16 @@ in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N
   group's scale once and multiplies in registers (or on the tensor cores for more rows); with
   several K slices a small second kernel sums the fp32 partials. Splitting K keeps enough programs
   in flight to reach memory bandwidth on a chip with 132 multiprocessors.
-* Up to ``FUSED_MAX_M`` rows: one fused kernel. Each program owns ``BLOCK_N`` output
-  columns, walks K in ``BLOCK_K`` steps, dequantizes the even and odd nibbles in registers and
-  multiplies them with the even and odd activation columns on the tensor cores. Nothing but the
-  packed bytes, the scales and the activations is read; no weight copy exists outside registers.
-* Many rows (prefill): the weight is dequantized once per call into a transient bf16/fp16 tensor
-  by a Triton kernel and multiplied by cuBLAS (compute-bound there, so the tensor cores' best
-  kernel wins; the copy lives only for that call).
+* Up to ``FUSED_MAX_M`` rows: a tensor-core GEMV over blocks of 16 rows (kind "mma", group sizes >= 32), else one
+  fused kernel. The fused kernel's programs each own ``BLOCK_N`` output columns, walk K in ``BLOCK_K`` steps,
+  dequantize the even and odd nibbles in registers and multiply them with the even and odd activation columns on
+  the tensor cores. Nothing but the packed bytes, the scales and the activations is read; no weight copy exists
+  outside registers.
+* More rows (prefill): the weight is dequantized once per call into a transient bf16/fp16 tensor
+  by a Triton kernel and multiplied by cuBLAS (the tensor cores' best kernel; the copy lives only for that call).
+  From 33 rows on this is faster on the GPU too (H200, Llama-3.2-11B's shapes, g32, benchmarks/gpu_prefill_linear.py:
+  at 64 rows gate_proj 81 µs against the tuned GEMV's 97, q_proj 21 against 35), and it is one Triton launch where
+  the GEMV takes two: an eager call (a short prompt's prefill) costs 40-70 µs of host time against 105-180.
 
 For 2-16 rows (batched decode) the fastest candidates are the tensor-core GEMV (kind "mma", _gemv_mma_triton.py: the
 packed bytes converted to bf16/fp16 in the tensor cores' operand layout, one lop3 per two nibbles).
@@ -56,7 +59,7 @@ __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvCo
            "int4_linear", "k_slices", "launch_gemv", "triton_kernels", "tuned_config",
            "unsupported_reason", "w4a16_gemv", "w4a16_matmul"]
 
-FUSED_MAX_M = 64
+FUSED_MAX_M = 32
 GEMV_MAX_M = 16
 # GEMV (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) candidates per row bucket. KIND:
 # "quad" (gemv_quad: 16-byte weight and activation loads, subnormal-nibble arithmetic; BLOCK_G counts quads of

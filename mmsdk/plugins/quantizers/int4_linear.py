@@ -115,13 +115,17 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.packed(), dtype or self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = None
+        norm = residual = request = None
         if self._next_norm is not None and self._next_norm[0] is x:
             norm, self._next_norm = self._next_norm[1], None
-        residual, self._next_residual = self._next_residual, None
-        request, self._next_request = self._next_request, None
+        # attributes are written only when something was handed off: nn.Module's __setattr__ costs a few µs a call,
+        # and an eager prefill (never replayed from a graph) pays it on every linear
+        if self._next_residual is not None or self._next_request is not None:
+            residual, request = self._next_residual, self._next_request
+            self._next_residual = self._next_request = None
         out = self._product(x, residual, norm, request)
-        self._left = None if request is None else request.statistics
+        if request is not None or self._left is not None:
+            self._left = None if request is None else request.statistics
         return out
 
     def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
