@@ -418,7 +418,8 @@ def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name
     state = installed_state(model)
 
     def reference(case, new_tokens):
-        return _greedy(model, case, new_tokens, **({"past_key_values": state.new_cache()} if state else {}))
+        return _greedy(model, case, new_tokens, output_logits=True, return_dict_in_generate=True,
+                       **({"past_key_values": state.new_cache()} if state else {}))
 
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 24}) is None
     counts = _count_builds(monkeypatch)
@@ -578,15 +579,28 @@ def _assert_agrees(got, expected):
     assert got.shape[0] == expected.shape[0] and agree > 0.9, (agree, got, expected)
 
 
-def _assert_new_tokens_agree(got, expected, prompt_length):
-    """Like :func:`_assert_agrees`, over the generated tokens only (a prompt's columns agree by construction): every
-    row's first new token is the same, and most of the rest (bf16 kernels may part after a near-tie)."""
+def _assert_new_tokens_agree(got, reference, prompt_length, near_tie=0.05):
+    """The generated tokens against ``reference`` (transformers' generate with ``output_logits=True,
+    return_dict_in_generate=True``; a prompt's columns agree by construction): every row's first new token is the
+    same; a row may part from the reference later only where the reference nearly chose our token too (its logit
+    within ``near_tie`` of that step's logit range below the reference's pick). Two attention kernels' roundings flip
+    the near-ties of a tiny random model; a cache or graph bug picks tokens the reference ranks anywhere. After a
+    row parts, its contexts differ and nothing more is compared."""
+    expected = reference.sequences
     new_got, new_expected = got[:, prompt_length:], expected[:, prompt_length:]
-    width = min(new_got.shape[1], new_expected.shape[1])
+    width = min(new_got.shape[1], new_expected.shape[1], len(reference.logits))
     assert got.shape[0] == expected.shape[0] and width > 0, (got.shape, expected.shape)
     same = new_got[:, :width] == new_expected[:, :width]
-    agree = same.float().mean().item()
-    assert bool(same[:, 0].all()) and agree > 0.75, (agree, new_got, new_expected)
+    assert bool(same[:, 0].all()), (new_got, new_expected)
+    for row in range(got.shape[0]):
+        parted = (~same[row]).nonzero()
+        if len(parted) == 0:
+            continue
+        step = int(parted[0])
+        logits = reference.logits[step][row].float()
+        gap, span = float(logits.max() - logits[new_got[row, step]]), float(logits.max() - logits.min())
+        assert gap <= near_tie * span, (f"row {row} parts at new token {step}, which the reference ranks {gap:.4g} "
+                                        f"below its pick (logit range {span:.4g})", new_got, new_expected)
 
 
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ("token-prune",)), ("tiny:llava", ("token-merge", "int4-kv")),
