@@ -300,6 +300,40 @@ def test_filled_prefix_hands_the_first_tokens_and_gives_the_layers_back():
         pass
 
 
+def test_prefill_calls_read_their_query_offset_from_the_host():
+    """transformers' StaticLayer counts its tokens in a device tensor, which the causal-mask maker reads (a wait for
+    the GPU); each prefill call gets the tokens written before it as a host int instead, image layers keep theirs,
+    and the cache's own method is back afterwards."""
+    from transformers import LlamaConfig
+    from transformers.cache_utils import StaticCache
+
+    from mmsdk.kernels.chunked_prefill import chunked, host_query_offset
+    from mmsdk.kernels.cross_attention_decode import with_image_layers
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3,
+                         intermediate_size=32, vocab_size=10)
+    cache = with_image_layers(StaticCache(config=config, max_cache_len=12), [2])
+    offsets = []
+
+    def forward(inputs_embeds, **kwargs):
+        offsets.append(cache.get_query_offset(0))
+        tokens = torch.randn(1, 1, inputs_embeds.shape[1], 8)
+        for index in (0, 1):
+            cache.update(tokens, -tokens, index)
+        return inputs_embeds
+
+    chunked(forward, 4, cache=cache, prefix_views=False)(inputs_embeds=torch.randn(1, 10, 16))
+    assert offsets == [0, 4, 8] and all(type(offset) is int for offset in offsets)
+    assert "get_query_offset" not in vars(cache) and int(cache.get_query_offset(0)) == 10
+    cache.update(torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8), 2)  # the image's K/V
+    with pytest.raises(RuntimeError, match="inside"), host_query_offset(cache, 10):
+        assert cache.get_query_offset(1) == 10 and int(cache.get_query_offset(2)) == 7
+        raise RuntimeError("inside")
+    assert "get_query_offset" not in vars(cache)
+    with host_query_offset(None, 3):  # no cache: nothing to do
+        pass
+
+
 def test_the_prefill_chunk_comes_from_the_environment(session, tiny, monkeypatch):
     from mmsdk.kernels.chunked_prefill import PREFILL_ENV, PREFILL_TOKENS, prefill_tokens
 

@@ -10,7 +10,9 @@ hears the prompt length the language model actually receives, before anything ru
 A static cache hands attention all its slots, with a mask over the empty ones, so every prefill chunk
 after the first would attend over the whole capacity with that mask; :func:`filled_prefix` makes
 transformers' ``StaticCache`` layers hand only the tokens written so far. (On an empty cache transformers
-already runs the first chunk as causal attention, which never reads past the diagonal.)
+already runs the first chunk as causal attention, which never reads past the diagonal.) Each call also gets its
+query offset from the host (:func:`host_query_offset`): read from transformers' static cache it is a device tensor,
+and the causal-mask maker's look at it waits for all the GPU work queued before the text prefill.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 from mmsdk.kernels.decode_state import capacity_for
 
-__all__ = ["PREFILL_ENV", "PREFILL_TOKENS", "Regrow", "chunked", "filled_prefix", "prefill_tokens", "size_static_cache"]
+__all__ = ["PREFILL_ENV", "PREFILL_TOKENS", "Regrow", "chunked", "filled_prefix", "host_query_offset", "prefill_tokens",
+           "size_static_cache"]
 
 # tokens of all batch rows per prefill chunk: memory against time to the first token. LLaVA-1.5-7B with int4-weight +
 # int4-kv + token-prune 0.25 at batch 4 x 4096 tokens (H200, benchmarks/gpu_memory_peak.py): chunks of 4096 / 2048 /
@@ -55,23 +58,26 @@ class Regrow(Exception):
     """The kept cache is too small for the prompt the language model got (raised before the prefill writes)."""
 
 
-def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None, cache: Any = None) -> Any:
+def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None, cache: Any = None,
+            prefix_views: bool = True) -> Any:
     """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens.
 
     Each chunk writes its K/V into the static cache and attends to everything before it; only the
     last chunk's hidden states are returned (the caller keeps the last position's logits only).
     Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
-    ``on_prompt`` hears the prompt length the language model gets, before anything runs. With ``cache``
-    (empty when the prefill starts, holding no cross-attention states) each call attends over the tokens
-    written so far only (:func:`filled_prefix`).
+    ``on_prompt`` hears the prompt length the language model gets, before anything runs. ``cache`` (empty when
+    the prefill starts) gives each call its query offset from the host (:func:`host_query_offset`) and, with
+    ``prefix_views`` (a cache holding no cross-attention states), makes it attend over the tokens written so far
+    only (:func:`filled_prefix`).
     """
 
     # tokens the calls so far wrote into ``cache`` (empty when the prefill starts), counted on the host: reading the
     # cache's count would wait for the GPU; None once a call wrote an unknown number (no view from then on)
     written: list[int | None] = [0]
 
-    def whole(end: int, *args: Any, **kwargs: Any) -> Any:
-        with filled_prefix(cache if written[0] is not None else None, end):
+    def whole(begin: int, end: int, *args: Any, **kwargs: Any) -> Any:
+        counted = cache if written[0] is not None else None
+        with host_query_offset(counted, begin), filled_prefix(counted if prefix_views else None, end):
             return forward(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -89,7 +95,7 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
         if isinstance(mask, torch.Tensor) and mask.dim() != 2:  # sized for the whole cache by its maker
             return forward(*args, **kwargs)
         if args or unknown or total <= chunk:
-            return whole(begin + total, *args, **kwargs)
+            return whole(begin, begin + total, *args, **kwargs)
         out = None
         for start in range(0, total, chunk):
             end = min(start + chunk, total)
@@ -100,10 +106,39 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
                 part["cache_position"] = kwargs["cache_position"][start:end]
             if isinstance(mask, torch.Tensor):  # it covers what the cache holds, then this call's tokens
                 part["attention_mask"] = mask[:, : mask.shape[1] - total + end]
-            out = whole(begin + end, **part)
+            out = whole(begin + start, begin + end, **part)
         return out
 
     return run
+
+
+@contextmanager
+def host_query_offset(cache: Any, offset: int) -> Iterator[None]:
+    """While inside, ``cache.get_query_offset`` answers ``offset`` (the tokens written before this call, counted on
+    the host) for the language model's own layers; image layers and a ``cache`` of None are left alone.
+
+    transformers' ``StaticLayer`` keeps its length in a device tensor (for torch.compile), and the causal-mask maker
+    compares the query offset with 0 to decide whether SDPA may run as causal: a read that waits for everything
+    queued before it. On Mllama that is the whole vision encoder (~50 ms on an H200), after which the text prefill's
+    launches no longer overlap any GPU work.
+    """
+    original = getattr(cache, "get_query_offset", None)
+    if original is None or "get_query_offset" in vars(cache):  # an older transformers, or changed by someone else
+        yield
+        return
+    from mmsdk.kernels.cross_attention_decode import holds_image_kv
+
+    layers = getattr(cache, "layers", ())
+
+    def query_offset(layer_idx: int = 0) -> Any:
+        own = 0 <= layer_idx < len(layers) and not holds_image_kv(layers[layer_idx])
+        return offset if own else original(layer_idx)
+
+    cache.get_query_offset = query_offset
+    try:
+        yield
+    finally:
+        del cache.get_query_offset  # the class's method again
 
 
 @contextmanager

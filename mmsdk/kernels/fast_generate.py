@@ -231,8 +231,8 @@ class _Generator:
     def _prefill_in_chunks(self, cache: Any) -> AbstractContextManager[None]:
         """Chunk the language model's prefill inside the passes' wrappers (token pruning sees the whole prompt).
 
-        Where the cache holds only the language model's own tokens (no cross-attention states), each chunk
-        attends over the tokens written so far, not the whole capacity.
+        Each chunk's query offset comes from the host. Where the cache holds only the language model's own tokens (no
+        cross-attention states), each chunk attends over the tokens written so far, not the whole capacity.
         """
         from mmsdk.core.adapter import CROSS_ATTENTION, INLINE_IMAGE_TOKENS
         from mmsdk.plugins._forward import innermost_override
@@ -242,7 +242,7 @@ class _Generator:
         own_tokens_only = INLINE_IMAGE_TOKENS in capabilities and CROSS_ATTENTION not in capabilities
         return innermost_override(
             language, lambda forward: chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n),
-                                              cache if own_tokens_only else None))
+                                              cache, prefix_views=own_tokens_only))
 
     def _size_cache(self, cache: Any, prompt: int) -> None:
         """Fit the static cache to the prompt the language model gets (see :func:`size_static_cache`)."""
