@@ -315,16 +315,23 @@ def test_prefill_calls_read_their_query_offset_from_the_host():
     cache = with_image_layers(StaticCache(config=config, max_cache_len=12), [2])
     offsets = []
 
-    def forward(inputs_embeds, **kwargs):
+    def forward(inputs_embeds=None, input_ids=None, **kwargs):
         offsets.append(cache.get_query_offset(0))
-        tokens = torch.randn(1, 1, inputs_embeds.shape[1], 8)
+        tokens = torch.randn(1, 1, (inputs_embeds if input_ids is None else input_ids).shape[1], 8)
         for index in (0, 1):
             cache.update(tokens, -tokens, index)
-        return inputs_embeds
 
     chunked(forward, 4, cache=cache, prefix_views=False)(inputs_embeds=torch.randn(1, 10, 16))
     assert offsets == [0, 4, 8] and all(type(offset) is int for offset in offsets)
     assert "get_query_offset" not in vars(cache) and int(cache.get_query_offset(0)) == 10
+    # a language model that embeds its token ids itself (Mllama's), with an image tensor it cannot cut: whole calls
+    cache.reset()
+    offsets.clear()
+    run = chunked(forward, 4, cache=cache, prefix_views=False)
+    for length in (6, 1):
+        run(input_ids=torch.ones(1, length, dtype=torch.long), cross_attention_states=torch.zeros(1, 3, 16))
+    assert offsets == [0, 6] and all(type(offset) is int for offset in offsets)
+    assert int(cache.get_query_offset(0)) == 7
     cache.update(torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8), 2)  # the image's K/V
     with pytest.raises(RuntimeError, match="inside"), host_query_offset(cache, 10):
         assert cache.get_query_offset(1) == 10 and int(cache.get_query_offset(2)) == 7

@@ -39,7 +39,7 @@ PREFILL_TOKENS = 2048
 PREFILL_ENV = "MMSDK_PREFILL_TOKENS"
 
 # language-model tensor arguments whose token axis chunked prefill knows how to cut
-_CHUNKED_TENSORS = {"inputs_embeds", "attention_mask", "position_ids", "cache_position"}
+_CHUNKED_TENSORS = {"inputs_embeds", "input_ids", "attention_mask", "position_ids", "cache_position"}
 
 
 def prefill_tokens() -> int:
@@ -60,7 +60,8 @@ class Regrow(Exception):
 
 def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None, cache: Any = None,
             prefix_views: bool = True) -> Any:
-    """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens.
+    """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens (of its
+    ``inputs_embeds``, or of the ``input_ids`` of a language model that embeds them itself).
 
     Each chunk writes its K/V into the static cache and attends to everything before it; only the
     last chunk's hidden states are returned (the caller keeps the last position's logits only).
@@ -81,9 +82,11 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
             return forward(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        embeds = kwargs.get("inputs_embeds")
+        # the prompt as embeddings, or as token ids for a language model that embeds them itself (Mllama's)
+        name = "inputs_embeds" if isinstance(kwargs.get("inputs_embeds"), torch.Tensor) else "input_ids"
+        embeds = kwargs.get(name)
         mask = kwargs.get("attention_mask")
-        if not isinstance(embeds, torch.Tensor):
+        if not isinstance(embeds, torch.Tensor) or (name == "input_ids" and embeds.dim() != 2):
             written[0] = None
             return forward(*args, **kwargs)
         if on_prompt is not None:
@@ -99,7 +102,7 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
         out = None
         for start in range(0, total, chunk):
             end = min(start + chunk, total)
-            part = dict(kwargs, inputs_embeds=embeds[:, start:end])
+            part = dict(kwargs, **{name: embeds[:, start:end]})
             if isinstance(kwargs.get("position_ids"), torch.Tensor):
                 part["position_ids"] = kwargs["position_ids"][..., start:end]
             if isinstance(kwargs.get("cache_position"), torch.Tensor):
