@@ -302,8 +302,9 @@ def test_filled_prefix_hands_the_first_tokens_and_gives_the_layers_back():
 
 def test_prefill_calls_read_their_query_offset_from_the_host():
     """transformers' StaticLayer counts its tokens in a device tensor, which the causal-mask maker reads (a wait for
-    the GPU); each prefill call gets the tokens written before it as a host int instead, image layers keep theirs,
-    and the cache's own method is back afterwards."""
+    the GPU); each prefill call that writes into the cache gets the tokens written before it as a host int instead,
+    image layers keep theirs, and the cache's own method is back afterwards. Token ids are cut like embeddings; a
+    call given both, or one that writes elsewhere, is not cut, and from then on nothing is counted."""
     from transformers import LlamaConfig
     from transformers.cache_utils import StaticCache
 
@@ -312,33 +313,71 @@ def test_prefill_calls_read_their_query_offset_from_the_host():
 
     config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3,
                          intermediate_size=32, vocab_size=10)
-    cache = with_image_layers(StaticCache(config=config, max_cache_len=12), [2])
-    offsets = []
+    cache = with_image_layers(StaticCache(config=config, max_cache_len=24), [2])
+    if not hasattr(cache, "get_query_offset"):
+        pytest.skip("this transformers' mask maker reads the cache's length itself (no get_query_offset)")
+    seen = []  # (query offset the call saw, tokens it got)
+    from_host = []  # whether that offset was a host int (the cache's own is a tensor, changed in place later)
 
-    def forward(inputs_embeds=None, input_ids=None, **kwargs):
-        offsets.append(cache.get_query_offset(0))
-        tokens = torch.randn(1, 1, (inputs_embeds if input_ids is None else input_ids).shape[1], 8)
+    def forward(inputs_embeds=None, input_ids=None, past_key_values=None, **kwargs):
+        count = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+        offset = cache.get_query_offset(0)
+        seen.append((int(offset), count))
+        from_host.append(type(offset) is int and "get_query_offset" in vars(cache))
+        tokens = torch.randn(1, 1, count, 8)
         for index in (0, 1):
-            cache.update(tokens, -tokens, index)
+            past_key_values.update(tokens, -tokens, index)
 
-    chunked(forward, 4, cache=cache, prefix_views=False)(inputs_embeds=torch.randn(1, 10, 16))
-    assert offsets == [0, 4, 8] and all(type(offset) is int for offset in offsets)
+    chunked(forward, 4, cache=cache, attend_filled_prefix=False)(inputs_embeds=torch.randn(1, 10, 16),
+                                                                   past_key_values=cache)
+    assert seen == [(0, 4), (4, 4), (8, 2)] and all(from_host)
     assert "get_query_offset" not in vars(cache) and int(cache.get_query_offset(0)) == 10
-    # a language model that embeds its token ids itself (Mllama's), with an image tensor it cannot cut: whole calls
+
     cache.reset()
-    offsets.clear()
-    run = chunked(forward, 4, cache=cache, prefix_views=False)
-    for length in (6, 1):
-        run(input_ids=torch.ones(1, length, dtype=torch.long), cross_attention_states=torch.zeros(1, 3, 16))
-    assert offsets == [0, 6] and all(type(offset) is int for offset in offsets)
-    assert int(cache.get_query_offset(0)) == 7
+    seen.clear()
+    run = chunked(forward, 4, cache=cache, attend_filled_prefix=False)
+    run(input_ids=torch.ones(1, 6, dtype=torch.long), past_key_values=cache)  # token ids, cut in chunks
+    # an image tensor it cannot cut (Mllama's cross-attention states): whole, still counted
+    run(input_ids=torch.ones(1, 3, dtype=torch.long), cross_attention_states=torch.zeros(1, 3, 16),
+        past_key_values=cache)
+    assert seen == [(0, 4), (4, 2), (6, 3)] and all(from_host)
+    run(input_ids=torch.ones(1, 2, dtype=torch.long), inputs_embeds=torch.randn(1, 2, 16), past_key_values=cache)
+    assert seen[-1] == (9, 2) and all(from_host)  # both prompt tensors: whole
+    run(input_ids=torch.ones(1, 1, dtype=torch.long), past_key_values=StaticCache(config=config, max_cache_len=24))
+    run(input_ids=torch.ones(1, 5, dtype=torch.long), past_key_values=cache)  # after an uncounted call: the cache's own
+    assert from_host[-3:] == [False] * 3 and seen[-3:] == [(11, 1), (11, 4), (15, 1)]  # still cut in chunks
+
     cache.update(torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8), 2)  # the image's K/V
-    with pytest.raises(RuntimeError, match="inside"), host_query_offset(cache, 10):
-        assert cache.get_query_offset(1) == 10 and int(cache.get_query_offset(2)) == 7
+    with pytest.raises(RuntimeError, match="inside"), host_query_offset(cache, 16):
+        assert cache.get_query_offset(1) == 16 and int(cache.get_query_offset(2)) == 7
         raise RuntimeError("inside")
     assert "get_query_offset" not in vars(cache)
     with host_query_offset(None, 3):  # no cache: nothing to do
         pass
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:mllama", "tiny:idefics"])
+def test_the_mask_maker_gets_a_host_query_offset_in_the_prefill(name, session, tiny, monkeypatch):
+    """transformers' causal-mask maker compares the query offset with 0 to decide whether SDPA may run as causal; a
+    device tensor there waits for everything queued before (on Mllama the vision encoder). In fast generate's prefill
+    it gets a host int, on a kept cache too (whose length is a device tensor), also in chunks."""
+    from transformers import masking_utils
+
+    opt, inputs = _optimized(tiny, session, name, ())
+    original = masking_utils._ignore_causal_mask_sdpa
+    offsets = []
+
+    def recording(padding_mask, q_length, kv_length, q_offset, *args, **kwargs):
+        if q_length > 1:  # a prefill call (decode steps are captured on CUDA, where reading the offset is free)
+            offsets.append(q_offset)
+        return original(padding_mask, q_length, kv_length, q_offset, *args, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", recording)
+    expected = _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False).run()
+    generator = _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False)
+    generator.prefill_chunk = 5  # several chunks where the model's calls can be cut (LLaVA's)
+    assert torch.equal(generator.run(), expected)  # the second call reuses the kept cache
+    assert offsets and all(type(offset) is int for offset in offsets), offsets
 
 
 def test_the_prefill_chunk_comes_from_the_environment(session, tiny, monkeypatch):

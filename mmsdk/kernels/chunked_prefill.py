@@ -26,8 +26,8 @@ import torch
 
 from mmsdk.kernels.decode_state import capacity_for
 
-__all__ = ["PREFILL_ENV", "PREFILL_TOKENS", "Regrow", "chunked", "filled_prefix", "host_query_offset", "prefill_tokens",
-           "size_static_cache"]
+__all__ = ["PREFILL_ENV", "PREFILL_TOKENS", "Regrow", "cache_argument", "chunked", "filled_prefix", "host_query_offset",
+           "prefill_tokens", "size_static_cache"]
 
 # tokens of all batch rows per prefill chunk: memory against time to the first token. LLaVA-1.5-7B with int4-weight +
 # int4-kv + token-prune 0.25 at batch 4 x 4096 tokens (H200, benchmarks/gpu_memory_peak.py): chunks of 4096 / 2048 /
@@ -40,6 +40,8 @@ PREFILL_ENV = "MMSDK_PREFILL_TOKENS"
 
 # language-model tensor arguments whose token axis chunked prefill knows how to cut
 _CHUNKED_TENSORS = {"inputs_embeds", "input_ids", "attention_mask", "position_ids", "cache_position"}
+# the prompt itself, one or the other
+_PROMPT_TENSORS = {"inputs_embeds", "input_ids"}
 
 
 def prefill_tokens() -> int:
@@ -59,7 +61,7 @@ class Regrow(Exception):
 
 
 def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = None, cache: Any = None,
-            prefix_views: bool = True) -> Any:
+            attend_filled_prefix: bool = True) -> Any:
     """``forward`` of the language model that runs a long prefill in chunks of ``chunk`` tokens (of its
     ``inputs_embeds``, or of the ``input_ids`` of a language model that embeds them itself).
 
@@ -67,9 +69,10 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
     last chunk's hidden states are returned (the caller keeps the last position's logits only).
     Calls it cannot cut safely (positional arguments, unknown per-token tensors, 4-D masks) run whole.
     ``on_prompt`` hears the prompt length the language model gets, before anything runs. ``cache`` (empty when
-    the prefill starts) gives each call its query offset from the host (:func:`host_query_offset`) and, with
-    ``prefix_views`` (a cache holding no cross-attention states), makes it attend over the tokens written so far
-    only (:func:`filled_prefix`).
+    the prefill starts) gives each call that writes into it its query offset from the host
+    (:func:`host_query_offset`) and, with ``attend_filled_prefix`` (a cache holding no cross-attention states),
+    makes it attend over the tokens written so far only (:func:`filled_prefix`). Once a call's writes cannot be
+    counted (no prompt tensor, another cache, no cache use) neither applies any more.
     """
 
     # tokens the calls so far wrote into ``cache`` (empty when the prefill starts), counted on the host: reading the
@@ -78,21 +81,23 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
 
     def whole(begin: int, end: int, *args: Any, **kwargs: Any) -> Any:
         counted = cache if written[0] is not None else None
-        with host_query_offset(counted, begin), filled_prefix(counted if prefix_views else None, end):
+        with host_query_offset(counted, begin), filled_prefix(counted if attend_filled_prefix else None, end):
             return forward(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         # the prompt as embeddings, or as token ids for a language model that embeds them itself (Mllama's)
         name = "inputs_embeds" if isinstance(kwargs.get("inputs_embeds"), torch.Tensor) else "input_ids"
-        embeds = kwargs.get(name)
+        prompt = kwargs.get(name)
         mask = kwargs.get("attention_mask")
-        if not isinstance(embeds, torch.Tensor) or (name == "input_ids" and embeds.dim() != 2):
+        writes_here = cache is None or (kwargs.get("use_cache") is not False and cache_argument(kwargs) is cache)
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2 or not writes_here:
             written[0] = None
             return forward(*args, **kwargs)
         if on_prompt is not None:
-            on_prompt(embeds.shape[1])
-        unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _CHUNKED_TENSORS]
-        total, begin = embeds.shape[1], written[0] or 0
+            on_prompt(prompt.shape[1])
+        unknown = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)
+                   and (k not in _CHUNKED_TENSORS or k in _PROMPT_TENSORS and k != name)]  # ids and embeds: whole
+        total, begin = prompt.shape[1], written[0] or 0
         if written[0] is not None:
             written[0] += total
         if isinstance(mask, torch.Tensor) and mask.dim() != 2:  # sized for the whole cache by its maker
@@ -102,7 +107,7 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
         out = None
         for start in range(0, total, chunk):
             end = min(start + chunk, total)
-            part = dict(kwargs, **{name: embeds[:, start:end]})
+            part = dict(kwargs, **{name: prompt[:, start:end]})
             if isinstance(kwargs.get("position_ids"), torch.Tensor):
                 part["position_ids"] = kwargs["position_ids"][..., start:end]
             if isinstance(kwargs.get("cache_position"), torch.Tensor):
@@ -113,6 +118,11 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
         return out
 
     return run
+
+
+def cache_argument(kwargs: dict[str, Any]) -> Any:
+    """The cache a language-model call was given, whichever name this transformers version uses."""
+    return kwargs.get("past_key_values", kwargs.get("cache"))
 
 
 @contextmanager

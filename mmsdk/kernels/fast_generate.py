@@ -156,14 +156,19 @@ class _Generator:
         self.model, self.adapter, self.graphs = model, adapter, graphs
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.first_position = 0
-        self.kwargs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
+        # the prompt's generate() inputs, as the adapter's decode_step_inputs takes them
+        self.inputs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
                                                                      "use_cache", "pad_token_id", "eos_token_id",
                                                                      "min_new_tokens")}
-        # unsupported_reason refused batches with padding, so the mask is all ones and says nothing. Given one,
-        # transformers' causal-mask maker reads it on the GPU (whether SDPA may take is_causal), which waits for
-        # everything queued before: Mllama's whole vision encoder (~50 ms on an H200), after which the text
-        # prefill's launches no longer overlap GPU work. Without one it decides on the host.
-        self.kwargs.pop("attention_mask", None)
+        # what the prefill's forward gets: the inputs without a 2-D attention mask. unsupported_reason refused
+        # batches with padding, so that mask is all ones and says nothing; given one, transformers' causal-mask
+        # maker sums it on the GPU (to decide whether SDPA may run as causal), which waits for everything queued
+        # before it: Mllama's whole vision encoder (~50 ms on an H200), after which the text prefill's launches no
+        # longer overlap GPU work. (Token pruning makes its own mask; IDEFICS sizes its mask from the cache's
+        # length, a device tensor on a kept cache: those still wait.)
+        mask = self.inputs.get("attention_mask")
+        self.kwargs = {k: v for k, v in self.inputs.items()
+                       if not (k == "attention_mask" and isinstance(mask, torch.Tensor) and mask.dim() == 2)}
         self.ids: torch.Tensor = kwargs["input_ids"]
         self.prefill_chunk = max(1, (prefill or prefill_tokens()) // self.ids.shape[0])  # tokens per row
         self.new_tokens = int(kwargs["max_new_tokens"])
@@ -242,7 +247,7 @@ class _Generator:
         own_tokens_only = INLINE_IMAGE_TOKENS in capabilities and CROSS_ATTENTION not in capabilities
         return innermost_override(
             language, lambda forward: chunked(forward, self.prefill_chunk, lambda n: self._size_cache(cache, n),
-                                              cache, prefix_views=own_tokens_only))
+                                              cache, attend_filled_prefix=own_tokens_only))
 
     def _size_cache(self, cache: Any, prompt: int) -> None:
         """Fit the static cache to the prompt the language model gets (see :func:`size_static_cache`)."""
@@ -305,7 +310,7 @@ class _Generator:
             with innermost_override(language, lambda forward: stop):
                 # no mask: the batch has no padding, and a 2-D mask makes some models rebuild all positions
                 self.model(input_ids=token[:, None], **{self.cache_name: cache}, use_cache=True, logits_to_keep=1,
-                           **self.adapter.decode_step_inputs(self.model, self.kwargs, prefill_output))
+                           **self.adapter.decode_step_inputs(self.model, self.inputs, prefill_output))
         except _Recorded:
             pass
         finally:

@@ -17,9 +17,10 @@ in the low nibble), ``scales`` ``[N, K/G]``, optional ``zero_points`` uint8 ``[N
   outside registers.
 * More rows (prefill): the weight is dequantized once per call into a transient bf16/fp16 tensor
   by a Triton kernel and multiplied by cuBLAS (the tensor cores' best kernel; the copy lives only for that call).
-  From 33 rows on this is faster on the GPU too (H200, Llama-3.2-11B's shapes, g32, benchmarks/gpu_prefill_linear.py:
-  at 64 rows gate_proj 81 µs against the tuned GEMV's 97, q_proj 21 against 35), and it is one Triton launch where
-  the GEMV takes two: an eager call (a short prompt's prefill) costs 40-70 µs of host time against 105-180.
+  At 64 rows this is faster on the GPU too (H200, Llama-3.2-11B's shapes, g32, benchmarks/gpu_prefill_linear.py:
+  gate_proj 81 µs against the tuned GEMV's 97, q_proj 21 against 35; 33-63 rows were not measured, at 32 the GEMV
+  is faster on the large shapes, 58 against 79 µs), and it is one Triton launch where the GEMV takes two: an eager
+  call (a short prompt's prefill) costs 40-70 µs of host time against 105-180.
 
 For 2-16 rows (batched decode) the fastest candidates are the tensor-core GEMV (kind "mma", _gemv_mma_triton.py: the
 packed bytes converted to bf16/fp16 in the tensor cores' operand layout, one lop3 per two nibbles).
@@ -112,10 +113,11 @@ _CANDIDATES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
     32: ((64, 128, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3)),
     64: ((64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)),
 }
-# Tensor-core GEMV configs for 17-64 rows (blocks of 16 rows, each block reading the weights again; 32- and 64-row
-# blocks spill in offline sm_90 builds). On the H200 (benchmarks/gpu_kernel_sweeps.py many_rows) the best of them runs
-# the 7B shapes 1.3-13x faster than the best fused config at 32 and 64 rows, so the fused configs are timed only
-# where these cannot run (groups of 16, weights not readable as int32 words).
+# Tensor-core GEMV configs for 17-64 rows of w4a16_matmul (int4_linear sends it 17-32; blocks of 16 rows, each block
+# reading the weights again; 32- and 64-row blocks spill in offline sm_90 builds). On the H200
+# (benchmarks/gpu_kernel_sweeps.py many_rows) the best of them runs the 7B shapes 1.3-13x faster than the best fused
+# config at 32 and 64 rows, so the fused configs are timed only where these cannot run (groups of 16, weights not
+# readable as int32 words).
 _MMA_MANY_ROWS = ((64, 128, 1, 16, "mma", 1056, 2), (128, 128, 2, 16, "mma", 528, 2), (64, 256, 1, 16, "mma", 1056, 2))
 
 
