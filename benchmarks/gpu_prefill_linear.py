@@ -1,7 +1,8 @@
 """Prefill-sized INT4 linears: what one call costs on the GPU and on the host, by rows, against bf16 (CUDA only).
 
 A short prompt (a chat turn; Mllama's text beside its image) runs the language model's linears at 17-256 rows, where
-mmsdk's int4 path picks a tensor-core GEMV (up to 64 rows) or dequantizes the weight and calls cuBLAS (more rows).
+mmsdk's int4 path picks a tensor-core GEMV (up to 32 rows since this script's first run; 64 before) or dequantizes
+the weight and calls cuBLAS (more rows).
 Prefill is not replayed from a CUDA graph, so each call also costs its Python and launches. For each shape of
 Llama-3.2-11B-Vision's language model and each row count this script reports:
 
