@@ -26,8 +26,8 @@ import torch
 
 from mmsdk.kernels.decode_state import capacity_for
 
-__all__ = ["PREFILL_ENV", "PREFILL_TOKENS", "Regrow", "cache_argument", "chunked", "filled_prefix", "host_query_offset",
-           "prefill_tokens", "size_static_cache"]
+__all__ = ["PREFILL_ENV", "PREFILL_TOKENS", "Regrow", "chunked", "filled_prefix", "host_query_offset", "prefill_tokens",
+           "size_static_cache"]
 
 # tokens of all batch rows per prefill chunk: memory against time to the first token. LLaVA-1.5-7B with int4-weight +
 # int4-kv + token-prune 0.25 at batch 4 x 4096 tokens (H200, benchmarks/gpu_memory_peak.py): chunks of 4096 / 2048 /
@@ -75,6 +75,8 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
     counted (no prompt tensor, another cache, no cache use) neither applies any more.
     """
 
+    from mmsdk.plugins._runtime import cache_of
+
     # tokens the calls so far wrote into ``cache`` (empty when the prefill starts), counted on the host: reading the
     # cache's count would wait for the GPU; None once a call wrote an unknown number (no view from then on)
     written: list[int | None] = [0]
@@ -89,7 +91,7 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
         name = "inputs_embeds" if isinstance(kwargs.get("inputs_embeds"), torch.Tensor) else "input_ids"
         prompt = kwargs.get(name)
         mask = kwargs.get("attention_mask")
-        writes_here = cache is None or (kwargs.get("use_cache") is not False and cache_argument(kwargs) is cache)
+        writes_here = cache is None or (kwargs.get("use_cache") is not False and cache_of(kwargs) is cache)
         if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2 or not writes_here:
             written[0] = None
             return forward(*args, **kwargs)
@@ -118,11 +120,6 @@ def chunked(forward: Any, chunk: int, on_prompt: Callable[[int], None] | None = 
         return out
 
     return run
-
-
-def cache_argument(kwargs: dict[str, Any]) -> Any:
-    """The cache a language-model call was given, whichever name this transformers version uses."""
-    return kwargs.get("past_key_values", kwargs.get("cache"))
 
 
 @contextmanager
