@@ -787,13 +787,14 @@ def test_chunked_prefill_keeps_the_passes_and_their_answers(passes, session, tin
     assert language.forward is wrapped
 
 
-def _reason_on_cuda(model, processor):
-    """unsupported_reason as if the model were on CUDA (it looks at the first parameter's device)."""
+def _reason_on_cuda(model, processor, **options):
+    """unsupported_reason as if the model were on CUDA (it looks at the first parameter's device), for a call with
+    generate() ``options``."""
     fake = type("OnCuda", (), {"device": torch.device("cuda")})()
     original = model.parameters
     model.parameters = lambda *a, **k: iter([fake])  # type: ignore[method-assign]
     try:
-        return unsupported_reason(model, (), {**tiny_inputs(processor, QUESTIONS), "max_new_tokens": 4})
+        return unsupported_reason(model, (), {**tiny_inputs(processor, QUESTIONS), "max_new_tokens": 4, **options})
     finally:
         model.parameters = original  # type: ignore[method-assign]
 
@@ -992,3 +993,70 @@ def test_a_released_packed_cache_frees_its_buffers_without_the_garbage_collector
     codes = weakref.ref(layer.key_codes)
     del layer
     assert codes() is None and packed_layer(marker) is None  # freed by reference counting alone
+
+
+SAMPLING = [dict(do_sample=True), dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
+            dict(do_sample=True, temperature=1.3, top_k=0, min_p=0.05)]
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl", "tiny:mllama"])
+def test_sampled_answers_are_the_draws_transformers_makes_from_the_seed(name, session, tiny, monkeypatch):
+    """Sampling (transformers' defaults; temperature + top-k + top-p; temperature + min-p) on the fast path's step:
+    from the same seed, the same tokens as transformers' generate, which samples them differently from greedy. A
+    call with other settings builds its own step; one with the same settings reuses the kept one."""
+    opt, inputs = _optimized(tiny, session, name, ())
+    model = opt.model
+    greedy = _greedy(model, inputs, 10)
+    counts = _count_builds(monkeypatch)
+    sampled_differs = False
+    for seed, options in enumerate(SAMPLING):
+        torch.manual_seed(seed)
+        expected = type(model).generate(model, **inputs, max_new_tokens=10, **options)
+        torch.manual_seed(seed)
+        got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 10, **options}, graphs=False).run()
+        assert torch.equal(got, expected), (options, got, expected)
+        sampled_differs |= not torch.equal(got, greedy)
+        assert _reason_on_cuda(model, tiny(name).processor, **options) is None
+    assert sampled_differs and counts["build"] == len(SAMPLING)
+    torch.manual_seed(0)
+    _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 10, **SAMPLING[-1]}, graphs=False).run()
+    assert counts["build"] == len(SAMPLING)  # the same settings: the kept step
+
+
+@pytest.mark.parametrize("option", [dict(typical_p=0.9), dict(epsilon_cutoff=3e-4), dict(eta_cutoff=3e-4)])
+def test_sampling_warpers_the_fast_path_does_not_apply_keep_transformers_loop(option, session, tiny):
+    opt, _ = _optimized(tiny, session, "tiny:llava", ())
+    name = next(iter(option))
+    assert name in (_reason_on_cuda(opt.model, tiny("tiny:llava").processor, do_sample=True, **option) or "")
+    assert _reason_on_cuda(opt.model, tiny("tiny:llava").processor, **option) is None  # greedy ignores them
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:mllama"])
+def test_cuda_graph_sampling_draws_afresh_at_every_replay(name, session, tiny):
+    """Inside the captured step the CUDA generator advances at every replay: calls that replay the kept step from
+    the same seed give the same answer, another seed another one, and every drawn token is among the top-k of
+    transformers' forward over the answer (up to a near-tie at the k-th)."""
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+    inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+    options = dict(do_sample=True, temperature=1.5, top_k=5, max_new_tokens=24)
+    answers = []
+    for seed in (0, 0, 0, 1):  # the first call builds and captures the step; the others replay it
+        torch.manual_seed(seed)
+        answers.append(opt.model.generate(**inputs, **options))
+        assert kept(opt.model) is not None and kept(opt.model).step is not None  # the fast path, captured
+    assert torch.equal(answers[1], answers[2]) and not torch.equal(answers[2], answers[3])
+    prompt = inputs["input_ids"].shape[1]
+    logits = _forced_logits(opt.model, inputs, answers[3]).float()
+    eos = opt.model.generation_config.eos_token_id
+    ends = {int(e) for e in ([eos] if isinstance(eos, int) else (eos or []))}
+    for row, new in enumerate(answers[3][:, prompt:].tolist()):
+        for step, token in enumerate(new):
+            step_logits = logits[row, step]
+            kth = float(step_logits.topk(5).values[-1])
+            span = float(step_logits.max() - step_logits.min())
+            assert float(step_logits[token]) >= kth - 0.05 * span, (row, step, token)
+            if token in ends:
+                break

@@ -1,7 +1,7 @@
-"""Greedy generation on CUDA with a static KV cache and one CUDA graph per decode step.
+"""Greedy or sampled generation on CUDA with a static KV cache and one CUDA graph per decode step.
 
-``install(model, adapter)`` overrides ``generate`` on the model instance. On CUDA, for greedy
-decoding without padding, it runs:
+``install(model, adapter)`` overrides ``generate`` on the model instance. On CUDA, for greedy or sampled
+(temperature, top-k, top-p, min-p: :mod:`mmsdk.kernels.sampling`) decoding without padding, it runs:
 
 1. the prefill through the model's own forward (images, token pruning, M-RoPE offsets: everything
    the model and mmsdk's runtimes do stays in charge), into a static cache (mmsdk's packed KV layers
@@ -14,7 +14,8 @@ decoding without padding, it runs:
    inputs) and the positions the passes' wrappers give it (token pruning's continue the prompt as it
    was before pruning) are recorded, without running the language model eagerly;
 3. every decode token from the first on by one CUDA graph that embeds the last token, runs the
-   language model and the LM head, takes the argmax and advances the positions, all on the device
+   language model and the LM head, takes the argmax (or draws the token) and advances the positions, all on the
+   device
    (replayed; on a call that builds the graph, its eager warm-up run makes the first token); the host
    checks for end-of-sequence every ``CHECK_EVERY`` steps. In these steps grouped-query attention with a mask
    (a static cache's empty slots, Mllama's image mask) runs a flash-decoding kernel over the K/V as they are
@@ -24,11 +25,12 @@ The static cache, the step's buffers and its graph stay on the model for the nex
 shapes fit (:mod:`mmsdk.kernels.decode_state`), which then pays only for its prefill and the graph's
 replays; :func:`release` frees them.
 
-Anything else (CPU, sampling, beams, padding, streamers, extra logits processors, a cache passed in,
-a capture that fails) runs transformers' ``generate`` unchanged, and the ``mmsdk.kernels`` log says
-why once. The output equals transformers' greedy output (bitwise on CPU; on CUDA the decode kernels round
-differently from SDPA, so tokens may part after a near-tie): prompt ids followed by new ids, sequences that
-finished early padded with the pad token.
+Anything else (CPU, beams, other sampling warpers, padding, streamers, extra logits processors, a cache passed
+in, a capture that fails) runs transformers' ``generate`` unchanged, and the ``mmsdk.kernels`` log says
+why once. The output equals transformers' output (greedy: bitwise on CPU; on CUDA the decode kernels round
+differently from SDPA, so tokens may part after a near-tie; sampled: the same draws from the same seed on CPU,
+the same distribution on CUDA): prompt ids followed by new ids, sequences that finished early padded with the pad
+token.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from mmsdk.kernels.decode_state import (
 )
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
 from mmsdk.kernels.fast_generate_scope import unsupported_reason
-from mmsdk.kernels.greedy import greedy_step
+from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, choose_step
 
 __all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
 
@@ -137,10 +139,11 @@ def _step_objects(model: nn.Module, adapter: Any, cache: Any) -> list[Any]:
     return watched_objects(installed_state(model), modules, ("forward", BODY_ATTR)) + image_tensors(cache)
 
 
-def pick(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int) -> torch.Tensor:
-    """Greedy token per row (pad where finished); marks rows that produced an end token."""
+def pick(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int,
+         sampler: Sampler | None = None) -> torch.Tensor:
+    """Greedy (or ``sampler``'s) token per row (pad where finished); marks rows that produced an end token."""
     token = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    greedy_step(logits, finished, eos, pad, token)
+    choose_step(sampler, logits, finished, eos, pad, token)
     return token
 
 
@@ -159,7 +162,7 @@ class _Generator:
         # the prompt's generate() inputs, as the adapter's decode_step_inputs takes them
         self.inputs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
                                                                      "use_cache", "pad_token_id", "eos_token_id",
-                                                                     "min_new_tokens")}
+                                                                     "min_new_tokens", *SAMPLING_OPTIONS)}
         # what the prefill's forward gets: the inputs without a 2-D attention mask. unsupported_reason refused
         # batches with padding, so that mask is all ones and says nothing; given one, transformers' causal-mask
         # maker sums it on the GPU (to decide whether SDPA may run as causal), which waits for everything queued
@@ -172,6 +175,7 @@ class _Generator:
         self.ids: torch.Tensor = kwargs["input_ids"]
         self.prefill_chunk = max(1, (prefill or prefill_tokens()) // self.ids.shape[0])  # tokens per row
         self.new_tokens = int(kwargs["max_new_tokens"])
+        self.sampler = Sampler.for_call(model, kwargs)  # None: greedy
         config = model.generation_config
         eos = kwargs.get("eos_token_id", config.eos_token_id)
         self.eos_ids = tuple(int(e) for e in ([eos] if isinstance(eos, int) else list(eos or [])))
@@ -275,7 +279,7 @@ class _Generator:
         state.finished.zero_()
         with self._prefill_in_chunks(state.cache):
             out = self.model(**self.kwargs, **{self.cache_name: state.cache}, use_cache=True, logits_to_keep=1)
-        token = pick(out.logits[:, -1], state.finished, state.eos, state.pad)
+        token = pick(out.logits[:, -1], state.finished, state.eos, state.pad, self.sampler)
         tokens[:, 0] = token
         if self.new_tokens > 1:
             self._decode(state, self._step_arguments(token, state.cache, out))
@@ -341,7 +345,7 @@ class _Generator:
 
     def _decode(self, state: DecodeState, seen: dict[str, Any]) -> None:
         """Tokens 1.. : the kept graph refilled and replayed, or a new step warmed up once and captured."""
-        step, wanted = state.step, signature(seen)
+        step, wanted = state.step, (signature(seen), self.sampler)  # a captured step bakes its sampling settings in
         # the watch is read after this call's prefill and forward, which could have re-registered a buffer
         if (step is not None and step.signature == wanted
                 and step.watch.matches(_step_objects(self.model, self.adapter, state.cache))):
@@ -381,13 +385,15 @@ class _Generator:
         tokens, finished, eos, pad = state.tokens, state.finished, state.eos, state.pad
         takes_ids = seen.get("inputs_embeds") is None  # a language model that embeds its tokens itself (Mllama)
         mask = step_mask(self.adapter, self.model, state.cache, self.ids)  # None: the batch has no padding
+        sampler = self.sampler
+        warpers = None if sampler is None else sampler.warpers()  # built once, not at every step
 
         def run() -> None:  # refers to no Step / state / model: nothing here forms a reference cycle
             ids = token[:, None]
             given = {"input_ids": ids} if takes_ids else {"inputs_embeds": embed(ids)}
             hidden = language(**given, attention_mask=mask, position_ids=positions, **fixed)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden.last_hidden_state
-            greedy_step(head(hidden[:, -1]), finished, eos, pad, token, tokens, index)  # token, finished, tokens
+            choose_step(sampler, head(hidden[:, -1]), finished, eos, pad, token, tokens, index, warpers)
             index.add_(1)
             positions.add_(1)
 

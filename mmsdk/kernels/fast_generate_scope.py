@@ -1,6 +1,7 @@
 """Which ``generate()`` calls fast generate (mmsdk.kernels.fast_generate) takes, and why it refuses the others.
 
-The fast path decodes greedily, without padding, from a prompt of ``input_ids`` (with the image inputs the model
+The fast path decodes greedily or samples (temperature, top-k, top-p, min-p: mmsdk.kernels.sampling), without
+padding, from a prompt of ``input_ids`` (with the image inputs the model
 families take) for ``max_new_tokens``; anything else keeps transformers' loop. Refusals are reasons, not errors: the
 caller logs them once and runs transformers' generate.
 """
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, sampling_reason
+
 __all__ = ["REFUSAL", "unsupported_reason"]
 
 REFUSAL = "_mmsdk_fast_generate_refusal"  # the model attribute that holds why it must keep transformers' loop
@@ -20,9 +23,9 @@ _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
     "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
     "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
-    "min_new_tokens",
+    "min_new_tokens", *SAMPLING_OPTIONS,
 }
-_DEFAULTS = {"do_sample": False, "num_beams": 1, "use_cache": True, "min_new_tokens": None}
+_DEFAULTS = {"num_beams": 1, "use_cache": True, "min_new_tokens": None}
 
 
 def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -37,7 +40,7 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return "positional arguments to generate()"
     extra = sorted(set(kwargs) - _PASSTHROUGH)
     if extra:
-        return f"generate() options {extra} (the fast path does greedy decoding only)"
+        return f"generate() options {extra} (the fast path decodes greedily or samples, one sequence per prompt)"
     for key, default in _DEFAULTS.items():
         value = kwargs.get(key, getattr(model.generation_config, key, default))
         if value not in (default, None) and not (key == "min_new_tokens" and not value):
@@ -56,4 +59,6 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return "padded batch (attention_mask has zeros)"
     if kwargs.get("max_new_tokens") is None:
         return "max_new_tokens not given"
+    if Sampler.for_call(model, kwargs) is not None:
+        return sampling_reason(model, kwargs)
     return None

@@ -14,7 +14,7 @@ import torch
 
 from mmsdk.kernels import triton_ready
 
-__all__ = ["argmax_rows", "greedy_step"]
+__all__ = ["argmax_rows", "greedy_step", "record_choice"]
 
 _BLOCK = 4096  # 32 values per thread with 4 warps: 8 tile programs for a 32k vocabulary, 38 for 152k
 
@@ -67,6 +67,19 @@ def argmax_rows(logits: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
     return out
 
 
+def record_choice(new: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int, token: torch.Tensor,
+                  tokens: torch.Tensor | None = None, column: torch.Tensor | None = None) -> None:
+    """The rest of a decode step once each row's token ``new`` [B] is chosen, in place: ``token`` gets it, or
+    ``pad`` where ``finished`` was set; ``finished`` is then set where it is in ``eos``; with ``tokens`` and a device
+    ``column`` it is also stored at ``tokens[:, column]`` (torch ops; :func:`greedy_step` does this in its kernel)."""
+    new = torch.where(finished, torch.full_like(new, pad), new)
+    if eos.numel():
+        finished |= torch.isin(new, eos)
+    if tokens is not None:
+        tokens.index_copy_(1, column, new[:, None])
+    token.copy_(new)
+
+
 def greedy_step(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int, token: torch.Tensor,
                 tokens: torch.Tensor | None = None, column: torch.Tensor | None = None, block: int = _BLOCK) -> None:
     """One greedy step for ``[B, V]`` logits, in place: ``token`` [B] int64 gets each row's argmax, or ``pad`` where
@@ -78,13 +91,7 @@ def greedy_step(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor,
     """
     if not (_kernel_takes(logits) and finished.is_contiguous() and token.is_contiguous()
             and (tokens is None or tokens.stride(-1) == 1)):
-        new = logits.argmax(-1)
-        new = torch.where(finished, torch.full_like(new, pad), new)
-        if eos.numel():
-            finished |= torch.isin(new, eos)
-        if tokens is not None:
-            tokens.index_copy_(1, column, new[:, None])
-        token.copy_(new)
+        record_choice(logits.argmax(-1), finished, eos, pad, token, tokens, column)
         return
     from mmsdk.kernels import _greedy_triton
 
