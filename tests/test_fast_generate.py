@@ -1060,3 +1060,31 @@ def test_cuda_graph_sampling_draws_afresh_at_every_replay(name, session, tiny):
             assert float(step_logits[token]) >= kth - 0.05 * span, (row, step, token)
             if token in ends:
                 break
+
+
+@pytest.mark.parametrize("call", [{}, dict(top_p=None), dict(temperature=None), dict(top_k=None),
+                                  dict(do_sample=None), dict(do_sample=False)])
+def test_sampling_settings_resolve_as_in_transformers(call, session, tiny, monkeypatch):
+    """A checkpoint whose generation config samples (as instruction-tuned ones do) samples on the fast path with its
+    settings; a call's own None switches that warper off (do_sample=None: greedy), as transformers reads it."""
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())
+    model = opt.model
+    for name, value in dict(do_sample=True, temperature=0.6, top_p=0.9, top_k=3).items():
+        monkeypatch.setattr(model.generation_config, name, value)
+    torch.manual_seed(7)
+    expected = type(model).generate(model, **inputs, max_new_tokens=10, **call)
+    torch.manual_seed(7)
+    got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 10, **call}, graphs=False).run()
+    assert torch.equal(got, expected), (call, got, expected)
+    assert _reason_on_cuda(model, tiny("tiny:llava").processor, **call) is None
+
+
+@pytest.mark.parametrize("setting", [dict(num_return_sequences=2), dict(output_scores=True),
+                                     dict(sequence_bias={(5,): 1.0}), dict(renormalize_logits=True)])
+def test_generation_config_settings_the_fast_path_does_not_apply_keep_transformers_loop(setting, session, tiny,
+                                                                                         monkeypatch):
+    opt, _ = _optimized(tiny, session, "tiny:llava", ())
+    name, value = next(iter(setting.items()))
+    monkeypatch.setattr(opt.model.generation_config, name, value)
+    for sampled in (False, True):
+        assert name in (_reason_on_cuda(opt.model, tiny("tiny:llava").processor, do_sample=sampled) or "")

@@ -25,7 +25,31 @@ _PASSTHROUGH = {
     "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
     "min_new_tokens", *SAMPLING_OPTIONS,
 }
-_DEFAULTS = {"num_beams": 1, "use_cache": True, "min_new_tokens": None}
+_DEFAULTS = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True, "min_new_tokens": None}
+# generation-config settings that change what transformers' generate does (logits processors, stopping, outputs,
+# decoding strategies); the fast path applies none of them, so any that is active keeps transformers' loop. Each is
+# inactive at None and at the value named here: "unit" 1.0 (a factor), "count" 0 (a length), "flag" False or empty
+_CONFIG_REFUSALS = {
+    **dict.fromkeys(("repetition_penalty", "encoder_repetition_penalty", "guidance_scale"), "unit"),
+    **dict.fromkeys(("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "min_length"), "count"),
+    **dict.fromkeys((
+        "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+        "sequence_bias", "exponential_decay_length_penalty", "watermarking_config", "remove_invalid_values",
+        "renormalize_logits", "output_scores", "output_logits", "output_attentions", "output_hidden_states",
+        "return_dict_in_generate", "max_time", "penalty_alpha", "stop_strings", "dola_layers",
+        "prompt_lookup_num_tokens", "constraints", "force_words_ids"), "flag"),
+}
+
+
+def _active(value: Any, kind: str) -> bool:
+    """Whether a generation-config setting of ``kind`` (see _CONFIG_REFUSALS) does something at ``value``."""
+    if value is None or value is False:
+        return False
+    if kind == "unit":
+        return value != 1.0
+    if kind == "count":
+        return value != 0
+    return value is True or not isinstance(value, (list, tuple, dict, set)) or len(value) > 0
 
 
 def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -46,10 +70,9 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         if value not in (default, None) and not (key == "min_new_tokens" and not value):
             return f"{key}={value!r}"
     config = model.generation_config
-    for key in ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
-                "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "min_length"):
+    for key, kind in _CONFIG_REFUSALS.items():
         value = getattr(config, key, None)
-        if value not in (None, 0, 1.0):
+        if _active(value, kind):
             return f"generation_config.{key}={value!r}"
     ids = kwargs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:

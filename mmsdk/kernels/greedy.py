@@ -73,8 +73,8 @@ def record_choice(new: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, 
     ``pad`` where ``finished`` was set; ``finished`` is then set where it is in ``eos``; with ``tokens`` and a device
     ``column`` it is also stored at ``tokens[:, column]`` (torch ops; :func:`greedy_step` does this in its kernel)."""
     new = torch.where(finished, torch.full_like(new, pad), new)
-    if eos.numel():
-        finished |= torch.isin(new, eos)
+    if eos.numel():  # not torch.isin: with many end tokens it sorts, and syncs with the host
+        finished |= (new[:, None] == eos.reshape(1, -1)).any(-1)
     if tokens is not None:
         tokens.index_copy_(1, column, new[:, None])
     token.copy_(new)

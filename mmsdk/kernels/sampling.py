@@ -9,10 +9,12 @@ which then ran transformers' eager loop: with int4 weights each linear's launch 
 The step applies transformers' own warpers (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 MinPLogitsWarper, in the order and with the values transformers' generate would use) to the fp32 logits, then draws
 one token per row as ``torch.multinomial(probs, 1)`` does for one sample: ``argmax(probs / q)`` with ``q ~ Exp(1)``
-from ``exponential_``. The draw is written out because ``torch.multinomial`` first checks its input on the host (a
-wait for the GPU, which a CUDA graph cannot hold); written out it consumes the generator as ``torch.multinomial``
-does, so an eager call draws the tokens transformers' generate draws from the same seed. Inside a captured step the
-CUDA generator advances at every replay (CUDA graphs register it), so each step draws afresh.
+from ``exponential_``. The draw is written out so the captured step does not depend on how a torch version checks
+multinomial's input (a host-side read in some, which a CUDA graph cannot hold; a device-side assert in others, which
+would poison the CUDA context on a NaN): it consumes the generator as ``torch.multinomial`` does, so an eager call
+draws the tokens transformers' generate draws from the same seed (where transformers would raise on NaN or infinite
+logits, a row gets a token). Inside a captured step the CUDA generator advances at every replay (CUDA graphs register
+it), so each step draws afresh.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ SAMPLING_OPTIONS = tuple(_FALLBACKS)
 
 
 def _setting(model: Any, kwargs: dict[str, Any], name: str) -> Any:
-    """The value transformers' generate uses: the call's, else the model's generation config's, else its default."""
-    if kwargs.get(name) is not None:
+    """The value transformers' generate uses: the call's (None included: it switches that warper off), else the
+    model's generation config's, else transformers' default."""
+    if name in kwargs:
         return kwargs[name]
     value = getattr(model.generation_config, name, None)
     if value is not None:
@@ -59,21 +62,21 @@ def sampling_reason(model: Any, kwargs: dict[str, Any]) -> str | None:
 class Sampler:
     """One call's sampling settings (a captured step bakes them in: a kept step is reused only with equal ones)."""
 
-    temperature: float = 1.0
+    temperature: float | None = None
     top_k: int | None = None
-    top_p: float = 1.0
+    top_p: float | None = None
     min_p: float | None = None
 
     @classmethod
     def for_call(cls, model: Any, kwargs: dict[str, Any]) -> Sampler | None:
         """The sampler of a generate() call, or None when it decodes greedily."""
-        do_sample = kwargs.get("do_sample")
-        if do_sample is None:
-            do_sample = getattr(model.generation_config, "do_sample", None)
+        config = model.generation_config
+        do_sample = kwargs["do_sample"] if "do_sample" in kwargs else getattr(config, "do_sample", None)
         if not do_sample:
             return None
-        return cls(temperature=float(_setting(model, kwargs, "temperature")), top_k=_setting(model, kwargs, "top_k"),
-                   top_p=float(_setting(model, kwargs, "top_p")), min_p=_setting(model, kwargs, "min_p"))
+        # the values as given: transformers' warpers refuse bad ones (the call then falls back and transformers
+        # raises the same error)
+        return cls(**{name: _setting(model, kwargs, name) for name in ("temperature", "top_k", "top_p", "min_p")})
 
     def warpers(self) -> list[Any]:
         """transformers' warpers for these settings, in the order its generate applies them."""
@@ -85,11 +88,11 @@ class Sampler:
         )
 
         chain: list[Any] = []
-        if self.temperature != 1.0:
+        if self.temperature is not None and self.temperature != 1.0:
             chain.append(TemperatureLogitsWarper(self.temperature))
         if self.top_k is not None and self.top_k != 0:
             chain.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
-        if self.top_p < 1.0:
+        if self.top_p is not None and self.top_p < 1.0:
             chain.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
         if self.min_p is not None:
             chain.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
