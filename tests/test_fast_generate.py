@@ -1033,21 +1033,25 @@ def test_sampling_warpers_the_fast_path_does_not_apply_keep_transformers_loop(op
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("name", ["tiny:llava", "tiny:mllama"])
-def test_cuda_graph_sampling_draws_afresh_at_every_replay(name, session, tiny):
+@pytest.mark.parametrize("name,options", [
+    ("tiny:llava", dict(temperature=1.5, top_k=5)), ("tiny:mllama", dict(temperature=1.5, top_k=5)),
+    ("tiny:llava", dict(temperature=1.2, top_k=0, top_p=0.8, min_p=0.05))])  # sort and min-p inside the capture
+def test_cuda_graph_sampling_draws_afresh_at_every_replay(name, options, session, tiny):
     """Inside the captured step the CUDA generator advances at every replay: calls that replay the kept step from
-    the same seed give the same answer, another seed another one, and every drawn token is among the top-k of
-    transformers' forward over the answer (up to a near-tie at the k-th)."""
+    the same seed give the same answer, another seed another one, and with top-k every drawn token is among the top-k
+    of transformers' forward over the answer (up to a near-tie at the k-th)."""
     loaded = tiny(name)
     opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
     inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
-    options = dict(do_sample=True, temperature=1.5, top_k=5, max_new_tokens=24)
+    options = dict(do_sample=True, max_new_tokens=24, **options)
     answers = []
     for seed in (0, 0, 0, 1):  # the first call builds and captures the step; the others replay it
         torch.manual_seed(seed)
         answers.append(opt.model.generate(**inputs, **options))
         assert kept(opt.model) is not None and kept(opt.model).step is not None  # the fast path, captured
     assert torch.equal(answers[1], answers[2]) and not torch.equal(answers[2], answers[3])
+    if not options.get("top_k"):
+        return
     prompt = inputs["input_ids"].shape[1]
     logits = _forced_logits(opt.model, inputs, answers[3]).float()
     eos = opt.model.generation_config.eos_token_id
@@ -1055,7 +1059,7 @@ def test_cuda_graph_sampling_draws_afresh_at_every_replay(name, session, tiny):
     for row, new in enumerate(answers[3][:, prompt:].tolist()):
         for step, token in enumerate(new):
             step_logits = logits[row, step]
-            kth = float(step_logits.topk(5).values[-1])
+            kth = float(step_logits.topk(options["top_k"]).values[-1])
             span = float(step_logits.max() - step_logits.min())
             assert float(step_logits[token]) >= kth - 0.05 * span, (row, step, token)
             if token in ends:
