@@ -104,7 +104,7 @@ class Sampler:
         for warper in self.warpers() if warpers is None else warpers:
             scores = warper(None, scores)
         probs = torch.softmax(scores, dim=-1)
-        # torch.multinomial(probs, 1) without its host-side check (see the module docstring)
+        # torch.multinomial(probs, 1) without its input check (see the module docstring)
         return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
 
 
