@@ -1,9 +1,9 @@
 """Which ``generate()`` calls fast generate (mmsdk.kernels.fast_generate) takes, and why it refuses the others.
 
 The fast path decodes greedily or samples (temperature, top-k, top-p, min-p: mmsdk.kernels.sampling), without
-padding, from a prompt of ``input_ids`` (with the image inputs the model
-families take) for ``max_new_tokens``; anything else keeps transformers' loop. Refusals are reasons, not errors: the
-caller logs them once and runs transformers' generate.
+padding, from a prompt of ``input_ids`` (with the image inputs the model families take) for ``max_new_tokens``;
+anything else keeps transformers' loop. Refusals are reasons, not errors: the caller logs them once and runs
+transformers' generate.
 """
 
 from __future__ import annotations
