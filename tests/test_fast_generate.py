@@ -54,6 +54,7 @@ INT4_HEAD = Int4WeightConfig(indivisible="pad", lm_head=True)
 
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:qwen2-vl", ()),
                                          ("tiny:llava", ("token-prune",)), ("tiny:llava", ("int4-kv",)),
+                                         ("tiny:llava", ("fp8-kv",)), ("tiny:qwen2-vl", ("fp8-kv",)),
                                          ("tiny:qwen2-vl", (INT4_HEAD, "int4-kv"))])
 def test_static_path_matches_transformers_greedy_on_cpu(name, passes, session, tiny):
     opt, inputs = _optimized(tiny, session, name, passes)
@@ -150,15 +151,24 @@ def test_kept_cross_attention_state_follows_each_call_of_a_mllama(passes, sessio
         assert torch.equal(got, _greedy(model, case, 6)) and counts["build"] == builds, (case.keys(), counts)
 
 
-def test_a_quantized_kv_cache_keeps_a_model_that_recomputes_image_kv_on_transformers_loop(session, tiny):
-    loaded = tiny("tiny:idefics")
-    opt = Optimizer(loaded.model, loaded.processor, session=session).apply("int4-kv")
-    reason = _reason_on_cuda(opt.model, loaded.processor)
-    assert reason is not None and "without int4-kv / int8-kv" in reason, reason
-    assert installed_state(opt.model).recomputes_image_kv()  # so generate() on CUDA keeps the dequantizing cache
+@pytest.mark.parametrize("kv", ["int4-kv", "int8-kv", "fp8-kv"])
+def test_idefics_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv, session, tiny):
+    """IDEFICS recomputes its image K/V from the image states at every step; with a KV-cache pass each projection's
+    memo rounds them through the pass's codes. The fast path keeps its text K/V in the packed static cache and hands
+    the step the prefill's image states, as without the pass."""
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:idefics", (kv,))
+    model = opt.model
+    answers = _answers_with_an_image_mask(opt, inputs, "image_attention_mask")
+    assert not torch.equal(answers[0][1], answers[1][1])  # the image mask changes the answer
+    assert _reason_on_cuda(model, tiny("tiny:idefics").processor) is None
+    layers = kept(model).cache.layers
+    assert layers and all(isinstance(layer, PackedStaticLayer) for layer in layers)
+    assert all(memo.computed > 0 for memo in installed_state(model).memos)
 
 
-@pytest.mark.parametrize("kv", ["int4-kv", "int8-kv", Int4KVConfig(cross_attention=False)])
+@pytest.mark.parametrize("kv", ["int4-kv", "int8-kv", "fp8-kv", Int4KVConfig(cross_attention=False)])
 def test_mllama_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv, session, tiny):
     """Mllama's image K/V go packed into the static cache (a PackedImageLayer per cross-attention layer, sized by the
     image), or stay in full precision with cross_attention=False; the cross-attention mask still drops what it
@@ -415,7 +425,7 @@ FULL_STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")
                                          ("tiny:qwen2.5-vl", ("vit-prune", "rmsnorm-rope-fusion")),
                                          ("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn",)),
                                          ("tiny:mllama", ("qkv-fuse", INT4_HEAD, "rmsnorm-rope-fusion")),
-                                         ("tiny:idefics", ("gated-xattn",))])
+                                         ("tiny:idefics", ("gated-xattn",)), ("tiny:idefics", ("int4-kv",))])
 def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, monkeypatch):
     """A CUDA-graph capture refuses host-to-device copies and host syncs: the step must make none."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -444,6 +454,8 @@ def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-weight",)),
                                          ("tiny:llava", ("int4-weight", "int4-kv")), ("tiny:llava", ("int8-kv",)),
+                                         ("tiny:llava", ("fp8-kv",)),
+                                         ("tiny:qwen2-vl", ("qkv-fuse", "rmsnorm-rope-fusion", "fp8-kv")),
                                          ("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK),
                                          ("tiny:qwen2-vl", ("qkv-fuse", INT4_HEAD, "rmsnorm-rope-fusion", "int4-kv"))])
 def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, monkeypatch):
@@ -482,9 +494,10 @@ def test_cuda_graph_generate_matches_transformers(name, passes, session, tiny, m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name,passes", [("tiny:mllama", ()), ("tiny:mllama", ("gated-xattn", "int4-weight")),
                                          ("tiny:mllama", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
-                                         ("tiny:mllama", ("int8-kv",)),
+                                         ("tiny:mllama", ("int8-kv",)), ("tiny:mllama", ("fp8-kv",)),
                                          ("tiny:mllama", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")),
-                                         ("tiny:idefics", ("gated-xattn",))])
+                                         ("tiny:idefics", ("gated-xattn",)),
+                                         ("tiny:idefics", ("gated-xattn", "int4-kv")), ("tiny:idefics", ("int8-kv",))])
 def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name, passes, session, tiny, monkeypatch):
     """The captured decode step reads Mllama's image K/V from the cache (packed, with a KV-cache pass: the packed
     kernel with the cross-attention mask's row) and IDEFICS's image states from the step's fixed inputs; a second
@@ -802,10 +815,26 @@ def _reason_on_cuda(model, processor, **options):
 @pytest.mark.parametrize(("passes", "expected"), [
     ((TokenPruneConfig(strategy="fastv", layer=1),), "['token-prune']"),  # fastv: per-layer cache lengths
     (("sparse-xattn",), "['sparse-xattn']"),  # a layout over each call's mask and the cached keys
-    (("fp8-kv",), "['fp8-kv'] are not declared"),  # not checked on the fast path: opt-in per pass
+    (("int4-kv", "undeclared-test"), "['undeclared-test'] are not declared"),  # a plugin's pass: opt-in per pass
     (("qkv-fuse", "int4-kv", "token-prune"), None),
+    (("fp8-kv",), None),
 ])
-def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, session, tiny):
+def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, tiny):
+    import mmsdk
+    from mmsdk.core.config import PassConfig
+    from mmsdk.core.passes import PassSpec
+    from mmsdk.core.session import Session
+
+    class Undeclared:  # a third party's pass that says nothing about fast generate
+        __name__ = "undeclared-test"
+
+        @staticmethod
+        @mmsdk.hookimpl
+        def mmsdk_register_quantizers(register):
+            register(PassSpec(name="undeclared-test", config_cls=PassConfig, apply=lambda m, c, ctx: None,
+                              summary="a pass that does not declare fast_generate"))
+
+    session = Session.create(autoload=False, disabled=(), extra=[Undeclared])
     loaded = tiny("tiny:llava")
     opt = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes)
     reason = _reason_on_cuda(opt.model, loaded.processor)

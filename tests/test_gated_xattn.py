@@ -44,7 +44,7 @@ def test_a_memo_projects_again_while_a_decode_step_is_captured(session, tiny, mo
     with torch.inference_mode():
         stored = projection(states)
         assert projection(states) is stored  # a hit
-        monkeypatch.setattr(gated_xattn, "_capturing", lambda x: True)
+        monkeypatch.setattr(gated_xattn, "being_captured", lambda x: True)
         captured = projection(states)
     assert captured is not stored and torch.equal(captured, stored)
     assert (projection.kv_memo.misses, projection.kv_memo.hits) == (1, 1) and projection.kv_memo.output is stored

@@ -151,6 +151,29 @@ def test_mllama_cross_kv_packed_in_the_cache_and_idefics_computed_once(session, 
     assert all(m.nbytes() > 0 for m in memos)
 
 
+def test_a_packed_memo_projects_again_while_a_decode_step_is_captured(session, tiny, monkeypatch):
+    """A captured decode step replays with each call's image states copied into its inputs: the capture must record
+    the projection and its rounding, not the codes stored for the call that captured it (the next image replaces
+    them). What it computes is what a hit serves; the memo itself is left as it was."""
+    from mmsdk.plugins.quantizers import kv_runtime
+
+    idefics = tiny("tiny:idefics")
+    model = Optimizer(idefics.model, idefics.processor, session=session).calibrate(CALIBRATION).apply("int4-kv").model
+    memo = model._mmsdk_kv.memos[0]
+    states = torch.randn(2, 5, memo.original.__self__.in_features)
+    with torch.inference_mode():
+        stored = memo(states)
+        packed = memo._packed
+        projected = []
+        project = memo.original
+        monkeypatch.setattr(memo, "original", lambda x: projected.append(x) or project(x))
+        monkeypatch.setattr(kv_runtime, "being_captured", lambda x: True)
+        captured = memo(states)
+    assert len(projected) == 1  # recorded into the graph: it runs at every replay
+    assert torch.equal(captured, stored) and not torch.equal(captured, project(states))  # rounded as stored
+    assert memo.computed == 1 and memo._packed is packed
+
+
 def test_ste_learns_ranges_with_weights_frozen(session, tiny):
     loaded = tiny("tiny:qwen2-vl")
     weights = {k: v.clone() for k, v in loaded.model.state_dict().items()}

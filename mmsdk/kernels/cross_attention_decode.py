@@ -11,8 +11,7 @@ int4-kv / int8-kv those layers are packed (:class:`~mmsdk.plugins.quantizers.pac
 the KV-cache pass's state) and behave the same way (:func:`holds_image_kv`).
 
 Also here: what a cross-attention model's captured step needs besides (:func:`own_lengths_for_cross_attention`,
-:func:`step_mask`), and why a KV-cache pass keeps a model that recomputes its image K/V (IDEFICS) on transformers'
-loop (:func:`kv_pass_reason`).
+:func:`step_mask`).
 
 Imported by fast generate when it is installed or runs, never with ``import mmsdk`` (the layer class derives from
 transformers' ``DynamicLayer``).
@@ -29,7 +28,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 __all__ = ["ImageKVLayer", "cross_attention_reads_its_own_length", "holds_image_kv", "image_layer_indices",
-           "image_tensors", "kv_pass_reason", "own_lengths_for_cross_attention", "step_mask", "with_image_layers"]
+           "image_tensors", "own_lengths_for_cross_attention", "step_mask", "with_image_layers"]
 
 
 class ImageKVLayer(DynamicLayer):
@@ -163,18 +162,3 @@ def step_mask(adapter: Any, model: nn.Module, cache: Any, ids: torch.Tensor) -> 
         raise ValueError("the decode step's mask is sized over the static cache's slots, but the cache reports none: "
                          "pass a cache whose layers have max_cache_len (transformers' StaticCache)")
     return torch.ones(ids.shape[0], slots, dtype=torch.long, device=ids.device)
-
-
-def kv_pass_reason(model: nn.Module, adapter: Any) -> str | None:
-    """Why a cross-attention model with a KV-cache pass keeps transformers' loop (None otherwise).
-
-    Image K/V the model caches (Mllama) are packed in the static cache; image K/V it computes again at every step
-    from its image states (IDEFICS) have no static packed copy yet.
-    """
-    from mmsdk.plugins.quantizers.kv_runtime import installed_state
-
-    if installed_state(model) is None or all(block.kv_cached for block in adapter.cross_attention_blocks(model)):
-        return None
-    return ("a quantized KV cache on a model that recomputes its cross-attention K/V at every step (the fast path "
-            "has no static packed copy of them yet): apply the model's passes without int4-kv / int8-kv to decode "
-            "through it")

@@ -78,9 +78,6 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
     A kept decode state is dropped here when the passes that just ran changed what it was built for
     (each call checks that too, but this frees the memory at once), or when the model is refused.
     """
-    from mmsdk.kernels.cross_attention_decode import kv_pass_reason
-
-    refusal = refusal or kv_pass_reason(model, adapter)
     model.__dict__[_REFUSAL] = refusal
     state = kept(model)
     if state is not None and (refusal or not state.watch.matches(_cache_objects(model)) or (
@@ -183,13 +180,9 @@ class _Generator:
         self.pad = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
 
     def _cache(self, max_len: int) -> Any:
-        from mmsdk.kernels.cross_attention_decode import kv_pass_reason
         from mmsdk.plugins.quantizers.kv_runtime import installed_state
 
         state = installed_state(self.model)
-        reason = kv_pass_reason(self.model, self.adapter)
-        if reason is not None:
-            raise _Unsupported(reason)
         if state is not None:
             reason = state.packed_decode_reason(self.ids.device) if self.graphs else None
             if reason is not None:
@@ -197,8 +190,13 @@ class _Generator:
             from mmsdk.kernels.cross_attention_decode import holds_image_kv
 
             cache = state.static_cache(max_len, fused=self.graphs)
+            # a step that gets a mask over the cache's slots (IDEFICS, step_mask) would have transformers' mask
+            # maker ask the GPU whether that mask is all ones, unless the cache says it is compileable
+            compileable = self.adapter.needs_decode_mask_over_cache(self.model)
             for layer in cache.layers:  # the batch has no padding (checked before); an image's mask drops its
                 layer.unpadded = not holds_image_kv(layer)  # padding tiles, so image layers keep it
+                if compileable and layer.unpadded:
+                    layer.is_compileable = True  # the mask it then builds is never read: unpadded steps take none
             return cache
         from transformers.cache_utils import StaticCache
 

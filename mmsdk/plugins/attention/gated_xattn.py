@@ -31,7 +31,7 @@ from mmsdk.core.errors import CalibrationError
 from mmsdk.core.passes import PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 from mmsdk.plugins._forward import add_forward_wrapper, foreign_forward, set_forward_body
-from mmsdk.plugins.tensor_keys import storage_key
+from mmsdk.plugins.tensor_keys import being_captured, storage_key
 
 __all__ = ["GatedXAttnConfig", "KVMemo", "apply_gated_xattn", "restore_gated_xattn", "gate_strength"]
 
@@ -45,11 +45,6 @@ class GatedXAttnConfig(PassConfig):
     )
     cache_kv: bool = Field(True, description="Compute each layer's image K/V once per image and reuse them.")
     repeats: int = Field(5, ge=1, le=100, description="Forwards timed per measurement (the median counts).")
-
-
-def _capturing(x: torch.Tensor) -> bool:
-    """True while ``x``'s stream is being captured into a CUDA graph."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class KVMemo:
@@ -75,7 +70,7 @@ class KVMemo:
             return inner(x, *args, **kwargs)
         if args or kwargs or torch.is_grad_enabled() or x.requires_grad:
             return inner(x, *args, **kwargs)
-        if _capturing(x):
+        if being_captured(x):
             # a captured decode step (fast generate) replays with each call's image states copied into its inputs:
             # it must project them, not keep this call's stored product, whose tensor the next image replaces
             return inner(x)

@@ -273,7 +273,7 @@ def mmsdk_register_quantizers(register: Registrar[PassSpec]) -> None:
                 restore=_restore(fmt),
                 exclusive_group="kv-cache",
                 needs_calibration=_wants_calibration,
-                # the packed static cache of the fast path is checked for int4 / int8 (tests/test_fast_generate.py)
-                fast_generate=name != "fp8-kv",
+                # the fast path's packed static cache: same tokens as transformers' loop (tests/test_fast_generate.py)
+                fast_generate=True,
             )
         )

@@ -10,11 +10,12 @@ On CUDA, with static scales, generation gets a
 whole generation; Mllama's cross-attention layers get a
 :class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer` sized by the image) and the decoder's
 attention implementation is wrapped so that decode steps run the packed-KV Triton kernel; on CPU nothing
-changes. Models that recompute their image K/V at every step (IDEFICS) keep the dequantizing cache.
+changes.
 
 Cross-attention K/V that the model recomputes at every step (IDEFICS passes no cache to those
 layers) are computed once per image instead: the K and V projections of each such block answer
-repeated calls on the same vision states from a packed copy (:class:`CrossKVMemo`).
+repeated calls on the same vision states from a packed copy (:class:`CrossKVMemo`); a captured decode step
+projects and rounds them at every replay, since each call refills its image states in place.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from mmsdk.plugins.quantizers.quantized_cache import DynamicCodec, Packed, QuantizedKVLayer, StaticCodec, make_cache
-from mmsdk.plugins.tensor_keys import storage_key
+from mmsdk.plugins.tensor_keys import being_captured, storage_key
 
 __all__ = ["CrossKVMemo", "KVQuantState", "LayerRanges", "install", "installed_state", "kv_bytes"]
 
@@ -101,8 +102,6 @@ class KVQuantState:
             return "not on CUDA or no Triton"
         if self.scales != "static" or self.exact_prefill:
             return "dynamic scales or exact prefill attention"
-        if self.recomputes_image_kv():
-            return "the model recomputes its cross-attention K/V at every step (no static packed copy of them yet)"
         unranged = [i for i in range(self.num_layers) if self._packs(i) and not self._kernel_reads(i)]
         if unranged:
             return (f"cache layers {unranged[:4]} have no calibrated K/V range (calibration prompts never reached "
@@ -111,10 +110,6 @@ class KVQuantState:
         if base is None or not (base.startswith("mmsdk_packed_kv_") or base in ("sdpa", "eager")):
             return f"attention implementation {base!r} (sdpa or eager can be wrapped)"
         return None
-
-    def recomputes_image_kv(self) -> bool:
-        """Whether the model computes cross-attention K/V again at every step (IDEFICS) instead of caching them."""
-        return bool(self.memos)
 
     def _packs(self, index: int) -> bool:
         """Whether :meth:`static_cache` stores cache layer ``index`` packed (cross-attention K/V only if quantized)."""
@@ -187,6 +182,14 @@ class CrossKVMemo:
         return storage_key(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if being_captured(x):
+            # a captured decode step (fast generate) replays with each call's image states copied into its inputs:
+            # it must project and round them itself, not keep this call's stored codes, which the next image replaces
+            # (the same codes the memo would hold: encode then decode, as on a hit)
+            y = self.original(x)
+            b, t, _ = y.shape
+            packed = self.codec.encode(y.reshape(b, t, -1, self.head_dim).transpose(1, 2))
+            return self.codec.decode(packed, y.dtype, self.head_dim).transpose(1, 2).flatten(2)
         key = self._key_of(x)
         # Holding the input keeps its storage alive, so an equal key can only mean the same data.
         if self._packed is None or key != self._key:

@@ -237,8 +237,11 @@ class PackedStaticLayer(QuantizedKVLayer):
         else:
             note_fallback("packed KV append", "not a CUDA tensor or no Triton")
             positions = torch.arange(key_states.shape[-2], device=self.length.device) + self.length
-            self.key_codes.index_copy_(2, positions, self.key_codec.encode(key_states).data)
-            self.value_codes.index_copy_(2, positions, self.value_codec.encode(value_states).data)
+            # as bytes: every code dtype is one byte wide, and index_copy_ has no float8 kernel
+            self.key_codes.view(torch.uint8).index_copy_(
+                2, positions, self.key_codec.encode(key_states).data.view(torch.uint8))
+            self.value_codes.view(torch.uint8).index_copy_(
+                2, positions, self.value_codec.encode(value_states).data.view(torch.uint8))
         self.length.add_(key_states.shape[-2])
 
     def attend(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor:
