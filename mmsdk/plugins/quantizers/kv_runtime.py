@@ -10,7 +10,8 @@ On CUDA, with static scales, generation gets a
 whole generation; Mllama's cross-attention layers get a
 :class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer` sized by the image) and the decoder's
 attention implementation is wrapped so that decode steps run the packed-KV Triton kernel; on CPU nothing
-changes.
+changes. A model that recomputes its image K/V (IDEFICS) gets that cache through fast generate only;
+transformers' own loop keeps the dequantizing cache for it.
 
 Cross-attention K/V that the model recomputes at every step (IDEFICS passes no cache to those
 layers) are computed once per image instead: the K and V projections of each such block answer
@@ -159,6 +160,10 @@ class KVQuantState:
         from mmsdk.kernels import note_fallback
 
         reason = self.packed_decode_reason(device)
+        if reason is None and self.memos:
+            # fast generate runs such models over the packed cache (tests/test_fast_generate.py); transformers' own
+            # loop (beams, padded batches) over it has not been checked on a GPU, so it keeps the dequantizing cache
+            reason = "transformers' loop on a model that recomputes its cross-attention K/V (IDEFICS)"
         if reason is None:
             return self.static_cache(max_cache_len, fused=True)
         note_fallback("packed KV decode attention", reason)
