@@ -151,7 +151,7 @@ def test_kept_cross_attention_state_follows_each_call_of_a_mllama(passes, sessio
         assert torch.equal(got, _greedy(model, case, 6)) and counts["build"] == builds, (case.keys(), counts)
 
 
-@pytest.mark.parametrize("kv", ["int4-kv", "int8-kv", "fp8-kv"])
+@pytest.mark.parametrize("kv", ["int4-kv", "int8-kv", "fp8-kv", Int4KVConfig(cross_attention=False)])
 def test_idefics_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv, session, tiny):
     """IDEFICS recomputes its image K/V from the image states at every step; with a KV-cache pass each projection's
     memo rounds them through the pass's codes. The fast path keeps its text K/V in the packed static cache and hands
@@ -165,7 +165,8 @@ def test_idefics_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv
     assert _reason_on_cuda(model, tiny("tiny:idefics").processor) is None
     layers = kept(model).cache.layers
     assert layers and all(isinstance(layer, PackedStaticLayer) for layer in layers)
-    assert all(memo.computed > 0 for memo in installed_state(model).memos)
+    memos = installed_state(model).memos
+    assert all(memo.computed > 0 for memo in memos) and bool(memos) != isinstance(kv, Int4KVConfig)
     # transformers' own loop (beams, padding) keeps the dequantizing cache for IDEFICS: checked on the fast path only
     cache = installed_state(model).generation_cache(torch.device("cuda"), 64)
     assert not any(isinstance(layer, PackedStaticLayer) for layer in cache.layers)
@@ -514,9 +515,10 @@ def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name
     model = opt.model
     state = installed_state(model)
 
-    def scored(got, case):
+    def scored(got, case, least_agreement=0.8):
         """``got`` scored by transformers' forward (with a KV-cache pass over its quantizing cache)."""
-        _assert_scored_by_reference(model, case, got, **({"past_key_values": state.new_cache()} if state else {}))
+        _assert_scored_by_reference(model, case, got, least_agreement=least_agreement,
+                                    **({"past_key_values": state.new_cache()} if state else {}))
 
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 24}) is None
     counts = _count_builds(monkeypatch)
@@ -533,7 +535,10 @@ def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name
     other[key][1, 3:] = 0
     again = model.generate(**other, max_new_tokens=20)
     assert counts == {"build": 1, "capture": 1}  # the kept graph, refilled
-    scored(again, other)
+    # IDEFICS's second answer (bf16, H200) came out one of two ways from run to run of the same code, the other one
+    # the reference's pick at 12 of 21 tokens, every token inside the near-tie bound; the cause is not established
+    # (the captured graph reads no tensor it does not own): docs/benchmarks.md, "twenty-seventh pass"
+    scored(again, other, least_agreement=0.5 if name == "tiny:idefics" else 0.8)
 
 
 @pytest.mark.parametrize("name", ["tiny:mllama", "tiny:idefics"])
@@ -715,7 +720,7 @@ def _forced_logits(model, inputs, sequences, **kwargs):
         return model(**forced, **kwargs).logits[:, prompt - 1 : -1]
 
 
-def _assert_scored_by_reference(model, inputs, got, near_tie=0.05, least_agreement=0.5, **kwargs):
+def _assert_scored_by_reference(model, inputs, got, near_tie=0.05, least_agreement=0.8, **kwargs):
     """The new tokens of ``got`` scored by transformers' own forward over them (:func:`_forced_logits`, ``kwargs``
     passed on, e.g. a quantized cache): every new token (up to a row's first end token) is the reference's pick or
     within ``near_tie`` of that step's logit range below it, and at least ``least_agreement`` of them are its pick.
@@ -724,10 +729,7 @@ def _assert_scored_by_reference(model, inputs, got, near_tie=0.05, least_agreeme
     reference's own greedy answer the two contexts differ; teacher forcing scores every token in our context. A
     cache or graph bug picks tokens the reference ranks anywhere (the first bound: an answer that takes the
     runner-up at every step, or one decoded without the image, fails it on CPU) or keeps picking a close second
-    (the second). In bf16 on an H200 a repetitive answer of tiny IDEFICS ("94 94 94 ...") sat on near-ties: the
-    same code gave one of two answers from run to run (the captured graph read no tensor it does not own, checked
-    by recording every op's inputs during the capture; kernel choices that follow the memory layout are the likely
-    cause), one of them the reference's pick at 12 of 21 tokens, every token inside the first bound; hence 0.5."""
+    (the second)."""
     prompt = inputs["input_ids"].shape[1]
     logits = _forced_logits(model, inputs, got, **kwargs).float()
     new = got[:, prompt:]

@@ -346,7 +346,9 @@ class ModelAdapter:
     def needs_decode_mask_over_cache(self, model: nn.Module) -> bool:
         """True when the language model, given no attention mask on a decode step, makes one as long as the tokens
         cached so far: a length the host reads, which a captured decode step would freeze. Fast generate's step then
-        hands it an all-ones mask over the static cache's capacity (its batches have no padding)."""
+        hands it an all-ones mask over the static cache's capacity (its batches have no padding), and a packed KV
+        cache's layers say they are compileable, so that transformers' mask maker does not read that mask on the
+        GPU."""
         return False
 
     def rope_function_name(self, attention: nn.Module) -> str | None:

@@ -7,8 +7,9 @@ A transformers ``StaticLayer`` in that place would write them at the text's posi
 it keeps what the prefill wrote in tensors whose addresses a captured decode graph can read, and refills them in
 place on the next call whose images have the same shape. A captured step watches those tensors
 (:func:`image_tensors`), so a refill that had to allocate anew makes the next call capture its step again. With
-int4-kv / int8-kv those layers are packed (:class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer`, made by
-the KV-cache pass's state) and behave the same way (:func:`holds_image_kv`).
+int4-kv / int8-kv / fp8-kv those layers are packed
+(:class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer`, made by the KV-cache pass's state) and behave
+the same way (:func:`holds_image_kv`).
 
 Also here: what a cross-attention model's captured step needs besides (:func:`own_lengths_for_cross_attention`,
 :func:`step_mask`).
@@ -90,7 +91,7 @@ def with_image_layers(cache: Any, indices: list[int]) -> Any:
 
 def holds_image_kv(layer: Any) -> bool:
     """Whether a cache layer holds a cross-attention layer's image K/V: an :class:`ImageKVLayer`, or packed (with
-    int4-kv / int8-kv, :class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer`)."""
+    int4-kv / int8-kv / fp8-kv, :class:`~mmsdk.plugins.quantizers.packed_image_kv.PackedImageLayer`)."""
     from mmsdk.plugins.quantizers.packed_image_kv import PackedImageLayer
 
     return isinstance(layer, (ImageKVLayer, PackedImageLayer))

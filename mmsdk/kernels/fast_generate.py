@@ -191,12 +191,15 @@ class _Generator:
 
             cache = state.static_cache(max_len, fused=self.graphs)
             # a step that gets a mask over the cache's slots (IDEFICS, step_mask) would have transformers' mask
-            # maker ask the GPU whether that mask is all ones, unless the cache says it is compileable
+            # maker ask the GPU whether that mask is all ones, unless the cache says it is compileable (which it
+            # asks of every layer: IDEFICS's cache holds self-attention layers only, all marked here)
             compileable = self.adapter.needs_decode_mask_over_cache(self.model)
             for layer in cache.layers:  # the batch has no padding (checked before); an image's mask drops its
                 layer.unpadded = not holds_image_kv(layer)  # padding tiles, so image layers keep it
                 if compileable and layer.unpadded:
-                    layer.is_compileable = True  # the mask it then builds is never read: unpadded steps take none
+                    # the mask it then builds is read only by the dequantizing fallback, where it is right: the
+                    # packed kernel takes none on unpadded steps
+                    layer.is_compileable = True
             return cache
         from transformers.cache_utils import StaticCache
 

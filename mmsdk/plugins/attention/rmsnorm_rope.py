@@ -89,9 +89,9 @@ class RMSNormRoPEFusionConfig(PassConfig):
     mrope_tables: bool = Field(True, description="M-RoPE models: build sectioned cos/sin in one pass.")
     rope_tables: bool = Field(True, description="Plain-RoPE models: build each call's cos/sin in one kernel "
                               "(transformers launches about seven small ones, each a launch in every decode step).")
-    rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv on "
-                                    "CUDA), let the attention kernel rotate q and k as it loads them instead of a "
-                                    "separate RoPE launch (bitwise the same numbers on an H200).")
+    rope_in_attention: bool = Field(True, description="On decode steps over a packed KV cache (int4-kv / int8-kv / "
+                                    "fp8-kv on CUDA), let the attention kernel rotate q and k as it loads them instead "
+                                    "of a separate RoPE launch (bitwise the same numbers on an H200).")
     norm_in_gemv: bool = Field(True, description="In decode steps of layers with INT4 projections (int4-weight), run "
                                "the input RMSNorm inside the q/k/v GEMV: one norm launch less per layer (on an H200 "
                                "about 2-3 µs each, docs/benchmarks.md). On CUDA the activations the GEMV multiplies "

@@ -115,7 +115,7 @@ class _SparseInterface:
             from mmsdk.plugins.quantizers.static_kv import packed_layer
 
             layer = packed_layer(k)
-            if layer is not None:  # a packed KV cache's marker (int4-kv / int8-kv on CUDA): the layout needs the keys
+            if layer is not None:  # a packed KV cache's marker (a KV-cache pass on CUDA): the layout needs the keys
                 q = layer.rotated_query(q)  # a RoPE left to the packed kernel runs now
                 k, v = layer.dequantized_heads(0, layer.key_codes.shape[1])
             text_rows, image_cols, starts = self.masks(q, k)

@@ -63,6 +63,7 @@ class KVQuantState:
     layers: dict[int, LayerRanges] = field(default_factory=dict)  # cache layers, by index
     recomputed: dict[int, LayerRanges] = field(default_factory=dict)  # cross blocks, by block index
     memos: list[CrossKVMemo] = field(default_factory=list)
+    recomputes_image_kv: bool = False  # set by install: the model projects its image K/V again at every step
     attention_config: Any = None  # the decoder's config, whose attention implementation the packed path wraps
 
     def codec(self, amax: torch.Tensor | None, granularity: str) -> Any:
@@ -160,7 +161,7 @@ class KVQuantState:
         from mmsdk.kernels import note_fallback
 
         reason = self.packed_decode_reason(device)
-        if reason is None and self.memos:
+        if reason is None and self.recomputes_image_kv:
             # fast generate runs such models over the packed cache (tests/test_fast_generate.py); transformers' own
             # loop (beams, padded batches) over it has not been checked on a GPU, so it keeps the dequantizing cache
             reason = "transformers' loop on a model that recomputes its cross-attention K/V (IDEFICS)"
@@ -245,6 +246,7 @@ def _prepare_cache_for_generation(self: nn.Module, *args: Any, **kwargs: Any) ->
 def install(model: nn.Module, state: KVQuantState, adapter: Any) -> None:
     """Attach ``state`` to ``model``: generate() then uses the quantized cache; recomputed cross K/V are memoised."""
     state.attention_config = adapter.text_config(model)
+    state.recomputes_image_kv = any(not block.kv_cached for block in adapter.cross_attention_blocks(model))
     object.__setattr__(model, ATTRIBUTE, state)
     model._prepare_cache_for_generation = _prepare_cache_for_generation.__get__(model)  # type: ignore[method-assign]
     if not state.cross_attention:
