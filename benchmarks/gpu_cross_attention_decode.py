@@ -3,8 +3,8 @@
 The Flamingo-style models keep the image out of the token sequence: Mllama's 8 cross-attention layers attend to the
 image's K/V (6404 tokens for one image of 4 tiles), written into the cache by the prefill and read by every decode
 step. This script times transformers' generate against mmsdk's (``opt.model.generate``: static cache, image K/V in
-fixed tensors, CUDA-graph decode steps), in bf16, with ``int4-weight`` and with int4 K/V (the image's K/V packed in
-the cache too; static ranges set directly, as benchmarks/gpu_models.attach_int4_kv does), at a 64-token prompt with
+fixed tensors, CUDA-graph decode steps), in bf16, with ``int4-weight`` and with int4 / int8 / fp8 K/V (the image's K/V
+packed in the cache too; static ranges set directly, as benchmarks/gpu_models.attach_kv does), at a 64-token prompt with
 one 4-tile image and 128 new tokens, and reports each step against the bytes it must read (the speed limit at
 4.27 TB/s) and the K/V bytes the fast path's cache holds.
 
@@ -90,26 +90,30 @@ def step_bytes(model: Any, context: int, kv_element_bytes: float = 2.0) -> float
     return weights + per_token * (self_layers * context + len(config.cross_attention_layers) * TILES * TILE_TOKENS)
 
 
-# rows: name -> (passes applied to a fresh bf16 model, int4 K/V attached, which generate: "mmsdk" =
+# rows: name -> (passes applied to a fresh bf16 model, the KV-cache pass attached or None, which generate: "mmsdk" =
 # opt.model.generate, "hf" = transformers' generate on the same model, "hf-dequantizing" = transformers' generate on a
 # cache that dequantizes the packed K/V for every attention call: how int4 K/V on Mllama ran before the fast path
 # took it)
 STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")
 ROWS = {
-    "HF bf16 eager generate": ((), False, "hf"),
-    "mmsdk bf16 (fast generate)": ((), False, "mmsdk"),
-    "mmsdk int4-weight (fast generate)": (("int4-weight",), False, "mmsdk"),
-    "mmsdk int4-weight (HF generate, no graphs)": (("int4-weight",), False, "hf"),
-    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion (fast generate)": (STACK, False, "mmsdk"),
-    "mmsdk int4-weight + int4-kv (fast generate)": (("int4-weight",), True, "mmsdk"),
-    "mmsdk int4-weight + int4-kv (HF generate, dequantizing cache)": (("int4-weight",), True, "hf-dequantizing"),
-    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv (fast generate)": (STACK, True, "mmsdk"),
-    "mmsdk bf16 + int4-kv (fast generate)": ((), True, "mmsdk"),
+    "HF bf16 eager generate": ((), None, "hf"),
+    "mmsdk bf16 (fast generate)": ((), None, "mmsdk"),
+    "mmsdk int4-weight (fast generate)": (("int4-weight",), None, "mmsdk"),
+    "mmsdk int4-weight (HF generate, no graphs)": (("int4-weight",), None, "hf"),
+    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion (fast generate)": (STACK, None, "mmsdk"),
+    "mmsdk int4-weight + int4-kv (fast generate)": (("int4-weight",), "int4-kv", "mmsdk"),
+    "mmsdk int4-weight + int4-kv (HF generate, dequantizing cache)":
+        (("int4-weight",), "int4-kv", "hf-dequantizing"),
+    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv (fast generate)": (STACK, "int4-kv", "mmsdk"),
+    "mmsdk bf16 + int4-kv (fast generate)": ((), "int4-kv", "mmsdk"),
+    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + int8-kv (fast generate)": (STACK, "int8-kv", "mmsdk"),
+    "mmsdk qkv-fuse + int4-weight + rmsnorm-rope-fusion + fp8-kv (fast generate)": (STACK, "fp8-kv", "mmsdk"),
 }
+KV_ELEMENT_BYTES = {None: 2.0, "int4-kv": 0.5, "int8-kv": 1.0, "fp8-kv": 1.0}
 
 
 def main() -> None:
-    from benchmarks.gpu_models import attach_int4_kv
+    from benchmarks.gpu_models import attach_kv
     from benchmarks.gpu_suite import COPY_BW, decode_rate, release_memory
     from mmsdk import Optimizer
     from mmsdk.kernels.decode_state import kept, release
@@ -128,16 +132,16 @@ def main() -> None:
     inputs = mllama_inputs(config)
     built: tuple[tuple[Any, ...], Any] | None = None  # ((passes, int4 K/V), optimizer) of the model built last
     for index in (int(i) for i in args.rows.split(",")):
-        name, (passes, int4_kv, which) = list(ROWS.items())[index]
-        if built is None or built[0] != (passes, int4_kv):
+        name, (passes, kv, which) = list(ROWS.items())[index]
+        if built is None or built[0] != (passes, kv):
             built = None  # the last model is gone before the next one is built (two 11B models need not fit)
             release_memory()
             opt = Optimizer(build_mllama(config), None)
             if passes:
                 opt.apply(*passes)
-            if int4_kv:
-                attach_int4_kv(opt.model, opt.adapter)
-            built = ((passes, int4_kv), opt)
+            if kv is not None:
+                attach_kv(opt.model, opt.adapter, kv)
+            built = ((passes, kv), opt)
             del opt
         model = built[1].model
         hf = type(model).generate.__get__(model)
@@ -157,7 +161,7 @@ def main() -> None:
                 row["new_tokens_agree_with_hf"] = float((reference == ours).float().mean())
                 differ = (reference != ours).nonzero()
                 row["first_differing_new_token"] = int(differ[0, 1]) if len(differ) else None
-        row["bytes_per_step"] = step_bytes(model, PROMPT + args.new // 2, 0.5 if int4_kv else 2.0)
+        row["bytes_per_step"] = step_bytes(model, PROMPT + args.new // 2, KV_ELEMENT_BYTES[kv])
         row["floor_ms"] = row["bytes_per_step"] / COPY_BW * 1e3
         row["fraction_of_limit"] = row["floor_ms"] / row["step_ms"]
         results["rows"].append(row)

@@ -60,10 +60,16 @@ def llava_inputs(batch: int, length: int, images: bool) -> dict[str, torch.Tenso
 
 def attach_int4_kv(model: Any, adapter: Any, amax: float = 4.0) -> None:
     """The int4-kv runtime with static ranges set directly (calibration needs a processor and data)."""
-    from mmsdk.plugins.quantizers.kv_cache import Int4KVConfig, _state
+    attach_kv(model, adapter, "int4-kv", amax)
+
+
+def attach_kv(model: Any, adapter: Any, name: str, amax: float = 4.0) -> None:
+    """The runtime of KV-cache pass ``name`` (int4-kv, int8-kv, fp8-kv) with static ranges set directly."""
+    from mmsdk.plugins.quantizers.kv_cache import KV_FORMATS, _state
     from mmsdk.plugins.quantizers.kv_runtime import LayerRanges, install
 
-    state = _state(model, adapter, "int4", Int4KVConfig())
+    fmt, config_cls = KV_FORMATS[name]
+    state = _state(model, adapter, fmt, config_cls())
     layout = adapter.kv_layout(model)
     shape = (layout.num_kv_heads, layout.head_dim)
     for index, ranges in list(state.layers.items()):  # "self", or "cross" for Mllama's cached image K/V
