@@ -432,9 +432,24 @@ FULL_STACK = ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")
                                          ("tiny:idefics", ("gated-xattn",)), ("tiny:idefics", ("int4-kv",))])
 def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, monkeypatch):
     """A CUDA-graph capture refuses host-to-device copies and host syncs: the step must make none."""
+    opt, inputs = _optimized(tiny, session, name, passes)
+    assert _host_reads_in_step(monkeypatch, opt, inputs) == []  # with M-RoPE's slot map rebuilt per call:
+    # ['aten.lift_fresh.default']
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_a_penalized_sampled_step_copies_nothing_from_the_host(name, session, tiny, monkeypatch):
+    opt, inputs = _optimized(tiny, session, name, ())
+    # no top-p: its warper's scalar write reads as a host copy here, which the CUDA sampling test shows a capture takes
+    options = dict(do_sample=True, temperature=0.7, top_k=20, min_p=0.05, repetition_penalty=1.05)
+    assert _host_reads_in_step(monkeypatch, opt, inputs, **options) == []
+
+
+def _host_reads_in_step(monkeypatch, opt, inputs, **options):
+    """The host-to-device copies and host syncs (what a CUDA-graph capture refuses) that fast generate's decode step
+    makes for ``inputs`` (CPU, the step run where it would be captured)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    opt, inputs = _optimized(tiny, session, name, passes)
     refused: list[str] = []
 
     class Watch(TorchDispatchMode):
@@ -450,8 +465,8 @@ def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, m
         return run
 
     monkeypatch.setattr(_Generator, "_capture", watched_capture)
-    _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False).run()
-    assert refused == []  # with M-RoPE's slot map rebuilt per call: ['aten.lift_fresh.default']
+    _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4, **options}, graphs=False).run()
+    return refused
 
 
 @pytest.mark.cuda
@@ -1142,3 +1157,62 @@ def test_generation_config_settings_the_fast_path_does_not_apply_keep_transforme
     monkeypatch.setattr(opt.model.generation_config, name, value)
     for sampled in (False, True):
         assert name in (_reason_on_cuda(opt.model, tiny("tiny:llava").processor, do_sample=sampled) or "")
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl", "tiny:mllama"])
+def test_repetition_penalty_gives_the_answers_transformers_gives(name, session, tiny, monkeypatch):
+    """transformers' repetition penalty on the fast path's step, greedy (a penalty and a reward) and sampled with a
+    generation config as instruction-tuned checkpoints ship (repetition_penalty 1.05): the same tokens as
+    transformers' generate (from the same seed), which the penalty changes. A call with another penalty builds its
+    own step (the step bakes it in); one with the same penalty reuses the kept step, its record of the ids seen
+    refilled for the new prompt."""
+    if name == "tiny:mllama":  # its image token has no logit (transformers drops it from the penalty)
+        opt, inputs = _cross_attention_model(tiny, session, name, ())
+    else:
+        opt, inputs = _optimized(tiny, session, name, ())
+    model, processor = opt.model, tiny(name).processor
+    other = {k: v.to(inputs["input_ids"].device) for k, v in tiny_inputs(processor, QUESTIONS, seed=3).items()}
+    counts = _count_builds(monkeypatch)
+    changed = False
+    # the second call, 1.5 again, replays the first one's step with another prompt's ids; the third builds its own
+    for case, penalty in ((inputs, 1.5), (other, 1.5), (inputs, 0.6)):
+        expected = _greedy(model, case, 12, repetition_penalty=penalty)
+        got = _Generator(model, opt.adapter, {**case, "max_new_tokens": 12, "repetition_penalty": penalty},
+                         graphs=False).run()
+        assert torch.equal(got, expected), (penalty, got, expected)
+        changed |= not torch.equal(got, _greedy(model, case, 12))
+        assert _reason_on_cuda(model, processor, repetition_penalty=penalty) is None
+    assert changed and counts["build"] == 2
+    for key, value in dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05).items():
+        monkeypatch.setattr(model.generation_config, key, value)
+    assert _reason_on_cuda(model, processor) is None  # a checkpoint's own penalty no longer keeps transformers' loop
+    torch.manual_seed(3)
+    expected = type(model).generate(model, **inputs, max_new_tokens=12)
+    torch.manual_seed(3)
+    assert torch.equal(_Generator(model, opt.adapter, {**inputs, "max_new_tokens": 12}, graphs=False).run(), expected)
+
+
+@pytest.mark.parametrize("value", [2, -1.0, 0.0])
+def test_a_repetition_penalty_transformers_refuses_keeps_its_loop(value, session, tiny):
+    """A value transformers' processor refuses (it takes a positive float) is left to transformers, which raises."""
+    opt, _ = _optimized(tiny, session, "tiny:llava", ())
+    assert f"repetition_penalty={value!r}" in (_reason_on_cuda(opt.model, tiny("tiny:llava").processor,
+                                                               repetition_penalty=value) or "")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_cuda_graph_repetition_penalty_matches_transformers(name, session, tiny, monkeypatch):
+    """The captured step penalizes at every replay and marks each new token: transformers' greedy answer with the
+    same penalty (up to a late bf16 near-tie, as in the other CUDA tests); a second call replays the kept graph."""
+    loaded = tiny(name)
+    opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+    model = opt.model
+    inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+    counts = _count_builds(monkeypatch)
+    got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 24, "repetition_penalty": 1.5}).run()
+    assert counts == {"build": 1, "capture": 1}
+    _assert_agrees(got, _greedy(model, inputs, 24, repetition_penalty=1.5))
+    assert torch.equal(model.generate(**inputs, max_new_tokens=24, repetition_penalty=1.5), got)
+    assert counts == {"build": 1, "capture": 1}

@@ -116,6 +116,7 @@ class Step:
     positions: torch.Tensor  # the language model's position_ids for the step
     fixed: dict[str, Any]  # other language-model arguments (the cache, flags, per-call tensors)
     replay: Callable[[], None]
+    occurred: torch.Tensor | None = None  # [B, V + 1] ids the sequence holds so far (a repetition penalty's)
 
 
 @dataclass(eq=False)

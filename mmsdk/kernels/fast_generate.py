@@ -60,6 +60,7 @@ from mmsdk.kernels.decode_state import (
 )
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
 from mmsdk.kernels.fast_generate_scope import unsupported_reason
+from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, choose_step
 
 __all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
@@ -159,7 +160,8 @@ class _Generator:
         # the prompt's generate() inputs, as the adapter's decode_step_inputs takes them
         self.inputs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
                                                                      "use_cache", "pad_token_id", "eos_token_id",
-                                                                     "min_new_tokens", *SAMPLING_OPTIONS)}
+                                                                     "min_new_tokens", "repetition_penalty",
+                                                                     *SAMPLING_OPTIONS)}
         # what the prefill's forward gets: the inputs without a 2-D attention mask. unsupported_reason refused
         # batches with padding, so that mask is all ones and says nothing; given one, transformers' causal-mask
         # maker sums it on the GPU (to decide whether SDPA may run as causal), which waits for everything queued
@@ -173,6 +175,7 @@ class _Generator:
         self.prefill_chunk = max(1, (prefill or prefill_tokens()) // self.ids.shape[0])  # tokens per row
         self.new_tokens = int(kwargs["max_new_tokens"])
         self.sampler = Sampler.for_call(model, kwargs)  # None: greedy
+        self.penalty = RepetitionPenalty.for_call(model, kwargs)  # None: no repetition penalty
         config = model.generation_config
         eos = kwargs.get("eos_token_id", config.eos_token_id)
         self.eos_ids = tuple(int(e) for e in ([eos] if isinstance(eos, int) else list(eos or [])))
@@ -280,10 +283,16 @@ class _Generator:
         state.finished.zero_()
         with self._prefill_in_chunks(state.cache):
             out = self.model(**self.kwargs, **{self.cache_name: state.cache}, use_cache=True, logits_to_keep=1)
-        token = pick(out.logits[:, -1], state.finished, state.eos, state.pad, self.sampler)
+        logits, occurred = out.logits[:, -1], None
+        if self.penalty is not None:  # the prompt's ids, then each new token (the step keeps marking them)
+            occurred = self.penalty.occurred(self.ids, logits.shape[-1])
+            logits = self.penalty.apply(logits, occurred)
+        token = pick(logits, state.finished, state.eos, state.pad, self.sampler)
         tokens[:, 0] = token
+        if occurred is not None:
+            self.penalty.record(occurred, token)
         if self.new_tokens > 1:
-            self._decode(state, self._step_arguments(token, state.cache, out))
+            self._decode(state, self._step_arguments(token, state.cache, out), occurred)
         return self._finish(tokens, state.eos)
 
     def _step_arguments(self, token: torch.Tensor, cache: Any, prefill_output: Any) -> dict[str, Any]:
@@ -344,17 +353,20 @@ class _Generator:
             with grouped_decode_steps(self.adapter.text_config(self.model)):
                 yield
 
-    def _decode(self, state: DecodeState, seen: dict[str, Any]) -> None:
-        """Tokens 1.. : the kept graph refilled and replayed, or a new step warmed up once and captured."""
-        step, wanted = state.step, (signature(seen), self.sampler)  # a captured step bakes its sampling settings in
+    def _decode(self, state: DecodeState, seen: dict[str, Any], occurred: torch.Tensor | None) -> None:
+        """Tokens 1.. : the kept graph refilled and replayed, or a new step warmed up once and captured.
+
+        ``occurred`` marks the ids the sequence holds so far, for a repetition penalty (None without one)."""
+        # a captured step bakes its sampling settings and repetition penalty in
+        step, wanted = state.step, (signature(seen), self.sampler, self.penalty)
         # the watch is read after this call's prefill and forward, which could have re-registered a buffer
         if (step is not None and step.signature == wanted
                 and step.watch.matches(_step_objects(self.model, self.adapter, state.cache))):
-            self._refill(step, state, seen)
+            self._refill(step, state, seen, occurred)
             replays = self.new_tokens - 1  # no warm-up step: the first replay writes token 1
         else:
             state.step = None  # a stale graph goes before another is captured
-            step = self._build_step(state, seen, wanted)
+            step = self._build_step(state, seen, wanted, occurred)
             with self._step_scope(state.cache):
                 side = self._warm_up(step.replay)
                 replays = self.new_tokens - 2  # the warm-up step wrote token 1
@@ -369,8 +381,10 @@ class _Generator:
                 if (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
                     break
 
-    def _build_step(self, state: DecodeState, seen: dict[str, Any], wanted: tuple[Any, ...]) -> Step:
-        """A decode step over new buffers: embeds the last token, runs the language model and head, advances."""
+    def _build_step(self, state: DecodeState, seen: dict[str, Any], wanted: tuple[Any, ...],
+                    occurred: torch.Tensor | None) -> Step:
+        """A decode step over new buffers: embeds the last token, runs the language model and head, applies the
+        repetition penalty, chooses the next token, advances."""
         from mmsdk.kernels.cross_attention_decode import step_mask
 
         language = self.adapter.language_model(self.model)
@@ -386,7 +400,7 @@ class _Generator:
         tokens, finished, eos, pad = state.tokens, state.finished, state.eos, state.pad
         takes_ids = seen.get("inputs_embeds") is None  # a language model that embeds its tokens itself (Mllama)
         mask = step_mask(self.adapter, self.model, state.cache, self.ids)  # None: the batch has no padding
-        sampler = self.sampler
+        sampler, penalty = self.sampler, self.penalty
         warpers = None if sampler is None else sampler.warpers()  # built once, not at every step
 
         def run() -> None:  # refers to no Step / state / model: nothing here forms a reference cycle
@@ -394,15 +408,22 @@ class _Generator:
             given = {"input_ids": ids} if takes_ids else {"inputs_embeds": embed(ids)}
             hidden = language(**given, attention_mask=mask, position_ids=positions, **fixed)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden.last_hidden_state
-            choose_step(sampler, head(hidden[:, -1]), finished, eos, pad, token, tokens, index, warpers)
+            logits = head(hidden[:, -1])
+            if penalty is not None:
+                logits = penalty.apply(logits, occurred)
+            choose_step(sampler, logits, finished, eos, pad, token, tokens, index, warpers)
+            if penalty is not None:
+                penalty.record(occurred, token)
             index.add_(1)
             positions.add_(1)
 
-        return Step(wanted, Watch([]), token, index, positions, fixed, run)
+        return Step(wanted, Watch([]), token, index, positions, fixed, run, occurred)
 
-    def _refill(self, step: Step, state: DecodeState, seen: dict[str, Any]) -> None:
+    def _refill(self, step: Step, state: DecodeState, seen: dict[str, Any], occurred: torch.Tensor | None) -> None:
         """This call's values into the kept step's inputs, in place (the graph reads their addresses)."""
         step.token.copy_(state.tokens[:, 0])
+        if occurred is not None:  # the signatures matched: the kept step has a mask of this shape
+            step.occurred.copy_(occurred)
         step.index.fill_(1)
         positions = seen.get("position_ids")
         if isinstance(positions, torch.Tensor):

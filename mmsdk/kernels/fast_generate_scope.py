@@ -1,8 +1,9 @@
 """Which ``generate()`` calls fast generate (mmsdk.kernels.fast_generate) takes, and why it refuses the others.
 
-The fast path decodes greedily or samples (temperature, top-k, top-p, min-p: mmsdk.kernels.sampling), without
-padding, from a prompt of ``input_ids`` (with the image inputs the model families take) for ``max_new_tokens``;
-anything else keeps transformers' loop. Refusals are reasons, not errors: the caller logs them once and runs
+The fast path decodes greedily or samples (temperature, top-k, top-p, min-p: mmsdk.kernels.sampling), with
+transformers' repetition penalty where one is set (mmsdk.kernels.repetition), without padding, from a prompt of
+``input_ids`` (with the image inputs the model families take) for ``max_new_tokens``; anything else keeps
+transformers' loop. Refusals are reasons, not errors: the caller logs them once and runs
 transformers' generate.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmsdk.kernels.repetition import repetition_reason
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, sampling_reason
 
 __all__ = ["REFUSAL", "unsupported_reason"]
@@ -23,14 +25,14 @@ _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
     "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
     "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
-    "min_new_tokens", *SAMPLING_OPTIONS,
+    "min_new_tokens", "repetition_penalty", *SAMPLING_OPTIONS,
 }
 _DEFAULTS = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True, "min_new_tokens": None}
 # generation-config settings that change what transformers' generate does (logits processors, stopping, outputs,
 # decoding strategies); the fast path applies none of them, so any that is active keeps transformers' loop. Each is
 # inactive at None and at the value named here: "unit" 1.0 (a factor), "count" 0 (a length), "flag" False or empty
 _CONFIG_REFUSALS = {
-    **dict.fromkeys(("repetition_penalty", "encoder_repetition_penalty", "guidance_scale"), "unit"),
+    **dict.fromkeys(("encoder_repetition_penalty", "guidance_scale"), "unit"),
     **dict.fromkeys(("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "min_length"), "count"),
     **dict.fromkeys((
         "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
@@ -82,6 +84,9 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return "padded batch (attention_mask has zeros)"
     if kwargs.get("max_new_tokens") is None:
         return "max_new_tokens not given"
+    reason = repetition_reason(model, kwargs)
+    if reason is not None:
+        return reason
     if Sampler.for_call(model, kwargs) is not None:
         return sampling_reason(model, kwargs)
     return None
