@@ -1216,3 +1216,100 @@ def test_cuda_graph_repetition_penalty_matches_transformers(name, session, tiny,
     _assert_agrees(got, _greedy(model, inputs, 24, repetition_penalty=1.5))
     assert torch.equal(model.generate(**inputs, max_new_tokens=24, repetition_penalty=1.5), got)
     assert counts == {"build": 1, "capture": 1}
+
+
+class _RecordingStreamer:
+    """A transformers streamer that keeps what it is handed."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
+
+    def same_as(self, other):
+        return (len(self.puts) == len(other.puts) and self.ends == other.ends == 1
+                and all(torch.equal(a, b) for a, b in zip(self.puts, other.puts, strict=True)))
+
+
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:idefics"])
+def test_a_streamer_gets_what_transformers_generate_hands_it(name, session, tiny, monkeypatch):
+    """The prompt, then each step's tokens (pad for a row that ended), then end(), stopping where transformers'
+    loop stops. Tiny IDEFICS's first row ends at its first token and, for the second prompt (row 1's image cut), the
+    other row at its fifth: the stream stops there, where without a streamer the fast path would run on."""
+    if name == "tiny:idefics":
+        opt, inputs = _cross_attention_model(tiny, session, name, ())
+    else:
+        opt, inputs = _optimized(tiny, session, name, ())
+    model, processor = opt.model, tiny(name).processor
+    other = tiny_inputs(processor, QUESTIONS, seed=3)
+    if name == "tiny:idefics":
+        other["image_attention_mask"][1, 3:] = 0
+    counts = _count_builds(monkeypatch)
+    for case, new in ((inputs, 1), (inputs, 2), (inputs, 12), (other, 12)):
+        ours, theirs = _RecordingStreamer(), _RecordingStreamer()
+        expected = _greedy(model, case, new, streamer=theirs)
+        got = _Generator(model, opt.adapter, {**case, "max_new_tokens": new, "streamer": ours}, graphs=False).run()
+        assert torch.equal(got, expected) and ours.same_as(theirs), (new, len(ours.puts), len(theirs.puts))
+    assert counts["build"] == 2  # max_new_tokens 2 builds one (not kept without a replay), 12 builds and keeps one
+    if name == "tiny:idefics":  # the second prompt's answer ended before max_new_tokens
+        assert len(theirs.puts) < 1 + 12
+    assert _reason_on_cuda(model, processor, streamer=_RecordingStreamer()) is None
+
+
+def test_a_streamed_call_falls_back_only_before_it_streams(session, tiny, monkeypatch):
+    """An error while the decode step is made (before anything is streamed) reruns transformers' generate, which
+    streams the whole answer once; an error after streaming started is raised, not streamed again."""
+    from mmsdk.kernels.streaming import TokenStream
+
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())
+    model = opt.model
+    theirs = _RecordingStreamer()
+    expected = _greedy(model, inputs, 6, streamer=theirs)
+
+    class Eager(_Generator):  # the CPU's eager steps behind model.generate
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.graphs = False
+
+    def failed_warm_up(self, step):
+        raise RuntimeError("the warm-up step failed")
+
+    monkeypatch.setattr(fast_generate, "unsupported_reason", lambda *args: None)  # as if on CUDA
+    monkeypatch.setattr(fast_generate, "_Generator", Eager)
+    with monkeypatch.context() as patch:
+        patch.setattr(_Generator, "_warm_up", failed_warm_up)
+        ours = _RecordingStreamer()
+        assert torch.equal(model.generate(**inputs, max_new_tokens=6, streamer=ours), expected)
+        assert ours.same_as(theirs)
+    release(model)
+    put = TokenStream.put
+
+    def failing_put(self, token):
+        put(self, token)
+        raise RuntimeError("the streamer's reader went away")
+
+    monkeypatch.setattr(TokenStream, "put", failing_put)
+    ours = _RecordingStreamer()
+    with pytest.raises(RuntimeError, match="reader went away"):
+        model.generate(**inputs, max_new_tokens=6, streamer=ours)
+    assert len(ours.puts) == 1 + 3 and ours.ends == 0  # the prompt, tokens 0 and 1 held, then the first step's
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_graph_generate_streams_its_answer(session, tiny):
+    """With a streamer the captured step's tokens reach the host step by step: what was streamed is the answer, on
+    the call that captures the step and on the one that replays it."""
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+    inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+    for _ in range(2):
+        streamer = _RecordingStreamer()
+        got = opt.model.generate(**inputs, max_new_tokens=24, streamer=streamer)
+        assert kept(opt.model) is not None and kept(opt.model).step is not None and streamer.ends == 1
+        streamed = torch.cat([p.reshape(got.shape[0], -1) for p in streamer.puts], dim=1)
+        assert torch.equal(streamed, got.cpu())

@@ -62,6 +62,7 @@ from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
 from mmsdk.kernels.fast_generate_scope import unsupported_reason
 from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, choose_step
+from mmsdk.kernels.streaming import TokenStream
 
 __all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
 
@@ -99,9 +100,13 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
                 release(model)
             return original(*args, **kwargs)
         chunk = prefill_tokens()  # a bad setting is the user's to fix, not a reason to fall back
+        generator = None
         try:
-            return _Generator(model, adapter, kwargs, prefill=chunk).run()
+            generator = _Generator(model, adapter, kwargs, prefill=chunk)
+            return generator.run()
         except Exception as error:  # never a wrong answer: anything unexpected reruns transformers' generate
+            if generator is not None and generator.stream is not None and generator.stream.started:
+                raise  # the streamer has had tokens: transformers' generate would stream the answer again
             # a warning: the user asked for the fast path and gets a slower one (a failed capture, a model quirk)
             note_fallback("fast generate", f"{type(error).__name__}: {error}", warn=True)
             return original(*args, **kwargs)
@@ -161,7 +166,7 @@ class _Generator:
         self.inputs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
                                                                      "use_cache", "pad_token_id", "eos_token_id",
                                                                      "min_new_tokens", "repetition_penalty",
-                                                                     *SAMPLING_OPTIONS)}
+                                                                     "streamer", *SAMPLING_OPTIONS)}
         # what the prefill's forward gets: the inputs without a 2-D attention mask. unsupported_reason refused
         # batches with padding, so that mask is all ones and says nothing; given one, transformers' causal-mask
         # maker sums it on the GPU (to decide whether SDPA may run as causal), which waits for everything queued
@@ -176,6 +181,8 @@ class _Generator:
         self.new_tokens = int(kwargs["max_new_tokens"])
         self.sampler = Sampler.for_call(model, kwargs)  # None: greedy
         self.penalty = RepetitionPenalty.for_call(model, kwargs)  # None: no repetition penalty
+        streamer = kwargs.get("streamer")
+        self.stream = TokenStream(streamer, self.ids) if streamer is not None else None
         config = model.generation_config
         eos = kwargs.get("eos_token_id", config.eos_token_id)
         self.eos_ids = tuple(int(e) for e in ([eos] if isinstance(eos, int) else list(eos or [])))
@@ -291,8 +298,14 @@ class _Generator:
         tokens[:, 0] = token
         if occurred is not None:
             self.penalty.record(occurred, token)
-        if self.new_tokens > 1:
+        stream = self.stream
+        if stream is not None:  # put once the decode step is ready (mmsdk.kernels.streaming)
+            stream.hold(token)
+        # a streamer sees transformers' stop: after the first token when every row ended there
+        if self.new_tokens > 1 and not (stream is not None and bool(state.finished.all())):
             self._decode(state, self._step_arguments(token, state.cache, out), occurred)
+        if stream is not None:
+            stream.end()
         return self._finish(tokens, state.eos)
 
     def _step_arguments(self, token: torch.Tensor, cache: Any, prefill_output: Any) -> dict[str, Any]:
@@ -358,7 +371,7 @@ class _Generator:
 
         ``occurred`` marks the ids the sequence holds so far, for a repetition penalty (None without one)."""
         # a captured step bakes its sampling settings and repetition penalty in
-        step, wanted = state.step, (signature(seen), self.sampler, self.penalty)
+        step, wanted, stream = state.step, (signature(seen), self.sampler, self.penalty), self.stream
         # the watch is read after this call's prefill and forward, which could have re-registered a buffer
         if (step is not None and step.signature == wanted
                 and step.watch.matches(_step_objects(self.model, self.adapter, state.cache))):
@@ -369,16 +382,26 @@ class _Generator:
             step = self._build_step(state, seen, wanted, occurred)
             with self._step_scope(state.cache):
                 side = self._warm_up(step.replay)
+                if stream is not None:
+                    stream.hold(step.token)  # token 1
                 replays = self.new_tokens - 2  # the warm-up step wrote token 1
                 if replays <= 0:
                     return
                 step.replay = self._capture(step.replay, side)
             step.watch = Watch(_step_objects(self.model, self.adapter, state.cache))  # what the graph captured reads
             state.step = step
+        if stream is not None:
+            stream.start()
+            if bool(state.finished.all()):  # every row ended at token 1: transformers' loop stops there
+                return
         with self._step_scope(state.cache):  # eager steps as captured ones
             for i in range(replays):
                 step.replay()
-                if (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
+                if stream is not None:  # each step's tokens to the host, and transformers' stop
+                    stream.put(step.token)
+                    if bool(state.finished.all()):
+                        break
+                elif (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
                     break
 
     def _build_step(self, state: DecodeState, seen: dict[str, Any], wanted: tuple[Any, ...],

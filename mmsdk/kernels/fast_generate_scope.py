@@ -1,10 +1,10 @@
 """Which ``generate()`` calls fast generate (mmsdk.kernels.fast_generate) takes, and why it refuses the others.
 
 The fast path decodes greedily or samples (temperature, top-k, top-p, min-p: mmsdk.kernels.sampling), with
-transformers' repetition penalty where one is set (mmsdk.kernels.repetition), without padding, from a prompt of
-``input_ids`` (with the image inputs the model families take) for ``max_new_tokens``; anything else keeps
-transformers' loop. Refusals are reasons, not errors: the caller logs them once and runs
-transformers' generate.
+transformers' repetition penalty where one is set (mmsdk.kernels.repetition), with or without a streamer
+(mmsdk.kernels.streaming), without padding, from a prompt of ``input_ids`` (with the image inputs the model families
+take) for ``max_new_tokens``; anything else keeps transformers' loop. Refusals are reasons, not errors: the caller
+logs them once and runs transformers' generate.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
     "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
     "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
-    "min_new_tokens", "repetition_penalty", *SAMPLING_OPTIONS,
+    "min_new_tokens", "repetition_penalty", "streamer", *SAMPLING_OPTIONS,
 }
 _DEFAULTS = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True, "min_new_tokens": None}
 # generation-config settings that change what transformers' generate does (logits processors, stopping, outputs,
