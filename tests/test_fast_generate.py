@@ -439,6 +439,7 @@ def test_decode_step_copies_nothing_from_the_host(name, passes, session, tiny, m
 
 @pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
 def test_a_penalized_sampled_step_copies_nothing_from_the_host(name, session, tiny, monkeypatch):
+    """The repetition penalty and the sampling warpers inside the step make no host copy or sync either."""
     opt, inputs = _optimized(tiny, session, name, ())
     # no top-p: its warper's scalar write reads as a host copy here, which the CUDA sampling test shows a capture takes
     options = dict(do_sample=True, temperature=0.7, top_k=20, min_p=0.05, repetition_penalty=1.05)
@@ -1166,7 +1167,7 @@ def test_repetition_penalty_gives_the_answers_transformers_gives(name, session, 
     transformers' generate (from the same seed), which the penalty changes. A call with another penalty builds its
     own step (the step bakes it in); one with the same penalty reuses the kept step, its record of the ids seen
     refilled for the new prompt."""
-    if name == "tiny:mllama":  # its image token has no logit (transformers drops it from the penalty)
+    if name == "tiny:mllama":  # gates opened: the image reaches the answer
         opt, inputs = _cross_attention_model(tiny, session, name, ())
     else:
         opt, inputs = _optimized(tiny, session, name, ())
@@ -1258,6 +1259,21 @@ def test_a_streamer_gets_what_transformers_generate_hands_it(name, session, tiny
     if name == "tiny:idefics":  # the second prompt's answer ended before max_new_tokens
         assert len(theirs.puts) < 1 + 12
     assert _reason_on_cuda(model, processor, streamer=_RecordingStreamer()) is None
+    # every row ends at its first token, then (end tokens chosen so) every row at its second: transformers' loop
+    # stops there, on the call that builds the step and on the one that reuses it
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)  # the answers' first tokens, unstopped
+    plain = _greedy(model, inputs, 3)[:, inputs["input_ids"].shape[1]:]
+    first, second = sorted(set(plain[:, 0].tolist())), sorted(set(plain[:, 1].tolist()))
+    # IDEFICS's second row repeats its first token, so only its first-token stop can be set up
+    assert name != "tiny:llava" or not set(first) & set(second)
+    for eos in (first, second) if not set(first) & set(second) else (first,):
+        for _ in range(2):
+            ours, theirs = _RecordingStreamer(), _RecordingStreamer()
+            expected = _greedy(model, inputs, 6, streamer=theirs, eos_token_id=eos)
+            got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6, "streamer": ours,
+                                                  "eos_token_id": eos}, graphs=False).run()
+            assert torch.equal(got, expected) and ours.same_as(theirs), (eos, len(ours.puts), len(theirs.puts))
+            assert len(theirs.puts) == 1 + (1 if eos == first else 2)
 
 
 def test_a_streamed_call_falls_back_only_before_it_streams(session, tiny, monkeypatch):
@@ -1313,3 +1329,34 @@ def test_cuda_graph_generate_streams_its_answer(session, tiny):
         assert kept(opt.model) is not None and kept(opt.model).step is not None and streamer.ends == 1
         streamed = torch.cat([p.reshape(got.shape[0], -1) for p in streamer.puts], dim=1)
         assert torch.equal(streamed, got.cpu())
+
+
+def test_the_repetition_penalty_is_transformers_processor_element_for_element():
+    """Against transformers' RepetitionPenaltyLogitsProcessor on fresh random logits: a penalty and a reward, repeated
+    ids, bf16 logits scored in fp32; ids the logits do not cover (Llama-3.2-Vision's image token is one past its
+    LM head) are left out, as transformers 5.24 leaves them out (5.17's gather raises on them)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from mmsdk.kernels.repetition import RepetitionPenalty
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 50
+    ids = torch.randint(0, vocab, (3, 17), generator=generator)
+    ids[:, 5] = ids[:, 4]  # a repeated id is penalized once
+    outside = torch.cat([ids, torch.full((3, 2), vocab)], dim=1)  # one past the logits, as Mllama's image token
+    for penalty in (1.3, 0.7):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = (torch.randn(3, vocab, generator=generator) * 4).to(dtype)
+            step = RepetitionPenalty(penalty)
+            expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.float())
+            assert torch.equal(step.apply(logits, step.occurred(ids, vocab)), expected)
+            assert torch.equal(step.apply(logits, step.occurred(outside, vocab)), expected)
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_a_call_for_no_new_tokens_is_left_to_transformers(value, session, tiny):
+    """transformers' generate refuses max_new_tokens below 1; the fast path leaves the call to it (a streamer given
+    with it would otherwise never be ended)."""
+    opt, _ = _optimized(tiny, session, "tiny:llava", ())
+    assert f"max_new_tokens={value}" in (_reason_on_cuda(opt.model, tiny("tiny:llava").processor,
+                                                         max_new_tokens=value) or "")

@@ -1,7 +1,8 @@
 """Greedy or sampled generation on CUDA with a static KV cache and one CUDA graph per decode step.
 
 ``install(model, adapter)`` overrides ``generate`` on the model instance. On CUDA, for greedy or sampled
-(temperature, top-k, top-p, min-p: :mod:`mmsdk.kernels.sampling`) decoding without padding, it runs:
+(temperature, top-k, top-p, min-p: :mod:`mmsdk.kernels.sampling`) decoding without padding, with or without a
+repetition penalty (:mod:`mmsdk.kernels.repetition`) and a streamer (:mod:`mmsdk.kernels.streaming`), it runs:
 
 1. the prefill through the model's own forward (images, token pruning, M-RoPE offsets: everything
    the model and mmsdk's runtimes do stays in charge), into a static cache (mmsdk's packed KV layers
@@ -17,7 +18,8 @@
    language model and the LM head, takes the argmax (or draws the token) and advances the positions, all on the
    device
    (replayed; on a call that builds the graph, its eager warm-up run makes the first token); the host
-   checks for end-of-sequence every ``CHECK_EVERY`` steps. In these steps grouped-query attention with a mask
+   checks for end-of-sequence every ``CHECK_EVERY`` steps (with a streamer, at every step, which hands the host
+   each step's tokens anyway). In these steps grouped-query attention with a mask
    (a static cache's empty slots, Mllama's image mask) runs a flash-decoding kernel over the K/V as they are
    (:mod:`mmsdk.kernels.grouped_decode`) instead of transformers' SDPA call, which copies them per query head.
 
@@ -25,8 +27,8 @@ The static cache, the step's buffers and its graph stay on the model for the nex
 shapes fit (:mod:`mmsdk.kernels.decode_state`), which then pays only for its prefill and the graph's
 replays; :func:`release` frees them.
 
-Anything else (CPU, beams, other sampling warpers, padding, streamers, extra logits processors, a cache passed
-in, a capture that fails) runs transformers' ``generate`` unchanged, and the ``mmsdk.kernels`` log says
+Anything else (CPU, beams, other sampling warpers, padding, extra logits processors, a cache passed in, a capture
+that fails) runs transformers' ``generate`` unchanged, and the ``mmsdk.kernels`` log says
 why once. The output equals transformers' output (greedy: bitwise on CPU; on CUDA the decode kernels round
 differently from SDPA, so tokens may part after a near-tie; sampled: the same draws from the same seed on CPU,
 the same distribution on CUDA): prompt ids followed by new ids, sequences that finished early padded with the pad

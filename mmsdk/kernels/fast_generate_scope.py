@@ -84,6 +84,8 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
         return "padded batch (attention_mask has zeros)"
     if kwargs.get("max_new_tokens") is None:
         return "max_new_tokens not given"
+    if not isinstance(kwargs["max_new_tokens"], int) or kwargs["max_new_tokens"] < 1:
+        return f"max_new_tokens={kwargs['max_new_tokens']!r} (transformers' generate refuses it)"
     reason = repetition_reason(model, kwargs)
     if reason is not None:
         return reason

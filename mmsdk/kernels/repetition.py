@@ -6,10 +6,12 @@ in the sequence so far (prompt included, image placeholders too) has its fp32 lo
 (multiplied where it is negative), once however often it occurs. Fast generate refused such calls, which then ran
 transformers' eager loop.
 
-The step keeps which ids occurred as a ``[B, V + 1]`` boolean mask on the device (the extra column takes the ids the
-LM head has no logit for, as transformers drops them), marks each new token in it, and applies the penalty with
-``torch.where`` over the fp32 logits: element for element the gather / scatter transformers runs, so greedy and
-sampled answers are its answers. transformers applies the penalty before the sampling warpers, and so does the step.
+The step keeps which ids occurred as a ``[B, V + 1]`` boolean mask on the device, marks each new token in it, and
+applies the penalty with ``torch.where`` over the fp32 logits: element for element the gather / scatter transformers
+runs, so greedy and sampled answers are its answers. transformers applies the penalty before the sampling warpers,
+and so does the step. The extra column takes ids the LM head has no logit for (Llama-3.2-Vision's ``<|image|>``,
+128256, is one past its 128256 logits): transformers 5.24 drops them from the penalty, as the step does; 5.17's
+gather raises on them.
 """
 
 from __future__ import annotations
