@@ -16,6 +16,7 @@ from mmsdk import Optimizer
 from mmsdk.kernels import decode_state, fast_generate
 from mmsdk.kernels.decode_state import capacity_for, kept
 from mmsdk.kernels.fast_generate import _Generator, release, unsupported_reason
+from mmsdk.kernels.fast_generate_scope import Unsupported
 from mmsdk.plugins.encoders.token_prune import TokenPruneConfig
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
@@ -806,7 +807,7 @@ def test_rows_pruned_to_different_lengths_refuse_the_captured_step(session, tiny
         kwargs["attention_mask"][0, 0] = 0
 
     monkeypatch.setattr(_runtime.ModelRuntime, "_translate", padded)
-    with pytest.raises(fast_generate._Unsupported, match="different numbers of tokens per row"):
+    with pytest.raises(Unsupported, match="different numbers of tokens per row"):
         _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False).run()
     assert kept(opt.model) is None  # nothing half-built is kept
 

@@ -61,9 +61,10 @@ from mmsdk.kernels.decode_state import (
     watched_objects,
 )
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
-from mmsdk.kernels.fast_generate_scope import unsupported_reason
+from mmsdk.kernels.fast_generate_scope import Unsupported, unsupported_reason
 from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, choose_step
+from mmsdk.kernels.step_arguments import record_step_arguments
 from mmsdk.kernels.streaming import TokenStream
 
 __all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
@@ -117,13 +118,6 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
     model.generate = generate  # type: ignore[method-assign]
 
 
-class _Unsupported(Exception):
-    """The fast path cannot take this call; transformers' generate runs instead."""
-
-
-class _Recorded(Exception):
-    """Raised in place of the language model's body once a decode step's arguments are recorded
-    (:meth:`_Generator._step_arguments`)."""
 
 
 def _cache_objects(model: nn.Module) -> list[Any]:
@@ -198,7 +192,7 @@ class _Generator:
         if state is not None:
             reason = state.packed_decode_reason(self.ids.device) if self.graphs else None
             if reason is not None:
-                raise _Unsupported(f"the quantized KV cache cannot be static here ({reason})")
+                raise Unsupported(f"the quantized KV cache cannot be static here ({reason})")
             from mmsdk.kernels.cross_attention_decode import holds_image_kv
 
             cache = state.static_cache(max_len, fused=self.graphs)
@@ -311,51 +305,10 @@ class _Generator:
         return self._finish(tokens, state.eos)
 
     def _step_arguments(self, token: torch.Tensor, cache: Any, prefill_output: Any) -> dict[str, Any]:
-        """What the language model receives on the decode step of ``token``, as the model's forward makes it.
-
-        The forward stops where the language model's body would start, so the first decode token costs a replay
-        of a kept graph (or, on a call that builds one, its eager warm-up run) instead of one more eager pass
-        through every layer (on an H200, LLaVA-1.5-7B with int4 weights and KV: ~50 ms eager, ~2 ms replayed).
-        The arguments are taken before the passes' forward wrappers, which the step runs again (a cross-attention
-        reducer must see the states once); the positions after them: token pruning's wrapper renumbers a decode
-        step's positions to continue the unpruned prompt, which it does only inside the model's forward.
-        """
-        from mmsdk.plugins._forward import innermost_override
-
-        language = self.adapter.language_model(self.model)
-        seen: dict[str, Any] = {}
-        body: dict[str, Any] = {}
-
-        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            seen.update(kwargs)
-
-        def stop(*args: Any, **kwargs: Any) -> None:
-            body.update(kwargs)
-            raise _Recorded
-
+        """What the language model receives on the decode step of ``token`` (:func:`record_step_arguments`)."""
         self.first_position = int(cache.get_seq_length())
-        handle = language.register_forward_pre_hook(record, with_kwargs=True)
-        try:
-            with innermost_override(language, lambda forward: stop):
-                # no mask: the batch has no padding, and a 2-D mask makes some models rebuild all positions
-                self.model(input_ids=token[:, None], **{self.cache_name: cache}, use_cache=True, logits_to_keep=1,
-                           **self.adapter.decode_step_inputs(self.model, self.inputs, prefill_output))
-        except _Recorded:
-            pass
-        finally:
-            handle.remove()
-        if not body:
-            raise _Unsupported("the decode token's forward never reached the language model's body (a pass or the "
-                               "model ended it early)")
-        if seen.get("inputs_embeds") is None and seen.get("input_ids") is None:
-            raise _Unsupported("the language model got neither inputs_embeds nor input_ids on a decode step")
-        mask = body.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-            raise _Unsupported("token pruning kept different numbers of tokens per row, so the cache holds padding "
-                               "that the captured step (no attention mask) would attend to")
-        if isinstance(body.get("position_ids"), torch.Tensor):
-            seen["position_ids"] = body["position_ids"]
-        return seen
+        return record_step_arguments(self.model, self.adapter, token, {self.cache_name: cache},
+                                     self.adapter.decode_step_inputs(self.model, self.inputs, prefill_output))
 
     @contextmanager
     def _step_scope(self, cache: Any) -> Iterator[None]:
@@ -485,7 +438,7 @@ class _Generator:
             with torch.cuda.graph(graph, stream=stream):
                 step()
         except Exception as error:  # a host sync or an uncapturable op in the model
-            raise _Unsupported(f"the decode step could not be captured ({type(error).__name__}: {error})") from error
+            raise Unsupported(f"the decode step could not be captured ({type(error).__name__}: {error})") from error
         return graph.replay
 
     def _finish(self, tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 from mmsdk.kernels.repetition import repetition_reason
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, sampling_reason
 
-__all__ = ["REFUSAL", "unsupported_reason"]
+__all__ = ["REFUSAL", "Unsupported", "unsupported_reason"]
 
 REFUSAL = "_mmsdk_fast_generate_refusal"  # the model attribute that holds why it must keep transformers' loop
 
@@ -41,6 +41,10 @@ _CONFIG_REFUSALS = {
         "return_dict_in_generate", "max_time", "penalty_alpha", "stop_strings", "dola_layers",
         "prompt_lookup_num_tokens", "constraints", "force_words_ids"), "flag"),
 }
+
+
+class Unsupported(Exception):
+    """Found while running: the fast path cannot take this call, and transformers' generate runs instead."""
 
 
 def _active(value: Any, kind: str) -> bool:
