@@ -60,10 +60,10 @@ from mmsdk.kernels.decode_state import (
     signature,
     watched_objects,
 )
+from mmsdk.kernels.fast_generate_scope import GENERATE_OPTIONS, Unsupported, unsupported_reason
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
-from mmsdk.kernels.fast_generate_scope import Unsupported, unsupported_reason
 from mmsdk.kernels.repetition import RepetitionPenalty
-from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, choose_step
+from mmsdk.kernels.sampling import Sampler, choose_step
 from mmsdk.kernels.step_arguments import record_step_arguments
 from mmsdk.kernels.streaming import TokenStream
 
@@ -118,8 +118,6 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
     model.generate = generate  # type: ignore[method-assign]
 
 
-
-
 def _cache_objects(model: nn.Module) -> list[Any]:
     """What a kept cache was built for: the KV-cache pass's state, and the embedding weight (its dtype and device)."""
     from mmsdk.plugins.quantizers.kv_runtime import installed_state
@@ -159,10 +157,7 @@ class _Generator:
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.first_position = 0
         # the prompt's generate() inputs, as the adapter's decode_step_inputs takes them
-        self.inputs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample", "num_beams",
-                                                                     "use_cache", "pad_token_id", "eos_token_id",
-                                                                     "min_new_tokens", "repetition_penalty",
-                                                                     "streamer", *SAMPLING_OPTIONS)}
+        self.inputs = {k: v for k, v in kwargs.items() if k not in GENERATE_OPTIONS}
         # what the prefill's forward gets: the inputs without a 2-D attention mask. unsupported_reason refused
         # batches with padding, so that mask is all ones and says nothing; given one, transformers' causal-mask
         # maker sums it on the GPU (to decide whether SDPA may run as causal), which waits for everything queued

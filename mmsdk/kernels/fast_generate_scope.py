@@ -17,15 +17,19 @@ from torch import nn
 from mmsdk.kernels.repetition import repetition_reason
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, sampling_reason
 
-__all__ = ["REFUSAL", "Unsupported", "unsupported_reason"]
+__all__ = ["GENERATE_OPTIONS", "REFUSAL", "Unsupported", "unsupported_reason"]
 
 REFUSAL = "_mmsdk_fast_generate_refusal"  # the model attribute that holds why it must keep transformers' loop
 
+# generate() options the fast path reads itself; the other arguments it takes are the model's inputs
+GENERATE_OPTIONS = frozenset({
+    "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams", "min_new_tokens",
+    "repetition_penalty", "streamer", *SAMPLING_OPTIONS,
+})
 _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
-    "video_grid_thw", "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
-    "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_attention_mask",
-    "min_new_tokens", "repetition_penalty", "streamer", *SAMPLING_OPTIONS,
+    "video_grid_thw", "mm_token_type_ids", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask",
+    "image_attention_mask", *GENERATE_OPTIONS,
 }
 _DEFAULTS = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True, "min_new_tokens": None}
 # generation-config settings that change what transformers' generate does (logits processors, stopping, outputs,
