@@ -834,7 +834,8 @@ def _reason_on_cuda(model, processor, **options):
     original = model.parameters
     model.parameters = lambda *a, **k: iter([fake])  # type: ignore[method-assign]
     try:
-        return unsupported_reason(model, (), {**tiny_inputs(processor, QUESTIONS), "max_new_tokens": 4, **options})
+        length = {} if {"max_new_tokens", "max_length"} & set(options) else {"max_new_tokens": 4}
+        return unsupported_reason(model, (), {**tiny_inputs(processor, QUESTIONS), **length, **options})
     finally:
         model.parameters = original  # type: ignore[method-assign]
 
@@ -1354,10 +1355,29 @@ def test_the_repetition_penalty_is_transformers_processor_element_for_element():
             assert torch.equal(step.apply(logits, step.occurred(outside, vocab)), expected)
 
 
-@pytest.mark.parametrize("value", [0, -3])
-def test_a_call_for_no_new_tokens_is_left_to_transformers(value, session, tiny):
-    """transformers' generate refuses max_new_tokens below 1; the fast path leaves the call to it (a streamer given
-    with it would otherwise never be ended)."""
-    opt, _ = _optimized(tiny, session, "tiny:llava", ())
-    assert f"max_new_tokens={value}" in (_reason_on_cuda(opt.model, tiny("tiny:llava").processor,
-                                                         max_new_tokens=value) or "")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:idefics"])
+def test_the_answer_is_as_long_as_transformers_makes_it(name, session, tiny, monkeypatch):
+    """Without max_new_tokens in the call: the generation config's, else max_length (the call's or the config's) less
+    the prompt, else transformers' default of 20 new tokens (IDEFICS: within its 512 positions). A length transformers
+    refuses (no new token) keeps its loop, which raises."""
+    opt, inputs = _optimized(tiny, session, name, ())
+    model, processor = opt.model, tiny(name).processor
+    prompt = inputs["input_ids"].shape[1]
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)  # full-length answers: the lengths show
+    cases = [({}, {}), ({}, {"max_length": prompt + 7}), ({"max_new_tokens": 9}, {}),
+             ({"max_length": prompt + 5}, {}),
+             ({"max_new_tokens": 9}, {"max_new_tokens": None}),  # the call's None overrides the config's 9, as there
+             ({"max_new_tokens": 4}, {"max_length": prompt + 30})]
+    for config, call in cases:
+        with monkeypatch.context() as patch:
+            for key, value in config.items():
+                patch.setattr(model.generation_config, key, value)
+            expected = type(model).generate(model, **inputs, do_sample=False, **call)
+            got = _Generator(model, opt.adapter, {**inputs, **call}, graphs=False).run()
+            assert torch.equal(got, expected), (config, call, got.shape, expected.shape)
+            assert _reason_on_cuda(model, processor, **{"max_new_tokens": None, **call}) is None
+    assert expected.shape[1] == prompt + 4  # the call's max_new_tokens over its max_length, as in transformers
+    for call in ({"max_new_tokens": 0}, {"max_length": prompt}):
+        assert "no new token to make" in (_reason_on_cuda(model, processor, **call) or "")
+        with pytest.raises(ValueError):
+            type(model).generate(model, **inputs, **call)

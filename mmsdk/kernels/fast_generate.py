@@ -60,7 +60,7 @@ from mmsdk.kernels.decode_state import (
     signature,
     watched_objects,
 )
-from mmsdk.kernels.fast_generate_scope import GENERATE_OPTIONS, Unsupported, unsupported_reason
+from mmsdk.kernels.fast_generate_scope import GENERATE_OPTIONS, Unsupported, new_tokens, unsupported_reason
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
 from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import Sampler, choose_step
@@ -169,7 +169,7 @@ class _Generator:
                        if not (k == "attention_mask" and isinstance(mask, torch.Tensor) and mask.dim() == 2)}
         self.ids: torch.Tensor = kwargs["input_ids"]
         self.prefill_chunk = max(1, (prefill or prefill_tokens()) // self.ids.shape[0])  # tokens per row
-        self.new_tokens = int(kwargs["max_new_tokens"])
+        self.new_tokens = new_tokens(model, kwargs) or 0  # unsupported_reason refused calls without one
         self.sampler = Sampler.for_call(model, kwargs)  # None: greedy
         self.penalty = RepetitionPenalty.for_call(model, kwargs)  # None: no repetition penalty
         streamer = kwargs.get("streamer")

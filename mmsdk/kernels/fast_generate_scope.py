@@ -3,8 +3,8 @@
 The fast path decodes greedily or samples (temperature, top-k, top-p, min-p: mmsdk.kernels.sampling), with
 transformers' repetition penalty where one is set (mmsdk.kernels.repetition), with or without a streamer
 (mmsdk.kernels.streaming), without padding, from a prompt of ``input_ids`` (with the image inputs the model families
-take) for ``max_new_tokens``; anything else keeps transformers' loop. Refusals are reasons, not errors: the caller
-logs them once and runs transformers' generate.
+take) for as many new tokens as transformers would make (:func:`new_tokens`); anything else keeps transformers'
+loop. Refusals are reasons, not errors: the caller logs them once and runs transformers' generate.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from torch import nn
 from mmsdk.kernels.repetition import repetition_reason
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, sampling_reason
 
-__all__ = ["GENERATE_OPTIONS", "REFUSAL", "Unsupported", "unsupported_reason"]
+__all__ = ["GENERATE_OPTIONS", "REFUSAL", "Unsupported", "new_tokens", "unsupported_reason"]
 
 REFUSAL = "_mmsdk_fast_generate_refusal"  # the model attribute that holds why it must keep transformers' loop
 
 # generate() options the fast path reads itself; the other arguments it takes are the model's inputs
 GENERATE_OPTIONS = frozenset({
-    "max_new_tokens", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams", "min_new_tokens",
-    "repetition_penalty", "streamer", *SAMPLING_OPTIONS,
+    "max_new_tokens", "max_length", "pad_token_id", "eos_token_id", "use_cache", "do_sample", "num_beams",
+    "min_new_tokens", "repetition_penalty", "streamer", *SAMPLING_OPTIONS,
 })
 _PASSTHROUGH = {
     "input_ids", "attention_mask", "pixel_values", "image_sizes", "image_grid_thw", "pixel_values_videos",
@@ -49,6 +49,26 @@ _CONFIG_REFUSALS = {
 
 class Unsupported(Exception):
     """Found while running: the fast path cannot take this call, and transformers' generate runs instead."""
+
+
+def new_tokens(model: nn.Module, kwargs: dict[str, Any]) -> int | None:
+    """The most tokens transformers' generate would make for this call (``_prepare_generated_length``): the call's
+    ``max_new_tokens``, else the generation config's; else ``max_length`` (the call's, else the config's) less the
+    prompt; else transformers' default of 20 new tokens, within the model's position table. None where transformers
+    refuses the length (it raises)."""
+    config = model.generation_config
+    prompt = kwargs["input_ids"].shape[1]
+    count = kwargs["max_new_tokens"] if "max_new_tokens" in kwargs else config.max_new_tokens
+    if count is not None:
+        return count if isinstance(count, int) and count >= 1 else None
+    total = kwargs["max_length"] if "max_length" in kwargs else config.max_length
+    if total is None:
+        defaults = getattr(type(config), "_get_default_generation_params", None)
+        total = prompt + ((defaults() if callable(defaults) else {}).get("max_length") or 20)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(positions, int):
+            total = min(total, positions)
+    return total - prompt if isinstance(total, int) and total > prompt else None
 
 
 def _active(value: Any, kind: str) -> bool:
@@ -90,10 +110,9 @@ def unsupported_reason(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         return "padded batch (attention_mask has zeros)"
-    if kwargs.get("max_new_tokens") is None:
-        return "max_new_tokens not given"
-    if not isinstance(kwargs["max_new_tokens"], int) or kwargs["max_new_tokens"] < 1:
-        return f"max_new_tokens={kwargs['max_new_tokens']!r} (transformers' generate refuses it)"
+    if new_tokens(model, kwargs) is None:
+        given = {k: kwargs[k] for k in ("max_new_tokens", "max_length") if k in kwargs}
+        return f"no new token to make for {given or 'the generation config'} (transformers' generate refuses it)"
     reason = repetition_reason(model, kwargs)
     if reason is not None:
         return reason
