@@ -340,10 +340,10 @@ class _Generator:
                 step.replay = self._capture(step.replay, side)
             step.watch = Watch(_step_objects(self.model, self.adapter, state.cache))  # what the graph captured reads
             state.step = step
+            if stream is not None and bool(state.finished.all()):
+                return  # every row ended at token 1, where transformers' loop stops (_generate ends the stream)
         if stream is not None:
             stream.start()
-            if bool(state.finished.all()):  # every row ended at token 1: transformers' loop stops there
-                return
         with self._step_scope(state.cache):  # eager steps as captured ones
             for i in range(replays):
                 step.replay()

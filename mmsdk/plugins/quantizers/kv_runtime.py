@@ -193,21 +193,26 @@ class CrossKVMemo:
             # it must project and round them itself, not keep this call's stored codes, which the next image replaces
             # (the same codes the memo would hold: encode then decode, as on a hit)
             y = self.original(x)
-            b, t, _ = y.shape
-            packed = self.codec.encode(y.reshape(b, t, -1, self.head_dim).transpose(1, 2))
-            return self.codec.decode(packed, y.dtype, self.head_dim).transpose(1, 2).flatten(2)
+            return self._decoded(self._encoded(y), y.dtype)
         key = self._key_of(x)
         # Holding the input keeps its storage alive, so an equal key can only mean the same data.
         if self._packed is None or key != self._key:
             y = self.original(x)
             self.computed += 1
-            b, t, _ = y.shape
-            self._packed = self.codec.encode(y.reshape(b, t, -1, self.head_dim).transpose(1, 2))
+            self._packed = self._encoded(y)
             self._input, self._key, self._dtype = x, key, y.dtype
             if self.exact_first:
                 return y
-        out = self.codec.decode(self._packed, self._dtype, self.head_dim)
-        return out.transpose(1, 2).flatten(2)
+        return self._decoded(self._packed, self._dtype)
+
+    def _encoded(self, y: torch.Tensor) -> Packed:
+        """The projection's output ``[B, T, H * D]`` as codes of ``[B, H, T, D]``."""
+        b, t, _ = y.shape
+        return self.codec.encode(y.reshape(b, t, -1, self.head_dim).transpose(1, 2))
+
+    def _decoded(self, packed: Packed, dtype: torch.dtype) -> torch.Tensor:
+        """Codes back in the projection's layout, ``[B, T, H * D]``."""
+        return self.codec.decode(packed, dtype, self.head_dim).transpose(1, 2).flatten(2)
 
     def clear(self) -> None:
         self._input = self._key = self._packed = None
