@@ -532,9 +532,9 @@ def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name
     model = opt.model
     state = installed_state(model)
 
-    def scored(got, case, least_agreement=0.8):
+    def scored(got, case):
         """``got`` scored by transformers' forward (with a KV-cache pass over its quantizing cache)."""
-        _assert_scored_by_reference(model, case, got, least_agreement=least_agreement,
+        _assert_scored_by_reference(model, case, got,
                                     **({"past_key_values": state.new_cache()} if state else {}))
 
     assert unsupported_reason(model, (), {**inputs, "max_new_tokens": 24}) is None
@@ -552,10 +552,7 @@ def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name
     other[key][1, 3:] = 0
     again = model.generate(**other, max_new_tokens=20)
     assert counts == {"build": 1, "capture": 1}  # the kept graph, refilled
-    # IDEFICS's second answer (bf16, H200) came out one of two ways from run to run of the same code, the other one
-    # the reference's pick at 12 of 21 tokens, every token inside the near-tie bound; the cause is not established
-    # (the captured graph reads no tensor it does not own): docs/benchmarks.md, "twenty-seventh pass"
-    scored(again, other, least_agreement=0.5 if name == "tiny:idefics" else 0.8)
+    scored(again, other)
 
 
 @pytest.mark.parametrize("name", ["tiny:mllama", "tiny:idefics"])
@@ -955,6 +952,35 @@ def test_consecutive_calls_reuse_the_kept_state_where_it_fits(name, passes, sess
     assert kept(model).tokens.shape[0] == 1 and counts == {"build": 5, "capture": 4}
     _fast(opt, single, 6)
     assert counts == {"build": 5, "capture": 4}
+
+
+@pytest.mark.parametrize("name,passes", [("tiny:idefics", ("gated-xattn",)), ("tiny:mllama", ())])
+def test_the_kept_step_holds_what_its_graph_reads_and_leaves_the_inputs_alone(name, passes, session, tiny,
+                                                                              monkeypatch):
+    """A CUDA graph keeps none of the tensors it reads alive. Here the "graph" is a weak reference to the step's
+    body, so a step that held its tensors only through that body (IDEFICS's mask over the cache's slots, dropped
+    once the graph replaced it, read as whatever later took its memory: on an H200 one row's self-attention changed)
+    fails. A later call refills the step's inputs in place; it must not write into an earlier call's (IDEFICS's
+    image mask on the step was a view of the caller's ``image_attention_mask``)."""
+    def weak_capture(self, step, stream):
+        body = weakref.ref(step)
+        return lambda: body()()
+
+    opt, inputs = _cross_attention_model(tiny, session, name, passes)
+    model, key = opt.model, IMAGE_MASKS[name]
+    other = tiny_inputs(opt.processor, QUESTIONS, seed=3)
+    other[key][1, 3:] = 0  # the second row's new tokens see no image
+    originals = {k: v.clone() for k, v in inputs.items()}
+    expected = [_Generator(model, opt.adapter, {**case, "max_new_tokens": n}, graphs=False).run()
+                for case, n in ((inputs, 12), (other, 10))]
+    release(model)
+    monkeypatch.setattr(_Generator, "_capture", weak_capture)  # called with graphs off too
+    assert torch.equal(_Generator(model, opt.adapter, {**inputs, "max_new_tokens": 12}, graphs=False).run(),
+                       expected[0])
+    step = kept(model).step
+    again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 10}, graphs=False).run()
+    assert kept(model).step is step and torch.equal(again, expected[1])
+    assert all(torch.equal(inputs[k], v) for k, v in originals.items())
 
 
 def test_rows_that_end_early_are_padded_on_every_call(session, tiny):

@@ -117,6 +117,10 @@ class Step:
     fixed: dict[str, Any]  # other language-model arguments (the cache, flags, per-call tensors)
     replay: Callable[[], None]
     occurred: torch.Tensor | None = None  # [B, V + 1] ids the sequence holds so far (a repetition penalty's)
+    # the eager step, kept after ``replay`` became a graph's: a CUDA graph holds none of the tensors it reads, so the
+    # ones only the step's body refers to (IDEFICS's mask over the cache's slots, sampling and penalty settings) would
+    # otherwise be freed and their memory handed to later allocations that the replays then read
+    body: Callable[[], None] | None = None
 
 
 @dataclass(eq=False)

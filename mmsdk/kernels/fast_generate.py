@@ -368,7 +368,10 @@ class _Generator:
             positions = positions.clone()  # advanced in place by every step
         else:  # the language model counts positions from the cache; in a graph they must live on the device
             positions = torch.full((1, 1), self.first_position, dtype=torch.long, device=self.ids.device)
-        fixed = {k: v for k, v in seen.items() if k not in _STEP_ARGUMENTS}
+        # the step's own copies: a later call refills them in place, which must not write into this call's inputs
+        # (IDEFICS's image mask is a view of the caller's image_attention_mask)
+        fixed = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in seen.items()
+                 if k not in _STEP_ARGUMENTS}
         token, index = state.tokens[:, 0].clone(), torch.tensor([1], device=self.ids.device)
         tokens, finished, eos, pad = state.tokens, state.finished, state.eos, state.pad
         takes_ids = seen.get("inputs_embeds") is None  # a language model that embeds its tokens itself (Mllama)
@@ -390,7 +393,7 @@ class _Generator:
             index.add_(1)
             positions.add_(1)
 
-        return Step(wanted, Watch([]), token, index, positions, fixed, run, occurred)
+        return Step(wanted, Watch([]), token, index, positions, fixed, run, occurred, body=run)
 
     def _refill(self, step: Step, state: DecodeState, seen: dict[str, Any], occurred: torch.Tensor | None) -> None:
         """This call's values into the kept step's inputs, in place (the graph reads their addresses)."""
