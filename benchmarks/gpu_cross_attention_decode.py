@@ -115,6 +115,7 @@ KV_ELEMENT_BYTES = {None: 2.0, "int4-kv": 0.5, "int8-kv": 1.0, "fp8-kv": 1.0}
 def main() -> None:
     from benchmarks.gpu_models import attach_kv
     from benchmarks.gpu_suite import COPY_BW, decode_rate, release_memory
+    from benchmarks.gpu_tune import generate_kernels
     from mmsdk import Optimizer
     from mmsdk.kernels.decode_state import kept, release
     from mmsdk.plugins.quantizers.kv_runtime import installed_state, kv_bytes
@@ -125,10 +126,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rows", default=",".join(str(i) for i in range(len(ROWS))),
                         help="comma-separated indices into ROWS (all by default)")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="also profile a 32-token generate of each fast row and keep its N largest kernels")
     args = parser.parse_args()
     config = mllama_config()
     results: dict[str, Any] = {"command": f"python benchmarks/gpu_cross_attention_decode.py --new {args.new} --reps "
-                               f"{args.reps} --rows {args.rows}", "torch": torch.__version__, "rows": []}
+                               f"{args.reps} --rows {args.rows} --kernels {args.kernels}", "torch": torch.__version__,
+                               "rows": []}
     inputs = mllama_inputs(config)
     built: tuple[tuple[Any, ...], Any] | None = None  # ((passes, int4 K/V), optimizer) of the model built last
     for index in (int(i) for i in args.rows.split(",")):
@@ -161,6 +165,8 @@ def main() -> None:
                 row["new_tokens_agree_with_hf"] = float((reference == ours).float().mean())
                 differ = (reference != ours).nonzero()
                 row["first_differing_new_token"] = int(differ[0, 1]) if len(differ) else None
+                if args.kernels:  # where a step's time goes (e.g. int8 / fp8 K/V against int4)
+                    row.update(generate_kernels(model, inputs, limit=args.kernels))
         row["bytes_per_step"] = step_bytes(model, PROMPT + args.new // 2, KV_ELEMENT_BYTES[kv])
         row["floor_ms"] = row["bytes_per_step"] / COPY_BW * 1e3
         row["fraction_of_limit"] = row["floor_ms"] / row["step_ms"]

@@ -349,6 +349,21 @@ def prune_memory() -> dict[str, Any]:
         logging.getLogger("mmsdk").removeHandler(handler)
 
 
+def generate_kernels(model: Any, inputs: dict[str, Any], new: int = 32, limit: int = 30) -> dict[str, Any]:
+    """Where one greedy ``model.generate`` of ``new`` tokens spends GPU time: torch.profiler's device time per kernel
+    name (CUDA-graph replays included), the ``limit`` largest, and their total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(**inputs, max_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    return {"profiled_tokens": new, "gpu_time_ms_total": sum(e.device_time_total for e in kernels) / 1e3,
+            "top_kernels": [{"name": e.key[:90], "calls": e.count, "ms_total": e.device_time_total / 1e3,
+                             "us_per_call": e.device_time_total / max(1, e.count)} for e in kernels[:limit]]}
+
+
 def decode_profile(model_name: str = "llava") -> dict[str, Any]:
     """Decode step (1k context) for two pass stacks, and where its GPU time goes: LLaVA-1.5-7B shapes g32
     (``decode_profile``) or Qwen2-VL-7B shapes g128 (``decode_profile_qwen``).
@@ -358,8 +373,6 @@ def decode_profile(model_name: str = "llava") -> dict[str, Any]:
     every norm an add_rms_norm launch of its own. The breakdown is torch.profiler's device time per kernel name over
     a 32-token fast generate (CUDA-graph replays included), divided by the number of graph-replayed steps.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     import benchmarks.gpu_suite as suite
     from benchmarks.gpu_decode_reuse import _model_and_inputs
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
@@ -374,17 +387,7 @@ def decode_profile(model_name: str = "llava") -> dict[str, Any]:
         try:
             model, inputs, _ = _model_and_inputs(model_name, passes)
             row: dict[str, Any] = dict(suite.decode_rate(model, inputs, 128, 3))
-            new = 32
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model.generate(**inputs, max_new_tokens=new, do_sample=False)
-                torch.cuda.synchronize()
-            kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
-            kernels.sort(key=lambda e: -e.device_time_total)
-            total = sum(e.device_time_total for e in kernels)
-            row["profiled_tokens"] = new
-            row["gpu_time_ms_total"] = total / 1e3
-            row["top_kernels"] = [{"name": e.key[:90], "calls": e.count, "ms_total": e.device_time_total / 1e3,
-                                   "us_per_call": e.device_time_total / max(1, e.count)} for e in kernels[:30]]
+            row.update(generate_kernels(model, inputs))
             out[label] = row
             print(label, {k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
             for k in row["top_kernels"]:
