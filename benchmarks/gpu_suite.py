@@ -215,11 +215,42 @@ def section_kv_formats(quick: bool) -> list[dict[str, Any]]:
             t_sdpa = t_sdpa or gbench(cold(sdpa, kbf, vbf))
             t_ours = gbench(cold(ours, kc, vc))
             code_bytes = (kc.numel() + vc.numel()) * kc.element_size()
-            rows.append({"heads": label, "ctx": ctx, "fmt": fmt, "rel_err": err, "mmsdk_us": t_ours * 1e3,
-                         "sdpa_bf16_us": t_sdpa * 1e3, "time_ratio": t_ours / t_sdpa,
-                         "mmsdk_TBps": code_bytes / t_ours / 1e9})
+            row = {"heads": label, "ctx": ctx, "fmt": fmt, "rel_err": err, "mmsdk_us": t_ours * 1e3,
+                   "sdpa_bf16_us": t_sdpa * 1e3, "time_ratio": t_ours / t_sdpa, "mmsdk_TBps": code_bytes / t_ours / 1e9}
+            if fmt != "int4":  # one byte per channel holds twice int4's codes in registers: smaller tiles, V later
+                row["configs_us"] = {}
+                for config in KV_BYTE_CONFIGS:
+                    def tried(k_codes: torch.Tensor, v_codes: torch.Tensor, config: tuple[int, ...] = config) -> Any:
+                        return decode_attention(q, k_codes, v_codes, scale, scale, length, fmt, d**-0.5, config=config)
+
+                    row["configs_us"][str(config)] = gbench(cold(tried, kc, vc)) * 1e3
+            rows.append(row)
             print(rows[-1], flush=True)
+    rows.append({"compiled_decode_kernels": compiled_kernels()})
+    print(rows[-1], flush=True)
     return rows
+
+
+def compiled_kernels() -> list[dict[str, Any]]:
+    """Registers and spills of every compiled variant of the generic packed-KV decode kernel (Triton's cache; its
+    layout is Triton's own, so a failure to read it is recorded, not raised)."""
+    from mmsdk.kernels import _kv_grouped_triton
+
+    found = []
+    try:
+        for caches in _kv_grouped_triton.decode_partial.device_caches.values():
+            for key, kernel in caches[0].items():
+                kernel._init_handles()
+                found.append({"n_regs": kernel.n_regs, "n_spills": kernel.n_spills, "key": str(key)[-400:]})
+    except Exception as error:  # noqa: BLE001 - a diagnostic: keep what was read and why the rest was not
+        found.append({"error": repr(error)[:300]})
+    return found
+
+
+# (BLOCK_T, num_warps, target programs, num_stages, V loaded with K) of the generic decode kernel, tried on int8 and
+# fp8 codes next to its defaults (which were tuned on int4)
+KV_BYTE_CONFIGS = ((128, 4, 264, 2, 0), (64, 4, 264, 2, 1), (64, 4, 264, 2, 0), (64, 4, 528, 2, 0),
+                   (32, 4, 528, 2, 0), (64, 8, 264, 2, 0))
 
 
 def section_norm(quick: bool) -> list[dict[str, Any]]:
