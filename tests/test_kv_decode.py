@@ -395,6 +395,11 @@ def test_word_launch_defaults_follow_the_cache_size():
     assert _generic_config(None, True, False, 4096) == ((256, 8, 264, 2), True)
     assert _generic_config(None, True, False, 16384) == ((128, 4, 264, 2), True)
     assert _generic_config((64, 4, 8, None, False), True, False, 4096) == ((64, 4, 8, 2), False)
+    # int8 / fp8 codes: half the tokens per tile on the tensor cores (the same code bytes as int4's tile), unless set
+    assert _generic_config(None, True, False, 1280, byte_codes=True) == ((64, 8, 264, 2), True)
+    assert _generic_config(None, True, False, 16384, byte_codes=True) == ((64, 4, 264, 2), True)
+    assert _generic_config((128, 4, 264), True, False, 16384, byte_codes=True) == ((128, 4, 264, 2), True)
+    assert _generic_config(None, False, True, 1280, byte_codes=True) == _generic_config(None, False, True, 1280)
     too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
     for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):
         with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):

@@ -135,7 +135,7 @@ _GENERIC_MIDDLE_CACHE = 4096
 
 
 def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool,
-                    t_max: int) -> tuple[tuple[int, int, int, int], bool]:
+                    t_max: int, byte_codes: bool = False) -> tuple[tuple[int, int, int, int], bool]:
     """((BLOCK_T, num_warps, target programs, num_stages), V loaded with K) of the generic kernel: ``config``, the rest
     from defaults. With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
     fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
@@ -149,6 +149,11 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
     1.996 / 1.999 ms; h200_step_qwen_table.json). Caches of 2k-4k slots: 256-token tiles on 8 warps, 7.02 against 8.59
     µs for the short-cache default at 4k (h200_kernel_sweeps_gqa_stages.json; 7.07 against 8.62 in _gqa_final), but
     6.76 against 5.80 at 1280 and 15.07 against 12.00 at 16k; between 2k and 4k not measured.
+
+    Those defaults were measured on int4 codes. ``byte_codes`` (int8, fp8: a byte per channel, twice int4's codes per
+    token in registers) halves the default tile on the tensor cores, which keeps a tile's codes at the bytes int4's
+    tile holds: with int4's tiles ptxas (sm_90, Triton 3.9) spills 600-930 bytes per thread for int8 and fp8 (none or
+    16 for int4), with half the tokens 0-64. Chosen from that report; its speed was not measured when it was made.
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
@@ -161,6 +166,8 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
         default, v_ahead = (128, 4, _TARGET_PROGRAMS // 2, 2), True
     else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
         default, v_ahead = (64 if small_tile else 32, 4, _TARGET_PROGRAMS, 2), False
+    if use_dot and byte_codes:
+        default = (default[0] // 2, *default[1:])
     block_t, warps, target, stages = _completed(config, default)
     stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
     return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
@@ -220,7 +227,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     block_hd = _pow2(half)
     use_dot = group >= 3 and block_hd >= 16
     block_g = max(16, _pow2(group)) if use_dot else _pow2(group)
-    (block_t, warps, target, stages), v_ahead = _generic_config(config, use_dot, block_g * block_hd <= 64, t_max)
+    (block_t, warps, target, stages), v_ahead = _generic_config(config, use_dot, block_g * block_hd <= 64, t_max,
+                                                                byte_codes=fmt != "int4")
     n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
