@@ -1332,8 +1332,8 @@ def test_a_streamed_call_falls_back_only_before_it_streams(session, tiny, monkey
     release(model)
     put = TokenStream.put
 
-    def failing_put(self, token):
-        put(self, token)
+    def failing_put(self, token, finished):
+        put(self, token, finished)
         raise RuntimeError("the streamer's reader went away")
 
     monkeypatch.setattr(TokenStream, "put", failing_put)
@@ -1341,6 +1341,24 @@ def test_a_streamed_call_falls_back_only_before_it_streams(session, tiny, monkey
     with pytest.raises(RuntimeError, match="reader went away"):
         model.generate(**inputs, max_new_tokens=6, streamer=ours)
     assert len(ours.puts) == 1 + 3 and ours.ends == 0  # the prompt, tokens 0 and 1 held, then the first step's
+
+
+def test_a_streamed_step_reads_its_tokens_and_the_rows_ends_in_one_copy(monkeypatch):
+    """TokenStream.put hands the streamer the step's tokens and says whether every row has ended, from one copy to
+    the host (on CUDA each copy waits for the step)."""
+    from mmsdk.kernels.streaming import TokenStream
+
+    copies = []
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self: copies.append(1) or cpu(self))
+    streamer = _RecordingStreamer()
+    stream = TokenStream(streamer, torch.tensor([[5, 6], [7, 8]]))
+    stream.start()
+    copies.clear()
+    token = torch.tensor([11, 0])
+    assert stream.put(token, torch.tensor([False, True])) is False and len(copies) == 1
+    assert stream.put(torch.tensor([3, 0]), torch.tensor([True, True])) is True and len(copies) == 2
+    assert [p.tolist() for p in streamer.puts[1:]] == [[11, 0], [3, 0]] and streamer.puts[1].dtype == token.dtype
 
 
 @pytest.mark.cuda

@@ -348,8 +348,7 @@ class _Generator:
             for i in range(replays):
                 step.replay()
                 if stream is not None:  # each step's tokens to the host, and transformers' stop
-                    stream.put(step.token)
-                    if bool(state.finished.all()):
+                    if stream.put(step.token, state.finished):
                         break
                 elif (i + 1) % CHECK_EVERY == 0 and bool(state.finished.all()):
                     break

@@ -44,9 +44,13 @@ class TokenStream:
             self.streamer.put(token.cpu())
         self.held.clear()
 
-    def put(self, token: torch.Tensor) -> None:
-        """Put one step's tokens ([B]); streaming must have started."""
-        self.streamer.put(token.cpu())
+    def put(self, token: torch.Tensor, finished: torch.Tensor) -> bool:
+        """Put one step's tokens ([B]); streaming must have started. Returns whether every row has finished
+        (``finished``, [B] bool), read in the same copy to the host as the tokens: one wait per step, not two."""
+        rows = token.shape[0]
+        both = torch.cat([token, finished.to(token.dtype)]).cpu()
+        self.streamer.put(both[:rows])
+        return bool(both[rows:].all())
 
     def end(self) -> None:
         """Put whatever is held, then end the stream."""
