@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmsdk.kernels.generation_settings import transformers_defaults
 from mmsdk.kernels.repetition import repetition_reason
 from mmsdk.kernels.sampling import SAMPLING_OPTIONS, Sampler, sampling_reason
 
@@ -63,8 +64,7 @@ def new_tokens(model: nn.Module, kwargs: dict[str, Any]) -> int | None:
         return count if isinstance(count, int) and count >= 1 else None
     total = kwargs["max_length"] if "max_length" in kwargs else config.max_length
     if total is None:
-        defaults = getattr(type(config), "_get_default_generation_params", None)
-        total = prompt + ((defaults() if callable(defaults) else {}).get("max_length") or 20)
+        total = prompt + (transformers_defaults(model).get("max_length") or 20)
         positions = getattr(model.config, "max_position_embeddings", None)
         if isinstance(positions, int):
             total = min(total, positions)

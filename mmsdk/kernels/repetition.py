@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
+from mmsdk.kernels.generation_settings import generation_setting
+
 __all__ = ["RepetitionPenalty", "repetition_reason"]
 
 
 def _setting(model: Any, kwargs: dict[str, Any]) -> Any:
-    """The penalty transformers' generate uses: the call's, else the model's generation config's."""
-    if "repetition_penalty" in kwargs:
-        return kwargs["repetition_penalty"]
-    return getattr(model.generation_config, "repetition_penalty", None)
+    """The penalty transformers' generate uses (:func:`generation_setting`; its default, 1.0, applies none)."""
+    return generation_setting(model, kwargs, "repetition_penalty")
 
 
 def repetition_reason(model: Any, kwargs: dict[str, Any]) -> str | None:

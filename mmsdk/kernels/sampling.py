@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mmsdk.kernels.generation_settings import generation_setting
 from mmsdk.kernels.greedy import greedy_step, record_choice
 
 __all__ = ["Sampler", "choose_step", "sampling_reason"]
@@ -36,15 +37,8 @@ SAMPLING_OPTIONS = tuple(_FALLBACKS)
 
 
 def _setting(model: Any, kwargs: dict[str, Any], name: str) -> Any:
-    """The value transformers' generate uses: the call's (None included: it switches that warper off), else the
-    model's generation config's, else transformers' default."""
-    if name in kwargs:
-        return kwargs[name]
-    value = getattr(model.generation_config, name, None)
-    if value is not None:
-        return value
-    defaults = getattr(type(model.generation_config), "_get_default_generation_params", None)
-    return (defaults() if callable(defaults) else _FALLBACKS).get(name, _FALLBACKS[name])
+    """The value transformers' generate samples with (:func:`generation_setting`, this module's fallbacks)."""
+    return generation_setting(model, kwargs, name, _FALLBACKS[name])
 
 
 def sampling_reason(model: Any, kwargs: dict[str, Any]) -> str | None:
