@@ -405,8 +405,8 @@ class _Generator:
             step.positions.copy_(positions)
         else:
             step.positions.fill_(self.first_position)
-        for name, value in step.fixed.items():  # same shapes: the signatures matched
-            if isinstance(value, torch.Tensor) and seen[name] is not value:
+        for name, value in step.fixed.items():  # the step's own copies; same shapes: the signatures matched
+            if isinstance(value, torch.Tensor):
                 value.copy_(seen[name])
 
     def _warm_up(self, step: Any) -> torch.cuda.Stream | None:

@@ -4,12 +4,13 @@ transformers' generate hands its streamer the prompt's ids, then each step's new
 has finished), and calls ``end()`` once every row has finished or ``max_new_tokens`` are made; chat front ends read
 the text from it as it comes. Fast generate refused such calls, which then ran transformers' eager loop.
 
-:class:`TokenStream` puts the same tensors in the same order. Each put copies a token to the host, so with a streamer
-the decode loop waits for every step and stops at the step where transformers' would (without one it looks every
-16 steps and cuts the answer afterwards). Nothing is put before the decode step is ready (built, warmed up,
-captured): the tokens made before that are held on the device and put when streaming starts, so an error while
-the step is made still falls back to transformers' generate, which streams from the start, and nothing reaches the
-streamer twice. An error after streaming started is raised instead (:attr:`TokenStream.started`).
+:class:`TokenStream` puts the same tensors in the same order. Each put copies the step's tokens to the host (with
+whether every row has ended, in the same copy), so with a streamer the decode loop waits for every step and stops
+at the step where transformers' would (without one it looks every 16 steps and cuts the answer afterwards).
+Nothing is put before the decode step is ready (built, warmed up, captured): the tokens made before that are held
+on the device and put when streaming starts, so an error while the step is made still falls back to transformers'
+generate, which streams from the start, and nothing reaches the streamer twice. An error after streaming started
+is raised instead (:attr:`TokenStream.started`).
 """
 
 from __future__ import annotations
