@@ -51,7 +51,7 @@ def resources(fmt: int, mask: bool, append: bool, block_t: int, warps: int, v_ah
 
     kernel = _kv_grouped_triton.decode_partial
     constants = dict(FMT=fmt, HAS_MASK=mask, USE_DOT=True, BLOCK_G=16, BLOCK_T=block_t, BLOCK_HD=64, APPEND=append,
-                     ROPE=append, V_AHEAD=v_ahead, ASM=True, PDL=True)
+                     ROPE=append, V_AHEAD=v_ahead, ASM=True, PDL=True, PAIRS=fmt != 0)
     signature = {}
     for name in kernel.arg_names:
         if name in constants:

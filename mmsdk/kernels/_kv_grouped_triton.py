@@ -16,44 +16,46 @@ import triton.language as tl
 
 from mmsdk.kernels._gemv_mma_triton import centred_nibbles
 from mmsdk.kernels._kv_triton import (decode_raw_codes, load_raw_codes, load_rotated, softmax_step, softmax_total,
-                                      split_program, store_token, token_tile)
+                                      split_pairs, split_program, store_token, token_tile)
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 
 @triton.jit
-def decode_dot_codes(raw_even, raw_odd, FMT: tl.constexpr, ASM: tl.constexpr):
+def decode_dot_codes(raw_even, raw_odd, FMT: tl.constexpr, ASM: tl.constexpr, PAIRS: tl.constexpr):
     """Even- and odd-channel values of :func:`load_raw_codes`' result as fp16 tensor-core operands (scale not
     applied): exact for every format (int4 and int8 codes are small integers; e4m3 has fewer mantissa and exponent
     bits than fp16). int4 bytes decode four at a time with ``ASM`` (two nibbles per ``lop3``, no int-to-float
-    conversions, which issue at a quarter of the fp32 rate)."""
+    conversions, which issue at a quarter of the fp32 rate); int8 / fp8 ``PAIRS`` by :func:`split_pairs`."""
     if FMT == 0:
         return centred_nibbles(raw_even, tl.float16, ASM)
+    if PAIRS:
+        return split_pairs(raw_even, FMT)
     return raw_even.to(tl.float16), raw_odd.to(tl.float16)
 
 
 @triton.jit
 def attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, vc_ptr, rows, t_ok, rd, D, HDP,
                 m_i, l_i, acc_e, acc_o, FMT: tl.constexpr, USE_DOT: tl.constexpr, V_LOADED: tl.constexpr,
-                ASM: tl.constexpr):
+                ASM: tl.constexpr, PAIRS: tl.constexpr):
     """One tile of tokens (code rows ``rows``, valid where ``t_ok``) folded into the online softmax's state
     ``(m_i, l_i, acc_e, acc_o)``, which is returned updated. The K codes come loaded; the V codes too with
     ``V_LOADED``, else they are loaded here after the scores (``v_raw_*`` are then ignored)."""
     if USE_DOT:
-        ke, ko = decode_dot_codes(k_raw_even, k_raw_odd, FMT, ASM)
+        ke, ko = decode_dot_codes(k_raw_even, k_raw_odd, FMT, ASM, PAIRS)
         s = tl.dot(qo, tl.trans(ko), tl.dot(qe, tl.trans(ke)))
     else:
-        ke, ko = decode_raw_codes(k_raw_even, k_raw_odd, FMT)
+        ke, ko = decode_raw_codes(k_raw_even, k_raw_odd, FMT, PAIRS)
         s = tl.sum(qe[:, None, :] * ke[None, :, :], 2) + tl.sum(qo[:, None, :] * ko[None, :, :], 2)
     p, alpha, m_new, l_i = softmax_step(s, t_ok, m_i, l_i)
     if not V_LOADED:
-        v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, rows, t_ok, rd, D, HDP, FMT)
+        v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, rows, t_ok, rd, D, HDP, FMT, PAIRS)
     if USE_DOT:
-        ve, vo = decode_dot_codes(v_raw_even, v_raw_odd, FMT, ASM)
+        ve, vo = decode_dot_codes(v_raw_even, v_raw_odd, FMT, ASM, PAIRS)
         p = p.to(tl.float16)
         acc_e = tl.dot(p, ve, acc_e * alpha[:, None])
         acc_o = tl.dot(p, vo, acc_o * alpha[:, None])
     else:
-        ve, vo = decode_raw_codes(v_raw_even, v_raw_odd, FMT)
+        ve, vo = decode_raw_codes(v_raw_even, v_raw_odd, FMT, PAIRS)
         acc_e = acc_e * alpha[:, None] + tl.sum(p[:, :, None] * ve[None, :, :], 1)
         acc_o = acc_o * alpha[:, None] + tl.sum(p[:, :, None] * vo[None, :, :], 1)
     return m_new, l_i, acc_e, acc_o
@@ -66,7 +68,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
                    APPEND: tl.constexpr = False, ROPE: tl.constexpr = False, V_AHEAD: tl.constexpr = False,
-                   ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+                   ASM: tl.constexpr = False, PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
 
     ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
@@ -78,6 +80,9 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     the scores and the weighted V sum on the tensor cores, fp16 operands (q, already scaled, and the softmax
     weights rounded to fp16; the codes exact), fp32 accumulators; ``ASM``: int4 bytes decoded by
     :func:`centred_nibbles`' PTX (CUDA only, not Triton's interpreter).
+
+    ``PAIRS``: int8 / fp8 codes read as 16-bit channel pairs (``HDP`` = D / 2 words per token; see
+    :func:`~mmsdk.kernels._kv_triton.load_raw_codes`) instead of two loads of every other byte.
 
     ``PDL``: launched as a dependent of the kernel before it (programmatic dependent launch), so its programs are
     resident when that kernel ends; each waits for it before reading anything, then lets the combine kernel launch.
@@ -118,12 +123,13 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
     for t0 in range(t_begin, t_end, BLOCK_T):
         rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-        k_raw_even, k_raw_odd = load_raw_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+        k_raw_even, k_raw_odd = load_raw_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT, PAIRS)
         v_raw_even, v_raw_odd = k_raw_even, k_raw_odd  # placeholders, ignored unless V_AHEAD
         if V_AHEAD:
-            v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT)
+            v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT, PAIRS)
         m_i, l_i, acc_e, acc_o = attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, vc_ptr, base + rt,
-                                             t_ok, rd, D, HDP, m_i, l_i, acc_e, acc_o, FMT, USE_DOT, V_AHEAD, ASM)
+                                             t_ok, rd, D, HDP, m_i, l_i, acc_e, acc_o, FMT, USE_DOT, V_AHEAD, ASM,
+                                             PAIRS)
     l_safe, lse = softmax_total(m_i, l_i)
     slot = (b * (H_KV * G) + heads).to(tl.int64) * n_splits + split
     out = po_ptr + slot[:, None] * (2 * BLOCK_HD) + rd[None, :]

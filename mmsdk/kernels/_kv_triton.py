@@ -131,22 +131,30 @@ def token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK: tl.constexpr, B
 
 
 @triton.jit
-def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
+def load_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr, PAIRS: tl.constexpr = False):
     """Even- and odd-channel values (fp32, scale not applied) of code rows ``rows`` [BLOCK_T]."""
-    raw_even, raw_odd = load_raw_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT)
-    return decode_raw_codes(raw_even, raw_odd, FMT)
+    raw_even, raw_odd = load_raw_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT, PAIRS)
+    return decode_raw_codes(raw_even, raw_odd, FMT, PAIRS)
 
 
 @triton.jit
-def load_raw_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
+def load_raw_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr, PAIRS: tl.constexpr = False):
     """The code rows as stored, for :func:`decode_raw_codes` (int4: the same bytes twice; else even, odd channels).
 
     Loading apart from decoding lets a kernel issue the V tile's loads together with K's and decode V later,
     so the two memory round trips overlap without V's fp32 values taking registers during the scores.
+
+    ``PAIRS`` (int8 / fp8 rows of an even number of channels, ``HDP`` = D / 2): each channel pair is read as one
+    16-bit word, even channel in the low byte, the way int4's bytes hold theirs (the same words twice). Otherwise the
+    even and odd channels are two loads of every other byte.
     """
     if FMT == 0:
         byte = tl.load(c_ptr + rows[:, None] * HDP + rd[None, :], mask=t_ok[:, None] & (rd < HDP)[None, :], other=0)
         return byte, byte
+    elif PAIRS:
+        words = c_ptr.to(tl.pointer_type(tl.int16))
+        pair = tl.load(words + rows[:, None] * HDP + rd[None, :], mask=t_ok[:, None] & (rd < HDP)[None, :], other=0)
+        return pair, pair
     else:
         base = c_ptr + rows[:, None] * D
         # a float fill: Triton cannot cast an integer constant to float8 (it can cast 0.0 to int8)
@@ -156,30 +164,49 @@ def load_raw_codes(c_ptr, rows, t_ok, rd, D, HDP, FMT: tl.constexpr):
 
 
 @triton.jit
-def decode_raw_codes(raw_even, raw_odd, FMT: tl.constexpr):
+def split_pairs(pair, FMT: tl.constexpr):
+    """Even- and odd-channel values of 16-bit code pairs (even channel in the low byte), exact in fp16.
+
+    int8: each byte sign-extended. fp8 (e4m3): each byte's sign, exponent and mantissa moved into fp16's fields
+    (e4m3's exponent bias is 7, fp16's 15, hence the factor 2**8), which also maps e4m3's subnormals onto fp16's, with
+    no float conversions. e4m3's NaN codes (never written: the encoder clamps) would read as finite values.
+    """
+    if FMT == 1:
+        return ((pair << 8) >> 8).to(tl.float16), (pair >> 8).to(tl.float16)
+    even = (((pair & 0x7F) << 7) | ((pair & 0x80) << 8)).to(tl.float16, bitcast=True)
+    odd = (((pair >> 1) & 0x3F80) | (pair & -32768)).to(tl.float16, bitcast=True)
+    return even * 256.0, odd * 256.0
+
+
+@triton.jit
+def decode_raw_codes(raw_even, raw_odd, FMT: tl.constexpr, PAIRS: tl.constexpr = False):
     """Even- and odd-channel values (fp32, scale not applied) of :func:`load_raw_codes`' result."""
     if FMT == 0:
         return (raw_even & 15).to(tl.float32) - 8.0, (raw_odd >> 4).to(tl.float32) - 8.0
+    if PAIRS:
+        even, odd = split_pairs(raw_even, FMT)
+        return even.to(tl.float32), odd.to(tl.float32)
     return raw_even.to(tl.float32), raw_odd.to(tl.float32)
 
 
 @triton.jit
 def dequantize(c_ptr, s_ptr, out_ptr, H, TMAX, ROWS_B, T, D, HDP, so_b, so_h, so_t,
-               FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
+               FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr, PAIRS: tl.constexpr = False):
     """``BLOCK_T`` tokens of one (batch, head) row: ``code * scale`` in fp32, rounded once to out's dtype.
 
     The same arithmetic as the torch decode (``(q - 8) * s`` or ``q * s`` in fp32, then one rounding), so
     the result is bitwise equal, without its fp32 temporaries the size of the whole prefix. The codes
     may be a run of heads of a larger buffer: a batch row starts ``ROWS_B`` token rows after the last.
     Even and odd channels are interleaved in registers and stored as whole rows (two stores of every other
-    channel wrote at a tenth of the memory's speed).
+    channel wrote at a tenth of the memory's speed); with ``PAIRS`` int8 / fp8 codes load as 16-bit channel pairs
+    (:func:`load_raw_codes`), whose values are exact, so the result is the same.
     """
     bh = tl.program_id(0)
     h = bh % H
     rt = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = rt < T
     rd = tl.arange(0, BLOCK_HD)
-    qe, qo = load_codes(c_ptr, (bh // H).to(tl.int64) * ROWS_B + h * TMAX + rt, t_ok, rd, D, HDP, FMT)
+    qe, qo = load_codes(c_ptr, (bh // H).to(tl.int64) * ROWS_B + h * TMAX + rt, t_ok, rd, D, HDP, FMT, PAIRS)
     se = tl.load(s_ptr + h * D + 2 * rd, mask=(2 * rd) < D, other=0.0)
     so = tl.load(s_ptr + h * D + 2 * rd + 1, mask=(2 * rd + 1) < D, other=0.0)
     kind = out_ptr.dtype.element_ty

@@ -79,10 +79,11 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt: str, length:
         return out
     block_t = 64
     half = width if fmt == "int4" else (dim + 1) // 2
+    pairs = _byte_pairs(codes, codes, fmt, dim)
     _kv_triton.dequantize[(b * h, _ceil_div(length, block_t))](
         codes, scale.contiguous(), out, h, t_max, codes.stride(0) // width, length, dim,
-        width if fmt == "int4" else dim, out.stride(0), out.stride(1), out.stride(2),
-        FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=_pow2(half), num_warps=4,
+        width if fmt == "int4" else dim // 2 if pairs else dim, out.stride(0), out.stride(1), out.stride(2),
+        FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=_pow2(half), PAIRS=pairs, num_warps=4,
     )
     return out
 
@@ -105,6 +106,16 @@ def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d
 # defaults in kv_word_config.py) and "magic" (nibbles OR-ed into 2**23, V reduced every tile); "generic" is the byte
 # kernel every format can use.
 VARIANTS = ("subnormal", "magic", "generic")
+
+
+def _byte_pairs(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d: int) -> bool:
+    """True when int8 / fp8 codes can be read as 16-bit channel pairs: an even head_dim, rows of ``d`` contiguous
+    codes, 2-byte aligned. Read byte by byte, every other one per load, decode attention over Mllama's image K/V
+    (6404 tokens, 32 / 8 heads) took 87 µs on an H200 against 13 µs as pairs (int4: 10 µs;
+    benchmarks/results/h200_kv_formats_pairs.json)."""
+    return (fmt != "int4" and d % 2 == 0 and key_codes.shape[-1] == d
+            and all(c.stride(-1) == 1 and c.stride(-2) == d and c.data_ptr() % 2 == 0
+                    for c in (key_codes, value_codes)))
 
 
 def _pick_variant(variant: str | None, words: bool, group: int) -> str:
@@ -150,10 +161,13 @@ def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: b
     µs for the short-cache default at 4k (h200_kernel_sweeps_gqa_stages.json; 7.07 against 8.62 in _gqa_final), but
     6.76 against 5.80 at 1280 and 15.07 against 12.00 at 16k; between 2k and 4k not measured.
 
-    Those defaults were measured on int4 codes. ``byte_codes`` (int8, fp8: a byte per channel, twice int4's codes per
-    token in registers) halves the default tile on the tensor cores, which keeps a tile's codes at the bytes int4's
-    tile holds: with int4's tiles ptxas (sm_90, Triton 3.9) spills 600-930 bytes per thread for int8 and fp8 (none or
-    16 for int4), with half the tokens 0-64. Chosen from that report; its speed was not measured when it was made.
+    Those defaults were measured on int4 codes. ``byte_codes`` (int8, fp8: a byte per channel) halves the default
+    tile on the tensor cores. It was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported 600-930 bytes
+    of spills per thread with int4's tiles; read as channel pairs (:func:`_byte_pairs`) no tile tried spills on the
+    H200's Triton 3.6, and the halved and int4's tiles measured within 1 µs of each other (halved: 5.2 / 13.4 / 8.6 µs
+    at Mllama's 256 self slots, its 6404 image tokens and Qwen2-VL-7B's 4k; int4's: 5.6 / 12.7 / 8.7;
+    benchmarks/results/h200_kv_formats_pairs.json), so the halved tiles, which Mllama's decode step was timed with,
+    stay.
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
@@ -236,15 +250,17 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     mask_arg = mask if mask is not None else lse
     new_key, new_value = _new_token(append, query)
     pdl = pdl_ready(query)
+    pairs = _byte_pairs(key_codes, value_codes, fmt, d)
+    row_width = key_codes.shape[-1] if fmt == "int4" else d // 2 if pairs else d  # in loaded elements
     _kv_grouped_triton.decode_partial[(b * h_kv, n_splits)](
         query, key_codes, value_codes, key_scale, length, mask_arg, partial, lse,
         query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
-        mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, key_codes.shape[-1] if fmt == "int4" else d,
-        split_t, float(scaling) * _kv_triton.LOG2E, new_key, new_value, value_scale, new_key.stride(0),
-        new_key.stride(1), new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
+        mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, row_width, split_t,
+        float(scaling) * _kv_triton.LOG2E, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1),
+        new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
         BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, ASM=not interpreting(),
-        PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        PDL=pdl, PAIRS=pairs, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
