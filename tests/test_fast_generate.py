@@ -983,6 +983,33 @@ def test_the_kept_step_holds_what_its_graph_reads_and_leaves_the_inputs_alone(na
     assert all(torch.equal(inputs[k], v) for k, v in originals.items())
 
 
+@pytest.mark.parametrize("passes", [("gated-xattn",), ("int4-kv",)])
+def test_a_refill_leaves_no_memo_keyed_on_the_step_inputs(passes, session, tiny, monkeypatch):
+    """IDEFICS projects its image K/V at every step, through a memo keyed on the input's storage (gated-xattn's
+    KVMemo, int4-kv's CrossKVMemo). A later call copies its image states into the kept step's own input tensors;
+    under inference mode that keeps their key, so the refill must leave every memo empty, whatever the prefill did."""
+    from mmsdk.plugins.tensor_keys import input_memos
+
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:idefics", passes)
+    model = opt.model
+    memos = input_memos(model)
+    assert memos, "the pass installs its memos"
+    refill, after_refill = _Generator._refill, []
+
+    def watched_refill(self, step, *args):
+        refill(self, step, *args)
+        after_refill.append([memo.holding for memo in memos])
+
+    monkeypatch.setattr(_Generator, "_refill", watched_refill)
+    first = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False).run()
+    assert not after_refill and any(memo.holding for memo in memos)  # the first call builds its step
+    other = tiny_inputs(opt.processor, QUESTIONS, seed=3)
+    again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 6}, graphs=False).run()
+    assert after_refill == [[False] * len(memos)]
+    assert torch.equal(again, _Generator(model, opt.adapter, {**other, "max_new_tokens": 6}, graphs=False).run())
+    assert not torch.equal(first, again)
+
+
 def test_rows_that_end_early_are_padded_on_every_call(session, tiny):
     opt, inputs = _optimized(tiny, session, "tiny:llava", ())
     prompt = inputs["input_ids"].shape[1]

@@ -121,6 +121,9 @@ class Step:
     # ones only the step's body refers to (IDEFICS's mask over the cache's slots, sampling and penalty settings) would
     # otherwise be freed and their memory handed to later allocations that the replays then read
     body: Callable[[], None] | None = None
+    # the model's input memos (mmsdk.plugins.tensor_keys.InputMemo): a refill writes new values into the tensors an
+    # eager step hands them, keeping their storage keys, so the refill clears them
+    memos: tuple[Any, ...] = ()
 
 
 @dataclass(eq=False)

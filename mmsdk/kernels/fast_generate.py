@@ -66,6 +66,7 @@ from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import Sampler, choose_step
 from mmsdk.kernels.step_arguments import record_step_arguments
 from mmsdk.kernels.streaming import TokenStream
+from mmsdk.plugins.tensor_keys import input_memos
 
 __all__ = ["CHECK_EVERY", "install", "release", "unsupported_reason"]
 
@@ -392,7 +393,8 @@ class _Generator:
             index.add_(1)
             positions.add_(1)
 
-        return Step(wanted, Watch([]), token, index, positions, fixed, run, occurred, body=run)
+        return Step(wanted, Watch([]), token, index, positions, fixed, run, occurred, body=run,
+                    memos=tuple(input_memos(self.model)))
 
     def _refill(self, step: Step, state: DecodeState, seen: dict[str, Any], occurred: torch.Tensor | None) -> None:
         """This call's values into the kept step's inputs, in place (the graph reads their addresses)."""
@@ -408,6 +410,10 @@ class _Generator:
         for name, value in step.fixed.items():  # the step's own copies; same shapes: the signatures matched
             if isinstance(value, torch.Tensor):
                 value.copy_(seen[name])
+        # under inference mode a tensor refilled in place keeps its memo key (no version counter): an eager step
+        # would be served the last call's image K/V (a captured one bypasses the memos)
+        for memo in step.memos:
+            memo.clear()
 
     def _warm_up(self, step: Any) -> torch.cuda.Stream | None:
         """Run ``step`` once eagerly; on a side stream where a capture follows, as graph capture wants.

@@ -31,7 +31,7 @@ from mmsdk.core.errors import CalibrationError
 from mmsdk.core.passes import PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 from mmsdk.plugins._forward import add_forward_wrapper, foreign_forward, set_forward_body
-from mmsdk.plugins.tensor_keys import being_captured, storage_key
+from mmsdk.plugins.tensor_keys import InputMemo, being_captured, storage_key
 
 __all__ = ["GatedXAttnConfig", "KVMemo", "apply_gated_xattn", "restore_gated_xattn", "gate_strength"]
 
@@ -47,7 +47,7 @@ class GatedXAttnConfig(PassConfig):
     repeats: int = Field(5, ge=1, le=100, description="Forwards timed per measurement (the median counts).")
 
 
-class KVMemo:
+class KVMemo(InputMemo):
     """Remembers a projection's last input (by storage, shape, stride, version) and output."""
 
     def __init__(self) -> None:
@@ -66,7 +66,7 @@ class KVMemo:
 
     def __call__(self, inner: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.displaced():
-            self.key = self.source = self.output = None
+            self.clear()
             return inner(x, *args, **kwargs)
         if args or kwargs or torch.is_grad_enabled() or x.requires_grad:
             return inner(x, *args, **kwargs)
@@ -81,6 +81,13 @@ class KVMemo:
         self.misses += 1
         self.key, self.source, self.output = key, x, inner(x)
         return self.output
+
+    def clear(self) -> None:
+        self.key = self.source = self.output = None
+
+    @property
+    def holding(self) -> bool:
+        return self.output is not None
 
 
 def gate_strength(block: CrossAttentionBlock) -> float:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from mmsdk.plugins.quantizers.quantized_cache import DynamicCodec, Packed, QuantizedKVLayer, StaticCodec, make_cache
-from mmsdk.plugins.tensor_keys import being_captured, storage_key
+from mmsdk.plugins.tensor_keys import InputMemo, being_captured, storage_key
 
 __all__ = ["CrossKVMemo", "KVQuantState", "LayerRanges", "install", "installed_state", "kv_bytes"]
 
@@ -171,7 +171,7 @@ class KVQuantState:
         return self.new_cache()
 
 
-class CrossKVMemo:
+class CrossKVMemo(InputMemo):
     """Stands in for a cross-attention K or V projection's forward: computes once per vision state, stores packed."""
 
     def __init__(self, module: nn.Module, codec: Any, head_dim: int, exact_first: bool = False) -> None:
@@ -216,6 +216,10 @@ class CrossKVMemo:
 
     def clear(self) -> None:
         self._input = self._key = self._packed = None
+
+    @property
+    def holding(self) -> bool:
+        return self._packed is not None
 
     def rebind(self, module: nn.Module) -> None:
         """Move onto ``module``, which replaced the projection (a weight quantizer swapped the layer)."""
