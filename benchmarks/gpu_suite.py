@@ -188,6 +188,44 @@ def section_kv(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def section_kv_merge(quick: bool) -> list[dict[str, Any]]:
+    """The int4 MHA decode kernel ("subnormal") with its splits merged by a combine kernel (the default) and by the
+    partial kernel's last program per head (``merge_counters``: one launch fewer), against SDPA on bf16 K/V, at
+    LLaVA-1.5-7B's heads, each cache read from HBM. Whether the merged form is worth making the default."""
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+    from mmsdk.plugins.quantizers.quantized_cache import Packed
+
+    rows = []
+    hq = hkv = 32
+    d = 128
+    for ctx in (1280, 4096, 16384):
+        scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
+        counters = torch.zeros(hkv + 1, dtype=torch.int32, device="cuda")
+        kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
+        reference = reference_decode_attention(q, kd, vd, d**-0.5)
+
+        def ours(k_codes: torch.Tensor, v_codes: torch.Tensor, merged: bool = False) -> Any:
+            return decode_attention(q, k_codes, v_codes, scale, scale, length, "int4", d**-0.5,
+                                    merge_counters=counters if merged else None)
+
+        def merged(k_codes: torch.Tensor, v_codes: torch.Tensor) -> Any:
+            return ours(k_codes, v_codes, True)
+
+        def sdpa(k: torch.Tensor, v: torch.Tensor) -> Any:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+        row = {"heads": "llava MHA 32/32", "ctx": ctx, "rel_err_combine": rel(ours(kc, vc), reference),
+               "rel_err_merged": rel(merged(kc, vc), reference), "counters_left": int(counters.abs().sum())}
+        t_plain, t_merged = gbench(cold(ours, kc, vc)), gbench(cold(merged, kc, vc))
+        t_sdpa = gbench(cold(sdpa, kbf, vbf))
+        row.update({"combine_us": t_plain * 1e3, "merged_us": t_merged * 1e3, "sdpa_bf16_us": t_sdpa * 1e3,
+                    "combine_ratio": t_plain / t_sdpa, "merged_ratio": t_merged / t_sdpa,
+                    "counters_left_after_timing": int(counters.abs().sum())})
+        rows.append(row)
+        print(rows[-1], flush=True)
+    return rows
+
+
 def section_kv_formats(quick: bool) -> list[dict[str, Any]]:
     """The packed decode kernel on int4, int8 and fp8 codes against SDPA on bf16 K/V, each cache read from HBM:
     Llama-3.2-11B-Vision heads (32 / 8) over a short self-attention cache (256 slots) and one image's 6404
@@ -649,7 +687,8 @@ def main() -> None:
     RESULTS["command"] = ("python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "")
                           + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv,
-                "kv_formats": section_kv_formats, "norm": section_norm, "decode": section_decode,
+                "kv_formats": section_kv_formats, "kv_merge": section_kv_merge, "norm": section_norm,
+                "decode": section_decode,
                 "steady": section_steady, "qwen_decode": section_qwen_decode,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}

@@ -245,6 +245,47 @@ def test_attention_appends_the_new_token_itself(device):
         assert torch.equal(plain, expected), v_ahead  # where V is loaded changes no arithmetic
 
 
+def test_subnormal_kernel_merges_its_own_splits(device):
+    """With ``merge_counters`` the "subnormal" kernel's last program per head merges the splits (no combine kernel):
+    the combine kernel's output within rounding, with a batch of 2, a mask, the new token appended and rotated, over
+    one split and several; the counters end at zero, so a second call (a graph's replay) reuses them."""
+    from mmsdk.kernels.kv_decode import decode_attention
+
+    torch.manual_seed(6)
+    # (batch, heads, dim, t_max, length, config): many splits of 16 tokens, one split, 128 channels
+    for batch, heads, dim, t_max, length, config in ((2, 3, 32, 100, 77, (16, 1, 16)), (1, 2, 32, 40, 30, (64, 1, 1)),
+                                                     (2, 2, 128, 64, 50, (16, 1, 8))):
+        codes = [torch.randint(0, 256, (batch, heads, t_max, dim // 2), dtype=torch.uint8, device=device)
+                 for _ in range(2)]
+        scales = [torch.rand(heads, dim, device=device) * 0.3 + 0.05 for _ in range(2)]
+        query = torch.randn(batch, heads, 1, dim, device=device)
+        new = [torch.randn(batch, heads, 1, dim, device=device) for _ in range(2)]
+        angles = torch.rand(batch, 1, dim // 2, device=device) * 6
+        rope = (angles.cos().repeat(1, 1, 2), angles.sin().repeat(1, 1, 2))
+        mask = torch.rand(batch, t_max, device=device) > 0.3
+        counters = torch.zeros(batch * heads + 1, dtype=torch.int32, device=device)
+        for m in (None, mask):
+            ours, theirs = [c.clone() for c in codes], [c.clone() for c in codes]
+            count_ours, count_theirs = (torch.tensor([length], device=device) for _ in range(2))
+            expected = decode_attention(query, *theirs, *scales, count_theirs, "int4", dim**-0.5, m, config,
+                                        "subnormal", append=(new[0], new[1]), rope=rope)
+            got = decode_attention(query, *ours, *scales, count_ours, "int4", dim**-0.5, m, config, "subnormal",
+                                   append=(new[0], new[1]), rope=rope, merge_counters=counters)
+            assert int(count_ours) == length + 1 and torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+            assert _rel(got, expected) < 1e-6, (batch, heads, dim, length)
+            assert not counters.any()
+            again = decode_attention(query, *ours, *scales, count_ours, "int4", dim**-0.5, m, config, "subnormal",
+                                     merge_counters=counters)
+            plain = decode_attention(query, *ours, *scales, count_ours, "int4", dim**-0.5, m, config, "subnormal")
+            assert _rel(again, plain) < 1e-6 and not counters.any() and int(count_ours) == length + 1
+    with pytest.raises(ValueError, match="int32 zeros"):
+        decode_attention(query, *codes, *scales, count_ours, "int4", dim**-0.5, variant="subnormal",
+                         merge_counters=torch.zeros(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="only variant 'subnormal'"):
+        decode_attention(query, *codes, *scales, count_ours, "int4", dim**-0.5, variant="magic",
+                         merge_counters=counters)
+
+
 def _byte_codes(fmt, shape, device):
     """Random int8 codes, or random e4m3 bit patterns (subnormals and negatives included, NaN left out)."""
     if fmt == "int8":
@@ -441,7 +482,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "14 passed" in result.stdout, result.stdout[-2000:]
+    assert "15 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._kv_intdot_triton import integer_query, integer_scores
-from mmsdk.kernels._kv_triton import encode, rope_rotate, softmax_total, split_program, token_tile
+from mmsdk.kernels._kv_triton import encode, merge_natural, rope_rotate, softmax_total, split_program, token_tile
+from mmsdk.kernels._pdl_triton import let_next_launch
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -209,11 +210,13 @@ def tile_words(kc_ptr, vc_ptr, base, t0, t_end, rw, mask_ptr, b, sm_b, mask_len,
 def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                                       sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, SPLIT_T, qk_scale,
                                       kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
+                                      out_ptr, so_b, so_h, cnt_ptr,
                                       HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
                                       PREFETCH: tl.constexpr = False, APPEND: tl.constexpr = False,
                                       ROPE: tl.constexpr = False, FOLD: tl.constexpr = False,
                                       KDOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                                      STAGES: tl.constexpr = None):
+                                      STAGES: tl.constexpr = None, MERGE: tl.constexpr = False,
+                                      BLOCK_S: tl.constexpr = 1, PDL: tl.constexpr = False):
     """:func:`decode_partial_int4_subnormal` for one query head per KV head, with 2-D tiles.
 
     Kept separate because Triton lays 3-D tiles with a size-1 head axis out one word per lane, which
@@ -239,7 +242,16 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     With ``KDOT`` the scores are integer dot products of K's codes with the query rounded to 16-bit integers
     (mmsdk/kernels/_kv_intdot_triton.py: 7 instructions per word of K instead of ~18; ``ASM``: through PTX ``dp2a``,
     CUDA only, else by integer arithmetic with the same values).
+
+    With ``MERGE`` the kernel also merges the splits, where a combine kernel did: each program counts itself in at
+    ``cnt[row]`` after storing its partial, and the last of a row's ``n_splits`` programs merges them into ``out``
+    (``[B, 1, H, 8W]``, strides ``so_*``), which saves the step a launch. With ``APPEND`` the last row to finish
+    (counted at ``cnt[B * H_KV]``) advances ``len``. The last program sets each counter back to 0, so ``cnt``
+    (int32, zeros before the first launch) serves every later one, a CUDA graph's replays included. ``PDL`` (with
+    ``MERGE``) lets the next kernel launch at once, as the combine kernel does; it waits for this one to end.
     """
+    if MERGE:
+        let_next_launch(PDL)
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
     rw = tl.arange(0, W)
     q_row = q_ptr + b * sq_b + hk * sq_h
@@ -315,3 +327,28 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
     store_nibble_out(po_ptr, slot, rw, v6, l_i, l_safe, 6, W)
     store_nibble_out(po_ptr, slot, rw, v7, l_i, l_safe, 7, W)
     tl.store(pl_ptr + slot, lse)
+    if MERGE:
+        merge_if_last(po_ptr, pl_ptr, vs_ptr, out_ptr, len_ptr, cnt_ptr, bh, b, hk, n_splits, so_b, so_h, BLOCK_S,
+                      8 * W, APPEND)
+
+
+@triton.jit
+def merge_if_last(po_ptr, pl_ptr, vs_ptr, out_ptr, len_ptr, cnt_ptr, bh, b, hk, n_splits, so_b, so_h,
+                  BLOCK_S: tl.constexpr, D: tl.constexpr, ADVANCE: tl.constexpr):
+    """The last of partial row ``bh``'s programs to arrive merges the row's splits (one query head per KV head);
+    with ``ADVANCE`` the last row to be merged adds the step's token to ``len``. Counters are left at 0.
+
+    The barrier has every thread's partial stores issued before the counter's release; the merge reads the other
+    programs' partials past L1 (".cg"), which other SMs' writes do not update.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
+    if arrived == n_splits - 1:
+        merge_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, bh, b, hk, hk, n_splits, so_b, so_h, BLOCK_S, D,
+                      PAST_L1=True)
+        tl.store(cnt_ptr + bh, 0)
+        if ADVANCE:  # every program has read the length before counting itself in
+            rows = tl.num_programs(0)
+            if tl.atomic_add(cnt_ptr + rows, 1, sem="acq_rel") == rows - 1:
+                tl.store(len_ptr, tl.load(len_ptr, cache_modifier=".cg") + 1)
+                tl.store(cnt_ptr + rows, 0)

@@ -249,13 +249,17 @@ def combine_program(HQ, G, n_splits, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def split_weights(pl_ptr, bh, rs, s_ok, n_splits):
+def split_weights(pl_ptr, bh, rs, s_ok, n_splits, PAST_L1: tl.constexpr = False):
     """Each split's weight ``2**(lse - max lse)`` and their sum (1 for a row with no keys).
 
     The combine kernels load their partials and V's scales before calling this: every load of the kernel is then
     in flight at once, where loads written after the weights waited for them (one memory round trip each).
+    ``PAST_L1``: load past L1 (".cg"), for values other programs of the same kernel wrote.
     """
-    lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
+    if PAST_L1:
+        lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+    else:
+        lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # a row with no keys: every weight 0, total 1
     w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
@@ -357,6 +361,30 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
 
 
 @triton.jit
+def merge_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, row, b, h, hk, n_splits, so_b, so_h, BLOCK_S: tl.constexpr,
+                  D: tl.constexpr, SCALED: tl.constexpr = True, PAST_L1: tl.constexpr = False):
+    """Merge the ``n_splits`` natural-order partials of partial row ``row`` (batch ``b``, query head ``h``, KV head
+    ``hk``) by their log-sum-exp, apply V's scale (``SCALED``), write the head's output. ``PAST_L1``: the partials
+    load past L1 (see :func:`split_weights`)."""
+    rs = tl.arange(0, BLOCK_S)
+    s_ok = rs < n_splits
+    rd = tl.arange(0, D)
+    rows = po_ptr + (row.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
+    if PAST_L1:
+        parts = tl.load(rows, mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        parts = tl.load(rows, mask=s_ok[:, None], other=0.0)
+    if SCALED:
+        scale = tl.load(vs_ptr + hk * D + rd)
+    else:
+        scale = tl.full((D,), 1.0, tl.float32)
+    tl.debug_barrier()  # keeps the compiler from moving these loads after the weights' (see split_weights)
+    w, total = split_weights(pl_ptr, row, rs, s_ok, n_splits, PAST_L1)
+    o = tl.sum(w[:, None] * parts, 0) / total * scale
+    tl.store(out_ptr + b * so_b + h * so_h + rd, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h, len_ptr,
                            BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
                            ADVANCE: tl.constexpr = False, SCALED: tl.constexpr = True):
@@ -368,17 +396,7 @@ def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_
     """
     let_next_launch(PDL)
     bh, b, h, hk, rs, s_ok = combine_program(HQ, G, n_splits, BLOCK_S)
-    rd = tl.arange(0, D)
-    rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
-    parts = tl.load(rows, mask=s_ok[:, None], other=0.0)
-    if SCALED:
-        scale = tl.load(vs_ptr + hk * D + rd)
-    else:
-        scale = tl.full((D,), 1.0, tl.float32)
-    tl.debug_barrier()  # keeps the compiler from moving these loads after the weights' (see split_weights)
-    w, total = split_weights(pl_ptr, bh, rs, s_ok, n_splits)
-    o = tl.sum(w[:, None] * parts, 0) / total * scale
-    tl.store(out_ptr + b * so_b + h * so_h + rd, o.to(out_ptr.dtype.element_ty))
+    merge_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, bh, b, h, hk, n_splits, so_b, so_h, BLOCK_S, D, SCALED)
     if ADVANCE:
         if bh == 0:  # every partial program has read the length: the partial kernel has finished
             tl.store(len_ptr, tl.load(len_ptr) + 1)

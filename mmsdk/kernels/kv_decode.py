@@ -201,7 +201,8 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
                      scaling: float, mask: torch.Tensor | None = None,
                      config: tuple[int, ...] | None = None, variant: str | None = None,
                      append: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     merge_counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, 1, D] over the first ``length`` cached tokens: ``[B, 1, Hq, D]``.
 
     ``mask`` (optional, [B, L] with L >= length, nonzero = attend) drops padded tokens. ``variant``
@@ -217,11 +218,18 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     ``rope`` (cos, sin ``[B, 1, D]``, or ``[1, 1, D]`` for every row) says that ``query`` and the appended K are not
     rotated yet: the "subnormal" and "generic" kernels rotate them as they load them (rotate-half RoPE, rounded as
     the RoPE kernel rounds), which saves the step a RoPE launch; "magic" rotates them first (one RoPE kernel).
+
+    ``merge_counters`` (int32 zeros, at least ``B * H_kv + 1``; variant "subnormal" only): the partial kernel merges
+    the splits itself, the last program of each head merging them, instead of a combine kernel (one launch fewer),
+    and leaves the counters at zero for the next call. Not the default: its speed in a decode step is unmeasured.
     """
     from mmsdk.kernels import _kv_grouped_triton, _kv_triton
 
     b, hq, _, d = query.shape
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
+    if merge_counters is not None and variant != "subnormal":
+        raise ValueError(f"merge_counters: only variant 'subnormal' merges its splits itself (this call takes "
+                         f"{variant!r}); pass merge_counters=None")
     if rope is not None:
         rope = _rope_rows(rope, b, d)
         if variant == "magic" or (append is not None and append[0].shape[-2] != 1):
@@ -234,7 +242,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         append = None
     if variant != "generic":
         return _decode_int4_words(query, key_codes, value_codes, key_scale, value_scale, length, scaling, mask,
-                                  config, variant, append, rope_args)
+                                  config, variant, append, rope_args, merge_counters)
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
@@ -274,9 +282,11 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
                        key_scale: torch.Tensor, value_scale: torch.Tensor, length: torch.Tensor, scaling: float,
                        mask: torch.Tensor | None, config: tuple[int, ...] | None,
                        variant: str, append: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       rope_args: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-    """Flash-decoding over int4 codes read as int32 words (8 channels per load element); ``append`` and the RoPE
-    rows ``rope_args`` (cos, sin, batch stride; variant "subnormal" only) as in :func:`decode_attention`."""
+                       rope_args: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                       merge_counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Flash-decoding over int4 codes read as int32 words (8 channels per load element); ``append``, the RoPE
+    rows ``rope_args`` (cos, sin, batch stride) and ``merge_counters`` (variant "subnormal" only) as in
+    :func:`decode_attention`."""
     from mmsdk.kernels import _kv_triton
 
     b, hq, _, d = query.shape
@@ -295,11 +305,18 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         from mmsdk.kernels import _kv_subnormal_triton
 
         new_key, new_value = _new_token(append, query)
+        merge = merge_counters is not None
+        if merge:
+            _check_counters(merge_counters, b * h_kv + 1, query.device)
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
-            new_value.stride(1), *(rope_args or _no_rope(query)), HAS_MASK=mask is not None, BLOCK_T=launch.block_t,
+            new_value.stride(1), *(rope_args or _no_rope(query)), out, out.stride(0), out.stride(2),
+            merge_counters if merge else lse, HAS_MASK=mask is not None, BLOCK_T=launch.block_t,
             W=d // 8, PREFETCH=launch.prefetch, APPEND=append is not None, ROPE=rope_args is not None,
-            FOLD=launch.fold, KDOT=launch.kdot, ASM=not interpreting(), STAGES=launch.stages, num_warps=launch.warps)
+            FOLD=launch.fold, KDOT=launch.kdot, ASM=not interpreting(), STAGES=launch.stages, MERGE=merge,
+            BLOCK_S=_pow2(n_splits), PDL=pdl_ready(query), num_warps=launch.warps)
+        if merge:
+            return out
     elif append is not None or rope_args is not None:
         raise ValueError(f"decode variant {variant!r} cannot append or rotate the new token itself: call append_kv "
                          "(and the RoPE op) first")
@@ -315,6 +332,14 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         num_warps=4 if d >= 64 else 1,
     )
     return out
+
+
+def _check_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
+    """``merge_counters`` must be int32 zeros on the query's device, one per (batch, KV head) and one more."""
+    if counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed \
+            or not counters.is_contiguous():
+        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them "
+                         f"(batch * KV heads + 1); got {counters.dtype} x {counters.numel()} on {counters.device}")
 
 
 def _no_rope(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
