@@ -22,9 +22,14 @@ import argparse
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's root
+
+from benchmarks._aot import aot_signature  # noqa: E402
 
 FORMATS = {0: ("int4", "*u8"), 1: ("int8", "*i8"), 2: ("fp8", "*fp8e4nv")}
 POINTERS = {"q_ptr": "*fp16", "ks_ptr": "*fp32", "len_ptr": "*i64", "mask_ptr": "*fp32", "po_ptr": "*fp32",
@@ -55,7 +60,7 @@ def compiled_resources(kernel: Any, signature: dict[str, str], constants: dict[s
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {name: "constexpr" if name in constants else signature[name] for name in kernel.arg_names}
+    signature, constants = aot_signature(kernel, constants, signature)
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": 2})
     with tempfile.TemporaryDirectory() as folder:

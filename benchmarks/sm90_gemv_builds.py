@@ -23,9 +23,14 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's root
+
+from benchmarks._aot import aot_signature  # noqa: E402
 
 TILES = [(32, 16, 4), (16, 64, 4), (16, 32, 2), (8, 128, 4), (8, 128, 2), (16, 64, 2), (8, 64, 2), (4, 64, 1),
          (8, 32, 1), (4, 128, 1), (8, 64, 1), (2, 128, 1)]  # (rows, quads of 4 words, warps)
@@ -96,7 +101,7 @@ def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, 
     from triton.compiler import ASTSource
 
     names = kernel.arg_names  # type: ignore[attr-defined]
-    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    signature, constants = aot_signature(kernel, constants, pointers)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in constants and (n.endswith("_ptr") or n in ("KW", "K_in", "N", "stride_xm"))
                and pointers.get(n) != "fp32"}

@@ -25,9 +25,10 @@ def _compile(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any], 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from benchmarks._aot import aot_signature
+
     names = list(inspect.signature(kernel.fn).parameters)
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name in floats else "i32")
-                 for name in names}
+    signature, constexprs = aot_signature(kernel, constexprs, {**{name: "fp32" for name in floats}, **pointers})
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
     try:
@@ -48,17 +49,42 @@ def test_grouped_decode_kernel_compiles(dim, block_g, mask):
              {"D": dim, "HAS_MASK": mask, "BLOCK_G": block_g, "BLOCK_T": 64, "PDL": True}, floats=("qk_scale",))
 
 
-@pytest.mark.parametrize("fmt,codes,use_dot", [(0, "*u8", True), (0, "*u8", False), (1, "*i8", True),
-                                               (2, "*fp8e4nv", True)])
-def test_packed_decode_kernel_compiles(fmt, codes, use_dot):
+# int8 / fp8 codes as the library launches them (channel pairs, even head_dim) and byte by byte (odd head_dim)
+@pytest.mark.parametrize("fmt,codes,use_dot,pairs", [(0, "*u8", True, False), (0, "*u8", False, False),
+                                                     (1, "*i8", True, True), (1, "*i8", False, True),
+                                                     (1, "*i8", True, False), (2, "*fp8e4nv", True, True),
+                                                     (2, "*fp8e4nv", False, True), (2, "*fp8e4nv", True, False)])
+def test_packed_decode_kernel_compiles(fmt, codes, use_dot, pairs):
     from mmsdk.kernels import _kv_grouped_triton
 
     pointers = {"q_ptr": "*bf16", "kc_ptr": codes, "vc_ptr": codes, "ks_ptr": "*fp32", "len_ptr": "*i64",
                 "mask_ptr": "*i1", "po_ptr": "*fp32", "pl_ptr": "*fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
                 "vs_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
     constexprs = {"FMT": fmt, "HAS_MASK": True, "USE_DOT": use_dot, "BLOCK_G": 16 if use_dot else 2, "BLOCK_T": 128,
-                  "BLOCK_HD": 64, "APPEND": True, "ROPE": True, "V_AHEAD": use_dot, "ASM": True, "PDL": True}
+                  "BLOCK_HD": 64, "APPEND": True, "ROPE": True, "V_AHEAD": use_dot, "ASM": True, "PDL": True,
+                  "PAIRS": pairs}
     _compile(_kv_grouped_triton.decode_partial, pointers, constexprs, floats=("qk_scale",))
+
+
+@pytest.mark.parametrize("fmt,codes,pairs", [(1, "*i8", True), (2, "*fp8e4nv", True), (1, "*i8", False)])
+def test_code_dequantization_kernel_compiles(fmt, codes, pairs):
+    from mmsdk.kernels import _kv_triton
+
+    pointers = {"c_ptr": codes, "s_ptr": "*fp32", "out_ptr": "*bf16"}
+    _compile(_kv_triton.dequantize, pointers, {"FMT": fmt, "BLOCK_T": 64, "BLOCK_HD": 64, "PAIRS": pairs})
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_mha_decode_kernel_compiles(merge):
+    """The int4 MHA kernel of a decode step (appends and rotates its token), merging its own splits or not."""
+    from mmsdk.kernels import _kv_subnormal_triton
+
+    pointers = {"q_ptr": "*bf16", "kc_ptr": "*i32", "vc_ptr": "*i32", "ks_ptr": "*fp32", "len_ptr": "*i64",
+                "mask_ptr": "*i1", "po_ptr": "*fp32", "pl_ptr": "*fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
+                "vs_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32"}
+    constexprs = {"HAS_MASK": True, "BLOCK_T": 64, "W": 16, "APPEND": True, "ROPE": True, "FOLD": True, "KDOT": True,
+                  "ASM": True, "STAGES": 3, "MERGE": merge, "BLOCK_S": 16, "PDL": True}
+    _compile(_kv_subnormal_triton.decode_partial_int4_subnormal_mha, pointers, constexprs, floats=("qk_scale",))
 
 
 @pytest.mark.parametrize("scaled", [True, False])

@@ -281,9 +281,13 @@ def test_subnormal_kernel_merges_its_own_splits(device):
     with pytest.raises(ValueError, match="int32 zeros"):
         decode_attention(query, *codes, *scales, count_ours, "int4", dim**-0.5, variant="subnormal",
                          merge_counters=torch.zeros(2, dtype=torch.int32, device=device))
-    with pytest.raises(ValueError, match="only variant 'subnormal'"):
-        decode_attention(query, *codes, *scales, count_ours, "int4", dim**-0.5, variant="magic",
-                         merge_counters=counters)
+    # the other variants merge with the combine kernel and leave the counters alone
+    counters[0] = 5
+    merged = decode_attention(query, *codes, *scales, count_ours, "int4", dim**-0.5, variant="magic",
+                              merge_counters=counters)
+    assert torch.equal(merged, decode_attention(query, *codes, *scales, count_ours, "int4", dim**-0.5,
+                                                variant="magic"))
+    assert int(counters[0]) == 5 and int(counters[1:].abs().sum()) == 0
 
 
 def _byte_codes(fmt, shape, device):
@@ -387,6 +391,12 @@ def test_packed_layer_lets_attention_append_a_decode_token(device, monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(deferred, direct, strict=True))
     assert torch.equal(a.key_codes, b.key_codes) and torch.equal(a.value_codes, b.value_codes)
     assert int(a.length) == int(b.length) == 8 and a._pending is None
+    # MMSDK_KV_MERGE=1: the kernel merges its own splits with the layer's counters (one per head and one more)
+    monkeypatch.setenv("MMSDK_KV_MERGE", "1")
+    merged, c = run(True)
+    assert all(_rel(x, y) < 1e-6 for x, y in zip(merged, deferred, strict=True))
+    assert torch.equal(c.key_codes, a.key_codes) and int(c.length) == 8
+    assert c.merge_counters.shape == (3,) and not c.merge_counters.any()
 
 
 def test_packed_layer_lets_attention_rotate_a_decode_step(device):

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms", "l2_spill_copies",
-           "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
+__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms",
+           "kv_merge_enabled", "l2_spill_copies", "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled",
+           "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -37,6 +38,9 @@ PDL_ENV = "MMSDK_PDL"  # "0" turns programmatic dependent launch off (to measure
 # "0" makes kernel tuners take their first candidate instead of timing them all: correctness runs (tests) then compile
 # one configuration per problem, not every candidate (minutes on a fresh machine)
 TUNE_ENV = "MMSDK_TUNE"
+# "1" has the packed cache's int4 MHA decode kernel merge its own splits instead of launching a combine kernel
+# (kv_decode.decode_attention's merge_counters): off until a decode step has been timed with it
+KV_MERGE_ENV = "MMSDK_KV_MERGE"
 
 
 @cache
@@ -57,6 +61,11 @@ def interpreting() -> bool:
 def timing_enabled() -> bool:
     """False when tuners must take their first candidate untimed: under the interpreter or with ``MMSDK_TUNE=0``."""
     return not interpreting() and os.environ.get(TUNE_ENV, "1") != "0"
+
+
+def kv_merge_enabled() -> bool:
+    """True with ``MMSDK_KV_MERGE=1`` (see :data:`KV_MERGE_ENV`)."""
+    return os.environ.get(KV_MERGE_ENV, "0") == "1"
 
 
 def triton_ready(*tensors: torch.Tensor) -> bool:

@@ -219,17 +219,16 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     rotated yet: the "subnormal" and "generic" kernels rotate them as they load them (rotate-half RoPE, rounded as
     the RoPE kernel rounds), which saves the step a RoPE launch; "magic" rotates them first (one RoPE kernel).
 
-    ``merge_counters`` (int32 zeros, at least ``B * H_kv + 1``; variant "subnormal" only): the partial kernel merges
-    the splits itself, the last program of each head merging them, instead of a combine kernel (one launch fewer),
-    and leaves the counters at zero for the next call. Not the default: its speed in a decode step is unmeasured.
+    ``merge_counters`` (int32 zeros, at least ``B * H_kv + 1``): variant "subnormal" merges its splits in its own
+    launch, the last program of each head merging them, instead of a combine kernel (one launch fewer), and leaves
+    the counters at zero for the next call; the other variants merge with the combine kernel and leave them alone.
+    Not the default (the packed cache passes them with ``MMSDK_KV_MERGE=1``): its speed in a decode step is
+    unmeasured.
     """
     from mmsdk.kernels import _kv_grouped_triton, _kv_triton
 
     b, hq, _, d = query.shape
     variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
-    if merge_counters is not None and variant != "subnormal":
-        raise ValueError(f"merge_counters: only variant 'subnormal' merges its splits itself (this call takes "
-                         f"{variant!r}); pass merge_counters=None")
     if rope is not None:
         rope = _rope_rows(rope, b, d)
         if variant == "magic" or (append is not None and append[0].shape[-2] != 1):

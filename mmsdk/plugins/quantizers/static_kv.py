@@ -77,6 +77,7 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.length: torch.Tensor | None = None  # device int64 [1]: tokens stored
         self.key_scale: torch.Tensor | None = None  # fp32 [heads, head_dim] on the cache's device
         self.value_scale: torch.Tensor | None = None
+        self.merge_counters: torch.Tensor | None = None  # int32 [B * heads + 1], see lazy_initialization
         self.unpadded = False  # set by callers that know no row is padded: decode steps then take no mask
         # a decode step's new K/V, kept by update() for attend(), whose kernel writes them into the cache
         # and advances the length (one launch and one increment less per layer); anything else that reads the
@@ -96,6 +97,8 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.length = torch.zeros(1, dtype=torch.int64, device=device)
         self.key_scale = self.key_codec.scale.to(device).expand(heads, dim).contiguous()
         self.value_scale = self.value_codec.scale.to(device).expand(heads, dim).contiguous()
+        # for a decode kernel that merges its own splits (MMSDK_KV_MERGE=1); zeros, left at zero by every launch
+        self.merge_counters = torch.zeros(batch * heads + 1, dtype=torch.int32, device=device)
         self._markers = (torch.empty(0), torch.empty(0))
         for marker in self._markers:
             # weakly: a strong reference would make layer and markers a cycle that only the garbage
@@ -246,6 +249,7 @@ class PackedStaticLayer(QuantizedKVLayer):
 
     def attend(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor:
         """Decode attention of ``query`` [B, Hq, 1, D] over the stored tokens: ``[B, 1, Hq, D]``."""
+        from mmsdk.kernels import kv_merge_enabled
         from mmsdk.kernels.kv_decode import decode_attention
 
         if self._rope is not None:
@@ -254,7 +258,8 @@ class PackedStaticLayer(QuantizedKVLayer):
         rope, self._rope = self._rope, None  # the kernel rotates q (and the kept token) as it loads them
         return decode_attention(query, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
                                 self.length, self.fmt, scaling, mask, append=pending,
-                                rope=(rope.cos, rope.sin) if rope is not None else None)
+                                rope=(rope.cos, rope.sin) if rope is not None else None,
+                                merge_counters=self.merge_counters if kv_merge_enabled() else None)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -285,3 +290,5 @@ class PackedStaticLayer(QuantizedKVLayer):
         self._flush()
         if self.key_codes is not None and self.value_codes is not None:
             self.key_codes, self.value_codes = fn(self.key_codes).contiguous(), fn(self.value_codes).contiguous()
+            batch, heads = self.key_codes.shape[:2]
+            self.merge_counters = torch.zeros(batch * heads + 1, dtype=torch.int32, device=self.key_codes.device)
