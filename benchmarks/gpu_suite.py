@@ -287,7 +287,7 @@ def compiled_kernels() -> list[dict[str, Any]]:
 
 # (BLOCK_T, num_warps, target programs, num_stages, V loaded with K) of the generic decode kernel, tried on int8 and
 # fp8 codes next to their defaults: the first three are int4's defaults (long, short, middle caches), which int8 and
-# fp8 took before their tiles were halved for the registers' sake (kv_decode._generic_config)
+# fp8 took before their tiles were halved for the registers' sake (kv_decode_choice.generic_config)
 KV_BYTE_CONFIGS = ((128, 4, 264, 2, 1), (128, 8, 264, 2, 1), (256, 8, 264, 2, 1), (128, 4, 264, 2, 0),
                    (64, 4, 264, 2, 0), (64, 4, 528, 2, 0), (32, 4, 528, 2, 0), (64, 8, 264, 2, 0))
 

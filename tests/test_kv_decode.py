@@ -303,12 +303,13 @@ def _byte_codes(fmt, shape, device):
 def test_byte_codes_match_reference(device, fmt):
     """int8 / fp8 codes in the generic kernel, read as 16-bit channel pairs (even head_dim) or byte by byte (odd),
     on grouped-query heads (tensor cores) and on MHA heads, against the fp64 reference."""
-    from mmsdk.kernels.kv_decode import _byte_pairs, decode_attention, reference_decode_attention
+    from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
+    from mmsdk.kernels.kv_decode_choice import byte_pairs
 
     torch.manual_seed(3)
     for hq, hkv, dim in ((8, 2, 64), (8, 2, 34), (8, 2, 33), (2, 2, 64), (3, 3, 33)):
         codes = [_byte_codes(fmt, (1, hkv, 48, dim), device) for _ in range(2)]
-        assert _byte_pairs(*codes, fmt, dim) == (dim % 2 == 0)
+        assert byte_pairs(*codes, fmt, dim) == (dim % 2 == 0)
         scales = [torch.rand(hkv, dim, device=device) * 0.02 + 0.005 for _ in range(2)]
         query = torch.randn(1, hq, 1, dim, device=device)
         count = torch.tensor([45], device=device)
@@ -467,18 +468,18 @@ def test_word_launch_defaults_follow_the_cache_size():
     assert word_launch((16, 1, 8, None, 1, 0, 0), "subnormal", 1, 100) == WordLaunch(16, 1, 8, 4, True, False, False)
     assert word_launch(None, "magic", 2, 100) == WordLaunch(32, 2, 1056, None, False, False, False)
     assert word_launch((64, 4, 8, 2), "magic", 4, 100) == WordLaunch(64, 4, 8, 2, False, False, False)
-    from mmsdk.kernels.kv_decode import _generic_config
+    from mmsdk.kernels.kv_decode_choice import generic_config
 
     # the generic kernel on grouped-query heads: 8 warps up to 4k slots, 256-token tiles from 2k, 4 warps beyond 4k
-    assert _generic_config(None, True, False, 1280) == ((128, 8, 264, 2), True)
-    assert _generic_config(None, True, False, 4096) == ((256, 8, 264, 2), True)
-    assert _generic_config(None, True, False, 16384) == ((128, 4, 264, 2), True)
-    assert _generic_config((64, 4, 8, None, False), True, False, 4096) == ((64, 4, 8, 2), False)
+    assert generic_config(None, True, False, 1280) == ((128, 8, 264, 2), True)
+    assert generic_config(None, True, False, 4096) == ((256, 8, 264, 2), True)
+    assert generic_config(None, True, False, 16384) == ((128, 4, 264, 2), True)
+    assert generic_config((64, 4, 8, None, False), True, False, 4096) == ((64, 4, 8, 2), False)
     # int8 / fp8 codes: half the tokens per tile on the tensor cores (the same code bytes as int4's tile), unless set
-    assert _generic_config(None, True, False, 1280, byte_codes=True) == ((64, 8, 264, 2), True)
-    assert _generic_config(None, True, False, 16384, byte_codes=True) == ((64, 4, 264, 2), True)
-    assert _generic_config((128, 4, 264), True, False, 16384, byte_codes=True) == ((128, 4, 264, 2), True)
-    assert _generic_config(None, False, True, 1280, byte_codes=True) == _generic_config(None, False, True, 1280)
+    assert generic_config(None, True, False, 1280, byte_codes=True) == ((64, 8, 264, 2), True)
+    assert generic_config(None, True, False, 16384, byte_codes=True) == ((64, 4, 264, 2), True)
+    assert generic_config((128, 4, 264), True, False, 16384, byte_codes=True) == ((128, 4, 264, 2), True)
+    assert generic_config(None, False, True, 1280, byte_codes=True) == generic_config(None, False, True, 1280)
     too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
     for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):
         with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):

@@ -34,12 +34,12 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ([B, L >= T] nonzero = attend, or None) keeps: ``[B, 1, Hq, D]`` in the query's dtype. CUDA (or Triton's
     interpreter); the inputs as :func:`takes` describes them."""
     from mmsdk.kernels import _grouped_decode_triton, _kv_triton, pdl_ready
-    from mmsdk.kernels.kv_decode import _pow2, _splits
+    from mmsdk.kernels.kv_decode_choice import pow2, splits
 
     batch, heads, _, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     group = heads // kv_heads
-    n_splits, split_t = _splits(batch * kv_heads, slots, block_t)
+    n_splits, split_t = splits(batch * kv_heads, slots, block_t)
     partial = torch.empty(batch * heads * n_splits * dim, device=query.device, dtype=torch.float32)
     lse = torch.empty(batch * heads * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(batch, 1, heads, dim, device=query.device, dtype=query.dtype)
@@ -48,11 +48,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, mask if mask is not None else lse, partial, lse, query.stride(0), query.stride(1),
         mask.stride(0) if mask is not None else 0, mask.shape[-1] if mask is not None else 0, kv_heads, group, slots,
         split_t, float(scaling) * _kv_triton.LOG2E, D=dim, HAS_MASK=mask is not None,
-        BLOCK_G=max(16, _pow2(group)), BLOCK_T=block_t, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        BLOCK_G=max(16, pow2(group)), BLOCK_T=block_t, PDL=pdl, launch_pdl=pdl, num_warps=warps,
         num_stages=stages)
     _kv_triton.decode_combine_natural[(batch * heads,)](  # lse stands in for V's scales and the count: not read
         partial, lse, lse, out, heads, group, n_splits, out.stride(0), out.stride(2), lse,
-        BLOCK_S=_pow2(n_splits), D=dim, PDL=pdl, SCALED=False, num_warps=4 if dim >= 64 else 1)
+        BLOCK_S=pow2(n_splits), D=dim, PDL=pdl, SCALED=False, num_warps=4 if dim >= 64 else 1)
     return out
 
 

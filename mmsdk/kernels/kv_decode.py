@@ -8,7 +8,8 @@ of valid tokens lives in a device tensor, so a CUDA graph replays the same launc
 :func:`decode_attention` is flash-decoding: the sequence is cut into splits, one program per
 (batch, KV head, split) loads each K/V tile once for all the query heads of its group (GQA),
 dequantizes it in registers (K's scale is folded into q, V's into the output) and keeps an online
-softmax; a second kernel merges the splits. No full-precision copy of the cache is ever made.
+softmax; a second kernel merges the splits. No full-precision copy of the cache is ever made. Which kernel a call
+takes, its tiles and its splits: :mod:`mmsdk.kernels.kv_decode_choice`.
 
 :func:`attention_implementation` registers, under a name of its own in transformers' attention
 registry, a function that runs this kernel when the cache layer hands it a packed marker instead
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
-from mmsdk.kernels.kv_word_config import TARGET_PROGRAMS as _TARGET_PROGRAMS
+from mmsdk.kernels.kv_decode_choice import (VARIANTS, byte_pairs, ceil_div, generic_config, pick_variant, pow2, splits,
+                                            words_ready)
 from mmsdk.kernels.kv_word_config import word_launch
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
@@ -32,14 +34,6 @@ FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
 _PREFIX = "mmsdk_packed_kv_"
 # dequantized K + V bytes of one group of heads in a packed prefill (see _prefill_by_heads)
 PREFILL_GROUP_BYTES = 64 << 20
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
@@ -54,7 +48,7 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, v
     _kv_triton.append[(b * h, n)](
         key, value, key_codes, value_codes, key_scale, value_scale, length, h, key_codes.shape[2], d, half,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        FMT=FORMATS[fmt], BLOCK_HD=_pow2(half), num_warps=1,
+        FMT=FORMATS[fmt], BLOCK_HD=pow2(half), num_warps=1,
     )
 
 
@@ -79,121 +73,13 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt: str, length:
         return out
     block_t = 64
     half = width if fmt == "int4" else (dim + 1) // 2
-    pairs = _byte_pairs(codes, codes, fmt, dim)
-    _kv_triton.dequantize[(b * h, _ceil_div(length, block_t))](
+    pairs = byte_pairs(codes, codes, fmt, dim)
+    _kv_triton.dequantize[(b * h, ceil_div(length, block_t))](
         codes, scale.contiguous(), out, h, t_max, codes.stride(0) // width, length, dim,
         width if fmt == "int4" else dim // 2 if pairs else dim, out.stride(0), out.stride(1), out.stride(2),
-        FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=_pow2(half), PAIRS=pairs, num_warps=4,
+        FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=pow2(half), PAIRS=pairs, num_warps=4,
     )
     return out
-
-
-def _splits(rows: int, t_max: int, block_t: int, target: int = _TARGET_PROGRAMS) -> tuple[int, int]:
-    """(number of splits, tokens per split) so that about ``target`` programs cover ``t_max``."""
-    wanted = max(1, min(_ceil_div(t_max, block_t), _ceil_div(target, rows)))
-    split_t = _ceil_div(_ceil_div(t_max, wanted), block_t) * block_t
-    return _ceil_div(t_max, split_t), split_t
-
-
-def _words_ready(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d: int) -> bool:
-    """True when int4 codes can be read as int32 words (head_dim a power of two >= 16, aligned rows)."""
-    return (fmt == "int4" and d >= 16 and d & (d - 1) == 0 and key_codes.shape[-1] * 2 == d
-            and all(c.is_contiguous() and c.data_ptr() % 4 == 0 for c in (key_codes, value_codes)))
-
-
-# Decode kernels for int4 codes that read as int32 words: "subnormal" (MHA only, _kv_subnormal_triton.py: K
-# scored by integer dot products, V's nibbles decoded as subnormal floats, per-thread V sums, lazy rescaling; launch
-# defaults in kv_word_config.py) and "magic" (nibbles OR-ed into 2**23, V reduced every tile); "generic" is the byte
-# kernel every format can use.
-VARIANTS = ("subnormal", "magic", "generic")
-
-
-def _byte_pairs(key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str, d: int) -> bool:
-    """True when int8 / fp8 codes can be read as 16-bit channel pairs: an even head_dim, rows of ``d`` contiguous
-    codes, 2-byte aligned. Read byte by byte, every other one per load, decode attention over Mllama's image K/V
-    (6404 tokens, 32 / 8 heads) took 87 µs on an H200 against 13 µs as pairs (int4: 10 µs;
-    benchmarks/results/h200_kv_formats_pairs.json)."""
-    return (fmt != "int4" and d % 2 == 0 and key_codes.shape[-1] == d
-            and all(c.stride(-1) == 1 and c.stride(-2) == d and c.data_ptr() % 2 == 0
-                    for c in (key_codes, value_codes)))
-
-
-def _pick_variant(variant: str | None, words: bool, group: int) -> str:
-    """The kernel to run: ``variant`` if these inputs allow it, else the default for these inputs.
-
-    Defaults: "subnormal" for MHA words; "magic" for groups of 2 and "generic" (tensor cores) for larger
-    groups. "subnormal" is MHA only: a GQA version on [BLOCK_G, BLOCK_T, W] tiles went through shared
-    memory and measured 2.7x slower than "generic" on an H200 (Qwen2-VL-7B heads), so it was dropped.
-    """
-    if variant is not None and variant not in VARIANTS:
-        raise ValueError(f"decode variant {variant!r} is not one of {VARIANTS}; pass one of them or None")
-    if variant is not None and variant != "generic" and not words:
-        raise ValueError(f"decode variant {variant!r} needs int4 codes readable as int32 words (head_dim a power "
-                         "of two >= 16, contiguous codes); pass variant='generic' or None")
-    if variant == "subnormal" and group != 1:
-        raise ValueError(f"decode variant 'subnormal' needs one KV head per query head (got groups of {group}); "
-                         "pass variant='magic', 'generic' or None")
-    if variant is not None:
-        return variant
-    if not words or group >= 3:
-        return "generic"
-    return "subnormal" if group == 1 else "magic"
-
-
-# Caches of up to these many slots take the generic kernel's short- and middle-cache defaults (see _generic_config).
-_GENERIC_SHORT_CACHE = 2048
-_GENERIC_MIDDLE_CACHE = 4096
-
-
-def _generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool,
-                    t_max: int, byte_codes: bool = False) -> tuple[tuple[int, int, int, int], bool]:
-    """((BLOCK_T, num_warps, target programs, num_stages), V loaded with K) of the generic kernel: ``config``, the rest
-    from defaults. With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
-    fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
-    64-token tiles; benchmarks/gpu_kernel_sweeps.py gqa), each tile's V codes loaded with its K codes (7.79 / 8.71 /
-    15.09 µs at 1280 / 4k / 16k tokens against 7.87 / 8.88 / 15.56 with V loaded after the softmax). Up to 4k cache
-    slots 8 warps: in Qwen2-VL-7B's decode step (1280 slots, benchmarks/gpu_decode_reuse.py --search-attention)
-    2.077 against 2.089 ms for 4 warps with V after the softmax; alone 7.56 µs at 1280 tokens, as fast as 4 warps
-    at 4k (8.76 against 8.71) and slower at 16k (17.07 against 15.09), so longer caches keep 4 warps. With fp16
-    operands the step kept 8 warps (2.061 against 2.085 ms, no PDL); with PDL, alone, 4 warps were faster (5.64 / 7.99
-    against 5.80 / 8.62 µs at 1280 / 4k tokens; h200_kernel_sweeps_gqa_final.json), in the step not (2.004 against
-    1.996 / 1.999 ms; h200_step_qwen_table.json). Caches of 2k-4k slots: 256-token tiles on 8 warps, 7.02 against 8.59
-    µs for the short-cache default at 4k (h200_kernel_sweeps_gqa_stages.json; 7.07 against 8.62 in _gqa_final), but
-    6.76 against 5.80 at 1280 and 15.07 against 12.00 at 16k; between 2k and 4k not measured.
-
-    Those defaults were measured on int4 codes. ``byte_codes`` (int8, fp8: a byte per channel) halves the default
-    tile on the tensor cores. It was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported 600-930 bytes
-    of spills per thread with int4's tiles; read as channel pairs (:func:`_byte_pairs`) no tile tried spills on the
-    H200's Triton 3.6, and the halved and int4's tiles measured within 1 µs of each other (halved: 5.2 / 13.4 / 8.6 µs
-    at Mllama's 256 self slots, its 6404 image tokens and Qwen2-VL-7B's 4k; int4's: 5.6 / 12.7 / 8.7;
-    benchmarks/results/h200_kv_formats_pairs.json), so the halved tiles, which Mllama's decode step was timed with,
-    stay.
-    """
-    ahead = None
-    if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
-        config, ahead = config[:4], bool(config[4])
-    if use_dot and t_max <= _GENERIC_SHORT_CACHE:
-        default, v_ahead = (128, 8, _TARGET_PROGRAMS // 2, 2), True
-    elif use_dot and t_max <= _GENERIC_MIDDLE_CACHE:
-        default, v_ahead = (256, 8, _TARGET_PROGRAMS // 2, 2), True
-    elif use_dot:
-        default, v_ahead = (128, 4, _TARGET_PROGRAMS // 2, 2), True
-    else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
-        default, v_ahead = (64 if small_tile else 32, 4, _TARGET_PROGRAMS, 2), False
-    if use_dot and byte_codes:
-        default = (default[0] // 2, *default[1:])
-    block_t, warps, target, stages = _completed(config, default)
-    stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
-    return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
-
-
-def _completed(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
-    """``config`` (BLOCK_T, num_warps, target programs[, num_stages]) checked, missing entries from ``default``."""
-    if config is None:
-        return default
-    if not 3 <= len(config) <= 4:
-        raise ValueError(f"decode config {config!r}: pass (BLOCK_T, num_warps, target programs[, num_stages])")
-    return (*config, *default[len(config):])
 
 
 def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
@@ -228,7 +114,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     from mmsdk.kernels import _kv_grouped_triton, _kv_triton
 
     b, hq, _, d = query.shape
-    variant = _pick_variant(variant, _words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
+    variant = pick_variant(variant, words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
     if rope is not None:
         rope = _rope_rows(rope, b, d)
         if variant == "magic" or (append is not None and append[0].shape[-2] != 1):
@@ -245,19 +131,19 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     half = (d + 1) // 2
-    block_hd = _pow2(half)
+    block_hd = pow2(half)
     use_dot = group >= 3 and block_hd >= 16
-    block_g = max(16, _pow2(group)) if use_dot else _pow2(group)
-    (block_t, warps, target, stages), v_ahead = _generic_config(config, use_dot, block_g * block_hd <= 64, t_max,
+    block_g = max(16, pow2(group)) if use_dot else pow2(group)
+    (block_t, warps, target, stages), v_ahead = generic_config(config, use_dot, block_g * block_hd <= 64, t_max,
                                                                 byte_codes=fmt != "int4")
-    n_splits, split_t = _splits(b * h_kv, t_max, block_t, target)
+    n_splits, split_t = splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
     mask_arg = mask if mask is not None else lse
     new_key, new_value = _new_token(append, query)
     pdl = pdl_ready(query)
-    pairs = _byte_pairs(key_codes, value_codes, fmt, d)
+    pairs = byte_pairs(key_codes, value_codes, fmt, d)
     row_width = key_codes.shape[-1] if fmt == "int4" else d // 2 if pairs else d  # in loaded elements
     _kv_grouped_triton.decode_partial[(b * h_kv, n_splits)](
         query, key_codes, value_codes, key_scale, length, mask_arg, partial, lse,
@@ -271,7 +157,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     )
     _kv_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
-        BLOCK_S=_pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl, launch_pdl=pdl,
+        BLOCK_S=pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl, launch_pdl=pdl,
         num_warps=4 if block_hd >= 64 else 1,
     )
     return out
@@ -292,7 +178,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
     group = hq // h_kv
     launch = word_launch(config, variant, group, t_max)
-    n_splits, split_t = _splits(b * h_kv, t_max, launch.block_t, launch.target)
+    n_splits, split_t = splits(b * h_kv, t_max, launch.block_t, launch.target)
     partial = torch.empty(b * hq * n_splits * d, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
@@ -313,7 +199,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             merge_counters if merge else lse, HAS_MASK=mask is not None, BLOCK_T=launch.block_t,
             W=d // 8, PREFETCH=launch.prefetch, APPEND=append is not None, ROPE=rope_args is not None,
             FOLD=launch.fold, KDOT=launch.kdot, ASM=not interpreting(), STAGES=launch.stages, MERGE=merge,
-            BLOCK_S=_pow2(n_splits), PDL=pdl_ready(query), num_warps=launch.warps)
+            BLOCK_S=pow2(n_splits), PDL=pdl_ready(query), num_warps=launch.warps)
         if merge:
             return out
     elif append is not None or rope_args is not None:
@@ -322,12 +208,12 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     else:
         use_dot = group >= 3
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
-            *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, _pow2(group)) if use_dot else
-            _pow2(group), BLOCK_T=launch.block_t, W=d // 8, num_warps=launch.warps,
+            *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, pow2(group)) if use_dot else
+            pow2(group), BLOCK_T=launch.block_t, W=d // 8, num_warps=launch.warps,
             **({"num_stages": launch.stages} if launch.stages is not None else {}))
     _kv_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2), length,
-        BLOCK_S=_pow2(n_splits), D=d, PDL=pdl_ready(query), ADVANCE=append is not None,
+        BLOCK_S=pow2(n_splits), D=d, PDL=pdl_ready(query), ADVANCE=append is not None,
         num_warps=4 if d >= 64 else 1,
     )
     return out
