@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ATTRIBUTE", "CAPACITY_STEP", "DecodeState", "Step", "Watch", "capacity_for", "fits", "keep", "kept",
-           "release", "signature", "watched_objects"]
+__all__ = ["ATTRIBUTE", "CAPACITY_STEP", "DecodeState", "Step", "Watch", "cache_objects", "capacity_for", "fits",
+           "keep", "kept", "release", "signature", "step_objects", "watched_objects"]
 
 ATTRIBUTE = "_mmsdk_fast_generate_state"
 # capacities are rounded up to whole steps, so prompts of slightly different lengths share one cache
@@ -173,3 +173,21 @@ def watched_objects(kv_state: Any, modules: Iterable[nn.Module], override_attrs:
             objects.extend(t for t in module._parameters.values() if t is not None)
             objects.extend(t for t in module._buffers.values() if t is not None)
     return objects
+
+
+def cache_objects(model: nn.Module) -> list[Any]:
+    """What a kept cache was built for: the KV-cache pass's state, and the embedding weight (its dtype and device)."""
+    from mmsdk.plugins.quantizers.kv_runtime import installed_state
+
+    return [installed_state(model), getattr(model.get_input_embeddings(), "weight", None)]
+
+
+def step_objects(model: nn.Module, adapter: Any, cache: Any) -> list[Any]:
+    """What a captured decode step reads: the KV-cache pass's state, the embedding, language model and LM head, and
+    the image K/V ``cache`` holds for cross-attention layers (a prefill that had to allocate them anew stales it)."""
+    from mmsdk.kernels.cross_attention_decode import image_tensors
+    from mmsdk.plugins._forward import BODY_ATTR
+    from mmsdk.plugins.quantizers.kv_runtime import installed_state
+
+    modules = (adapter.language_model(model), model.get_input_embeddings(), adapter.lm_head(model))
+    return watched_objects(installed_state(model), modules, ("forward", BODY_ATTR)) + image_tensors(cache)

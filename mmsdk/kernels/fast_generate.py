@@ -52,13 +52,14 @@ from mmsdk.kernels.decode_state import (
     DecodeState,
     Step,
     Watch,
+    cache_objects,
     capacity_for,
     fits,
     keep,
     kept,
     release,
     signature,
-    watched_objects,
+    step_objects,
 )
 from mmsdk.kernels.fast_generate_scope import GENERATE_OPTIONS, Unsupported, new_tokens, unsupported_reason
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
@@ -86,8 +87,8 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
     """
     model.__dict__[_REFUSAL] = refusal
     state = kept(model)
-    if state is not None and (refusal or not state.watch.matches(_cache_objects(model)) or (
-            state.step is not None and not state.step.watch.matches(_step_objects(model, adapter, state.cache)))):
+    if state is not None and (refusal or not state.watch.matches(cache_objects(model)) or (
+            state.step is not None and not state.step.watch.matches(step_objects(model, adapter, state.cache)))):
         release(model)
     del state
     if getattr(model, ATTRIBUTE, None) is not None:
@@ -117,24 +118,6 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
 
     object.__setattr__(model, ATTRIBUTE, original)
     model.generate = generate  # type: ignore[method-assign]
-
-
-def _cache_objects(model: nn.Module) -> list[Any]:
-    """What a kept cache was built for: the KV-cache pass's state, and the embedding weight (its dtype and device)."""
-    from mmsdk.plugins.quantizers.kv_runtime import installed_state
-
-    return [installed_state(model), getattr(model.get_input_embeddings(), "weight", None)]
-
-
-def _step_objects(model: nn.Module, adapter: Any, cache: Any) -> list[Any]:
-    """What a captured decode step reads: the KV-cache pass's state, the embedding, language model and LM head, and
-    the image K/V ``cache`` holds for cross-attention layers (a prefill that had to allocate them anew stales it)."""
-    from mmsdk.kernels.cross_attention_decode import image_tensors
-    from mmsdk.plugins._forward import BODY_ATTR
-    from mmsdk.plugins.quantizers.kv_runtime import installed_state
-
-    modules = (adapter.language_model(model), model.get_input_embeddings(), adapter.lm_head(model))
-    return watched_objects(installed_state(model), modules, ("forward", BODY_ATTR)) + image_tensors(cache)
 
 
 def pick(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, pad: int,
@@ -219,7 +202,7 @@ class _Generator:
 
     def _state(self, needed: int) -> DecodeState:
         """The kept decode state with its cache reset when it serves ``needed`` tokens; else a new one."""
-        watched = _cache_objects(self.model)
+        watched = cache_objects(self.model)
         state = kept(self.model)
         if (state is not None and state.key == self._key() and fits(state.capacity, needed)
                 and state.watch.matches(watched)):
@@ -325,7 +308,7 @@ class _Generator:
         step, wanted, stream = state.step, (signature(seen), self.sampler, self.penalty), self.stream
         # the watch is read after this call's prefill and forward, which could have re-registered a buffer
         if (step is not None and step.signature == wanted
-                and step.watch.matches(_step_objects(self.model, self.adapter, state.cache))):
+                and step.watch.matches(step_objects(self.model, self.adapter, state.cache))):
             self._refill(step, state, seen, occurred)
             replays = self.new_tokens - 1  # no warm-up step: the first replay writes token 1
         else:
@@ -339,7 +322,7 @@ class _Generator:
                 if replays <= 0:
                     return
                 step.replay = self._capture(step.replay, side)
-            step.watch = Watch(_step_objects(self.model, self.adapter, state.cache))  # what the graph captured reads
+            step.watch = Watch(step_objects(self.model, self.adapter, state.cache))  # what the graph captured reads
             state.step = step
             if stream is not None and bool(state.finished.all()):
                 return  # every row ended at token 1, where transformers' loop stops (_generate ends the stream)
