@@ -261,7 +261,8 @@ def split_weights(pl_ptr, bh, rs, s_ok, n_splits, PAST_L1: tl.constexpr = False)
 
     The combine kernels load their partials and V's scales before calling this: every load of the kernel is then
     in flight at once, where loads written after the weights waited for them (one memory round trip each).
-    ``PAST_L1``: load past L1 (".cg"), for values other programs of the same kernel wrote.
+    ``PAST_L1``: load past L1 (".cg"), for values other programs of the same kernel wrote. (A flag, not the modifier
+    string as a constexpr: Triton 3.6 rejects strings passed between jit functions.)
     """
     if PAST_L1:
         lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
