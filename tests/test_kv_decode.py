@@ -388,12 +388,14 @@ def test_packed_layer_lets_attention_append_a_decode_token(device, monkeypatch):
         outs.append(layer.keys)  # another reader: the kept token is written first
         return outs, layer
 
+    # MMSDK_KV_MERGE=0: a combine kernel merges the kernel's splits
+    monkeypatch.setenv("MMSDK_KV_MERGE", "0")
     (deferred, a), (direct, b) = run(True), run(False)
     assert all(torch.equal(x, y) for x, y in zip(deferred, direct, strict=True))
     assert torch.equal(a.key_codes, b.key_codes) and torch.equal(a.value_codes, b.value_codes)
     assert int(a.length) == int(b.length) == 8 and a._pending is None
-    # MMSDK_KV_MERGE=1: the kernel merges its own splits with the layer's counters (one per head and one more)
-    monkeypatch.setenv("MMSDK_KV_MERGE", "1")
+    # by default the kernel merges its own splits with the layer's counters (one per head and one more)
+    monkeypatch.delenv("MMSDK_KV_MERGE")
     merged, c = run(True)
     assert all(_rel(x, y) < 1e-6 for x, y in zip(merged, deferred, strict=True))
     assert torch.equal(c.key_codes, a.key_codes) and int(c.length) == 8

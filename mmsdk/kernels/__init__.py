@@ -38,8 +38,8 @@ PDL_ENV = "MMSDK_PDL"  # "0" turns programmatic dependent launch off (to measure
 # "0" makes kernel tuners take their first candidate instead of timing them all: correctness runs (tests) then compile
 # one configuration per problem, not every candidate (minutes on a fresh machine)
 TUNE_ENV = "MMSDK_TUNE"
-# "1" has the packed cache's int4 MHA decode kernel merge its own splits instead of launching a combine kernel
-# (kv_decode.decode_attention's merge_counters): off until a decode step has been timed with it
+# "0" has the packed cache's int4 MHA decode kernel leave its splits to a combine kernel instead of merging them itself
+# (kv_decode.decode_attention's merge_counters), to measure what the merge buys
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
 
 
@@ -64,8 +64,8 @@ def timing_enabled() -> bool:
 
 
 def kv_merge_enabled() -> bool:
-    """True with ``MMSDK_KV_MERGE=1`` (see :data:`KV_MERGE_ENV`)."""
-    return os.environ.get(KV_MERGE_ENV, "0") == "1"
+    """False with ``MMSDK_KV_MERGE=0`` (see :data:`KV_MERGE_ENV`)."""
+    return os.environ.get(KV_MERGE_ENV, "1") != "0"
 
 
 def triton_ready(*tensors: torch.Tensor) -> bool:

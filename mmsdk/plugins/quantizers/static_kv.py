@@ -97,7 +97,7 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.length = torch.zeros(1, dtype=torch.int64, device=device)
         self.key_scale = self.key_codec.scale.to(device).expand(heads, dim).contiguous()
         self.value_scale = self.value_codec.scale.to(device).expand(heads, dim).contiguous()
-        # for a decode kernel that merges its own splits (MMSDK_KV_MERGE=1); zeros, left at zero by every launch
+        # the int4 MHA decode kernel merges its own splits with these (unless MMSDK_KV_MERGE=0); left at zero
         self.merge_counters = torch.zeros(batch * heads + 1, dtype=torch.int32, device=device)
         self._markers = (torch.empty(0), torch.empty(0))
         for marker in self._markers:
