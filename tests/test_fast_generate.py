@@ -67,11 +67,11 @@ def test_static_path_matches_transformers_greedy_on_cpu(name, passes, session, t
     assert torch.equal(got, expected)
 
 
-def _cross_attention_model(tiny, session, name, passes, device="cpu", dtype=torch.float32):
-    """A tiny cross-attention model with its language model's matrices redrawn (std 0.05, seeded) and its
-    cross-attention gates opened (tanh 0.995): at their own initialisation every answer is one token whatever the
-    image, which would hide a decode step that lost the image or its mask."""
-    loaded = tiny(name)
+def _cross_attention_model(tiny, session, name, passes, device="cpu", dtype=torch.float32, loaded=None):
+    """A tiny cross-attention model (``loaded``, else the tiny model ``name``) with its language model's matrices
+    redrawn (std 0.05, seeded) and its cross-attention gates opened (tanh 0.995): at their own initialisation every
+    answer is one token whatever the image, which would hide a decode step that lost the image or its mask."""
+    loaded = loaded or tiny(name)
     opt = Optimizer(loaded.model.to(device, dtype), loaded.processor, session=session)
     model, adapter = opt.model, opt.adapter
     vision = {id(p) for part in (adapter.vision_tower(model), adapter.projector(model)) if part is not None
@@ -983,31 +983,81 @@ def test_the_kept_step_holds_what_its_graph_reads_and_leaves_the_inputs_alone(na
     assert all(torch.equal(inputs[k], v) for k, v in originals.items())
 
 
-@pytest.mark.parametrize("passes", [("gated-xattn",), ("int4-kv",)])
-def test_a_refill_leaves_no_memo_keyed_on_the_step_inputs(passes, session, tiny, monkeypatch):
-    """IDEFICS projects its image K/V at every step, through a memo keyed on the input's storage (gated-xattn's
-    KVMemo, int4-kv's CrossKVMemo). A later call copies its image states into the kept step's own input tensors;
-    under inference mode that keeps their key, so the refill must leave every memo empty, whatever the prefill did."""
-    from mmsdk.plugins.tensor_keys import input_memos
+@pytest.mark.parametrize("passes", [(), ("gated-xattn",), ("int4-kv",)])
+def test_idefics_steps_project_their_image_states_once_per_call(passes, session, tiny, monkeypatch):
+    """IDEFICS's cross-attention layers project the image states at every forward. Fast generate's steps are handed
+    the products of the first step (mmsdk.kernels.step_projections), through whatever stands in for the projection
+    (gated-xattn's KVMemo, int4-kv's CrossKVMemo): one projection per K / V per call, however many steps. A later
+    call copies its image states into the kept step's own tensors (under inference mode they keep their memo keys);
+    the refill clears the memos and projects the new states once: its answers are transformers' for those images."""
+    from mmsdk.kernels.step_projections import recomputed_projections
 
     opt, inputs = _cross_attention_model(tiny, session, "tiny:idefics", passes)
-    model = opt.model
-    memos = input_memos(model)
-    assert memos, "the pass installs its memos"
-    refill, after_refill = _Generator._refill, []
+    model, projections = opt.model, recomputed_projections(opt.adapter, opt.model)
+    assert projections, "tiny IDEFICS has cross-attention layers that recompute their image K/V"
+    ran, weights, linear = [], [p.weight for p in projections], torch.nn.functional.linear
 
-    def watched_refill(self, step, *args):
-        refill(self, step, *args)
-        after_refill.append([memo.holding for memo in memos])
+    def counted(x, weight, *args, **kwargs):  # how often the projections really ran, under whatever stands in
+        ran.extend(1 for w in weights if w is weight)
+        return linear(x, weight, *args, **kwargs)
 
-    monkeypatch.setattr(_Generator, "_refill", watched_refill)
+    monkeypatch.setattr(torch.nn.functional, "linear", counted)
     first = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False).run()
-    assert not after_refill and any(memo.holding for memo in memos)  # the first call builds its step
-    other = tiny_inputs(opt.processor, QUESTIONS, seed=3)
+    step = kept(model).step
+    assert step.projections.computed == len(projections) and step.projections.holding
+    prefill = len(projections)  # the prompt's forward projects each once
+    assert len(ran) == prefill + len(projections), len(ran)  # and the steps once, not once per token
+    assert torch.equal(first, _greedy(model, inputs, 6))
+    other, ran[:] = tiny_inputs(opt.processor, QUESTIONS, seed=3), []
     again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 6}, graphs=False).run()
-    assert after_refill == [[False] * len(memos)]
-    assert torch.equal(again, _Generator(model, opt.adapter, {**other, "max_new_tokens": 6}, graphs=False).run())
-    assert not torch.equal(first, again)
+    projected = len(ran)
+    assert torch.equal(again, _greedy(model, other, 6)) and not torch.equal(first, again)
+    assert kept(model).step is step and step.projections.computed == 2 * len(projections)
+    assert projected == prefill + len(projections)  # the refill projects the refilled states once
+
+
+def _idefics_with_a_perceiver(tiny):
+    """Tiny IDEFICS with a perceiver resampler between its vision encoder and its cross-attention (as IDEFICS-9B)."""
+    from transformers import IdeficsConfig, IdeficsForVisionText2Text
+
+    from mmsdk.core.sources import LoadedModel
+
+    base = tiny("tiny:idefics")
+    perceiver = dict(use_resampler=True, resampler_n_latents=4, resampler_depth=2, resampler_n_heads=2,
+                     resampler_head_dim=8)
+    config = IdeficsConfig(**{**base.model.config.to_dict(), "use_resampler": True, "perceiver_config": perceiver})
+    torch.manual_seed(0)
+    model = IdeficsForVisionText2Text(config).eval()
+    model.generation_config = base.model.generation_config
+    with torch.no_grad():  # at its own initialisation the perceiver's output hardly depends on the image
+        for weight in model.model.perceiver_resampler.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0.0, 0.3)
+    return LoadedModel(model, base.processor, "tiny:idefics")
+
+
+@pytest.mark.parametrize("passes", [(), ("int4-kv",)])
+def test_idefics_with_a_perceiver_resamples_once_per_call(passes, session, tiny, monkeypatch):
+    """transformers' IDEFICS hands each decode step the vision encoder's states and runs its perceiver on them at
+    every step. Fast generate resamples them once after the prefill and hands the steps the perceiver's output: the
+    answers are transformers', with the perceiver run twice per call (the prefill, then once) however many tokens,
+    and the image K/V projected once for the steps, on the first call and on a refilled one."""
+    from mmsdk.kernels.step_projections import recomputed_projections
+
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:idefics", passes, loaded=_idefics_with_a_perceiver(tiny))
+    model = opt.model
+    perceiver, resampled = model.model.perceiver_resampler, []
+    perceiver.register_forward_hook(lambda *_: resampled.append(1))
+    first = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False).run()
+    assert len(resampled) == 2, len(resampled)
+    step, projections = kept(model).step, recomputed_projections(opt.adapter, model)
+    assert "perceiver_embeddings" in step.fixed and step.projections.computed == len(projections)
+    assert torch.equal(first, _greedy(model, inputs, 6))
+    other, resampled[:] = tiny_inputs(opt.processor, QUESTIONS, seed=3), []
+    again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 6}, graphs=False).run()
+    assert len(resampled) == 2 and kept(model).step is step
+    assert step.projections.computed == 2 * len(projections)
+    assert torch.equal(again, _greedy(model, other, 6)) and not torch.equal(first, again)
 
 
 def test_rows_that_end_early_are_padded_on_every_call(session, tiny):

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from mmsdk.kernels.step_projections import StepProjections
 
 __all__ = ["ATTRIBUTE", "CAPACITY_STEP", "DecodeState", "Step", "Watch", "cache_objects", "capacity_for", "fits",
            "keep", "kept", "release", "signature", "step_objects", "watched_objects"]
@@ -124,6 +126,9 @@ class Step:
     # the model's input memos (mmsdk.plugins.tensor_keys.InputMemo): a refill writes new values into the tensors an
     # eager step hands them, keeping their storage keys, so the refill clears them
     memos: tuple[Any, ...] = ()
+    # image K/V products the steps read instead of projecting the image states at every token (IDEFICS), refreshed
+    # by a refill (mmsdk.kernels.step_projections.StepProjections)
+    projections: StepProjections = field(default_factory=lambda: StepProjections([]))
 
 
 @dataclass(eq=False)

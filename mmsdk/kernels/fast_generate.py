@@ -66,6 +66,7 @@ from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
 from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import Sampler, choose_step
 from mmsdk.kernels.step_arguments import record_step_arguments
+from mmsdk.kernels.step_projections import StepProjections, recomputed_projections
 from mmsdk.kernels.streaming import TokenStream
 from mmsdk.plugins.tensor_keys import input_memos
 
@@ -290,13 +291,14 @@ class _Generator:
                                      self.adapter.decode_step_inputs(self.model, self.inputs, prefill_output))
 
     @contextmanager
-    def _step_scope(self, cache: Any) -> Iterator[None]:
+    def _step_scope(self, cache: Any, step: Step) -> Iterator[None]:
         """What decode steps (eager, warm-up, captured) run inside: cross-attention layers read their own image
-        layer's length, and grouped-query attention with a mask takes the kernel without copying K/V per head."""
+        layer's length, image K/V that a layer would project at every step are the step's kept products, and
+        grouped-query attention with a mask takes the kernel without copying K/V per head."""
         from mmsdk.kernels.cross_attention_decode import own_lengths_for_cross_attention
         from mmsdk.kernels.grouped_decode import grouped_decode_steps
 
-        with own_lengths_for_cross_attention(self.adapter, self.model, cache):
+        with own_lengths_for_cross_attention(self.adapter, self.model, cache), step.projections.standing_in():
             with grouped_decode_steps(self.adapter.text_config(self.model)):
                 yield
 
@@ -314,7 +316,7 @@ class _Generator:
         else:
             state.step = None  # a stale graph goes before another is captured
             step = self._build_step(state, seen, wanted, occurred)
-            with self._step_scope(state.cache):
+            with self._step_scope(state.cache, step):
                 side = self._warm_up(step.replay)
                 if stream is not None:
                     stream.hold(step.token)  # token 1
@@ -328,7 +330,7 @@ class _Generator:
                 return  # every row ended at token 1, where transformers' loop stops (_generate ends the stream)
         if stream is not None:
             stream.start()
-        with self._step_scope(state.cache):  # eager steps as captured ones
+        with self._step_scope(state.cache, step):  # eager steps as captured ones
             for i in range(replays):
                 step.replay()
                 if stream is not None:  # each step's tokens to the host, and transformers' stop
@@ -377,7 +379,8 @@ class _Generator:
             positions.add_(1)
 
         return Step(wanted, Watch([]), token, index, positions, fixed, run, occurred, body=run,
-                    memos=tuple(input_memos(self.model)))
+                    memos=tuple(input_memos(self.model)),
+                    projections=StepProjections(recomputed_projections(self.adapter, self.model)))
 
     def _refill(self, step: Step, state: DecodeState, seen: dict[str, Any], occurred: torch.Tensor | None) -> None:
         """This call's values into the kept step's inputs, in place (the graph reads their addresses)."""
@@ -397,6 +400,7 @@ class _Generator:
         # would be served the last call's image K/V (a captured one bypasses the memos)
         for memo in step.memos:
             memo.clear()
+        step.projections.refresh()  # the image K/V the steps read, from the refilled image states
 
     def _warm_up(self, step: Any) -> torch.cuda.Stream | None:
         """Run ``step`` once eagerly; on a side stream where a capture follows, as graph capture wants.

@@ -76,7 +76,14 @@ class IdeficsAdapter(ModelAdapter):
         transformers' generate passes them on (``IdeficsForVisionText2Text._update_model_kwargs_for_generation`` and
         ``prepare_inputs_for_generation``, which changed between transformers releases: both are followed)."""
         encoded = getattr(prefill_output, "image_outputs", None)
-        if encoded is not None:  # the encoder's states; the model resamples them again at every step
+        if encoded is not None and model.config.use_resampler:
+            # transformers hands every step the encoder's states, and the model runs its perceiver on them at every
+            # step; the resampled states are the same all call long: resampled once here (as the model would), the
+            # steps get what their cross-attention reads
+            states = encoded.last_hidden_state
+            inputs = {"perceiver_embeddings": model.model.perceiver_resampler(
+                states.flatten(0, 1) if states.dim() == 4 else states)}
+        elif encoded is not None:  # the encoder's states are what the cross-attention reads
             inputs = {"image_encoder_embeddings": encoded.last_hidden_state}
         else:  # releases whose output carries the states the cross-attention read
             states = getattr(prefill_output, "image_hidden_states", None)
