@@ -555,6 +555,28 @@ def test_cuda_graph_generate_of_cross_attention_models_matches_transformers(name
     scored(again, other)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("passes", [(), ("int4-kv",)])
+def test_cuda_graph_generate_of_idefics_laid_out_as_9b(passes, session, tiny, monkeypatch):
+    """IDEFICS as IDEFICS-9B (a perceiver, 2 extra tokens): the decode step is captured (its extra-token embedding
+    without a host sync), reads image K/V projected once per call from states resampled once, and answers as
+    transformers' forward scores it; a second call with other images refills and replays the kept graph."""
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:idefics", passes, "cuda", torch.bfloat16,
+                                         loaded=_idefics_like_9b(tiny))
+    model, state = opt.model, installed_state(opt.model)
+    cache = {"past_key_values": state.new_cache()} if state else {}
+    counts = _count_builds(monkeypatch)
+    got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 24}).run()
+    step = kept(model).step
+    assert counts == {"build": 1, "capture": 1} and step is not None and step.projections.holding
+    _assert_scored_by_reference(model, inputs, got, **cache)
+    other = {k: v.cuda() for k, v in tiny_inputs(opt.processor, QUESTIONS, seed=3).items()}
+    again = model.generate(**other, max_new_tokens=20)
+    assert counts == {"build": 1, "capture": 1} and kept(model).step is step
+    _assert_scored_by_reference(model, other, again, **({"past_key_values": state.new_cache()} if state else {}))
+
+
 @pytest.mark.parametrize("name", ["tiny:mllama", "tiny:idefics"])
 def test_reference_scoring_catches_answers_transformers_would_not_give(name, session, tiny):
     """The scoring the CUDA tests use: transformers' own greedy answer and the fast path's pass it; an answer that
@@ -1016,8 +1038,9 @@ def test_idefics_steps_project_their_image_states_once_per_call(passes, session,
     assert projected == prefill + len(projections)  # the refill projects the refilled states once
 
 
-def _idefics_with_a_perceiver(tiny):
-    """Tiny IDEFICS with a perceiver resampler between its vision encoder and its cross-attention (as IDEFICS-9B)."""
+def _idefics_like_9b(tiny):
+    """Tiny IDEFICS laid out as IDEFICS-9B: a perceiver resampler between its vision encoder and its cross-attention,
+    and 2 extra tokens past its base vocabulary (embedded from a second table, scored by a second head)."""
     from transformers import IdeficsConfig, IdeficsForVisionText2Text
 
     from mmsdk.core.sources import LoadedModel
@@ -1025,7 +1048,8 @@ def _idefics_with_a_perceiver(tiny):
     base = tiny("tiny:idefics")
     perceiver = dict(use_resampler=True, resampler_n_latents=4, resampler_depth=2, resampler_n_heads=2,
                      resampler_head_dim=8)
-    config = IdeficsConfig(**{**base.model.config.to_dict(), "use_resampler": True, "perceiver_config": perceiver})
+    config = IdeficsConfig(**{**base.model.config.to_dict(), "use_resampler": True, "perceiver_config": perceiver,
+                              "additional_vocab_size": 2})
     torch.manual_seed(0)
     model = IdeficsForVisionText2Text(config).eval()
     model.generation_config = base.model.generation_config
@@ -1036,20 +1060,43 @@ def _idefics_with_a_perceiver(tiny):
     return LoadedModel(model, base.processor, "tiny:idefics")
 
 
+def test_idefics_extra_tokens_embed_without_a_host_sync_as_the_model_does(tiny):
+    """IDEFICS's decoupled embedding finds its extra tokens with a host sync, which a CUDA-graph capture refuses;
+    the decode steps' stand-in (IdeficsAdapter.decode_step_scope) gives the same rows bitwise, extra ids included."""
+    from mmsdk.plugins.adapters.flamingo import IdeficsAdapter
+
+    model = _idefics_like_9b(tiny).model
+    embedding = model.model.embed_tokens
+    ids = torch.tensor([[0, 5, embedding.num_embeddings - 1, embedding.num_embeddings, embedding.num_embeddings + 1,
+                         3]])
+    expected = embedding(ids)
+    with IdeficsAdapter().decode_step_scope(model):
+        assert "forward" in vars(embedding) or embedding.__dict__.get("_mmsdk_body") is not None
+        got = embedding(ids)
+    assert torch.equal(got, expected) and "forward" not in vars(embedding)
+    assert torch.equal(got[0, 3], embedding.additional_embedding.weight[0])
+
+
 @pytest.mark.parametrize("passes", [(), ("int4-kv",)])
 def test_idefics_with_a_perceiver_resamples_once_per_call(passes, session, tiny, monkeypatch):
-    """transformers' IDEFICS hands each decode step the vision encoder's states and runs its perceiver on them at
-    every step. Fast generate resamples them once after the prefill and hands the steps the perceiver's output: the
-    answers are transformers', with the perceiver run twice per call (the prefill, then once) however many tokens,
-    and the image K/V projected once for the steps, on the first call and on a refilled one."""
+    """IDEFICS laid out as IDEFICS-9B. transformers hands each decode step the vision encoder's states and runs the
+    perceiver on them at every step. Fast generate resamples them once after the prefill and hands the steps the
+    perceiver's output: the answers are transformers', with the perceiver run twice per call (the prefill, then
+    once) however many tokens, the image K/V projected once for the steps, on the first call and on a refilled
+    one, and the extra-token embedding's stand-in used by every step."""
     from mmsdk.kernels.step_projections import recomputed_projections
+    from mmsdk.plugins.adapters import flamingo
 
-    opt, inputs = _cross_attention_model(tiny, session, "tiny:idefics", passes, loaded=_idefics_with_a_perceiver(tiny))
+    opt, inputs = _cross_attention_model(tiny, session, "tiny:idefics", passes, loaded=_idefics_like_9b(tiny))
     model = opt.model
-    perceiver, resampled = model.model.perceiver_resampler, []
+    perceiver, resampled, embedded = model.model.perceiver_resampler, [], []
     perceiver.register_forward_hook(lambda *_: resampled.append(1))
+    without_sync = flamingo._decoupled_embedding_without_sync
+    monkeypatch.setattr(flamingo, "_decoupled_embedding_without_sync",
+                        lambda *a: embedded.append(1) or without_sync(*a))
     first = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False).run()
     assert len(resampled) == 2, len(resampled)
+    assert len(embedded) == 5  # the steps embed their tokens without a host sync (the first token's forward too)
     step, projections = kept(model).step, recomputed_projections(opt.adapter, model)
     assert "perceiver_embeddings" in step.fixed and step.projections.computed == len(projections)
     assert torch.equal(first, _greedy(model, inputs, 6))

@@ -343,6 +343,14 @@ class ModelAdapter:
         token (fast generate runs the first decode token's forward with them and replays that step). Default: none."""
         return {}
 
+    def decode_step_scope(self, model: nn.Module) -> AbstractContextManager[None]:
+        """What fast generate's decode steps (eager, warm-up, captured) run inside, for a family whose modules would
+        ask the host something a CUDA-graph capture cannot answer (IDEFICS's embedding of its extra tokens looks up
+        which ids are extra with a host sync). Default: nothing changes."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
     def needs_decode_mask_over_cache(self, model: nn.Module) -> bool:
         """True when the language model, given no attention mask on a decode step, makes one as long as the tokens
         cached so far: a length the host reads, which a captured decode step would freeze. Fast generate's step then

@@ -293,13 +293,14 @@ class _Generator:
     @contextmanager
     def _step_scope(self, cache: Any, step: Step) -> Iterator[None]:
         """What decode steps (eager, warm-up, captured) run inside: cross-attention layers read their own image
-        layer's length, image K/V that a layer would project at every step are the step's kept products, and
-        grouped-query attention with a mask takes the kernel without copying K/V per head."""
+        layer's length, image K/V that a layer would project at every step are the step's kept products,
+        grouped-query attention with a mask takes the kernel without copying K/V per head, and the adapter's
+        capture-safe stand-ins are in (``ModelAdapter.decode_step_scope``)."""
         from mmsdk.kernels.cross_attention_decode import own_lengths_for_cross_attention
         from mmsdk.kernels.grouped_decode import grouped_decode_steps
 
         with own_lengths_for_cross_attention(self.adapter, self.model, cache), step.projections.standing_in():
-            with grouped_decode_steps(self.adapter.text_config(self.model)):
+            with grouped_decode_steps(self.adapter.text_config(self.model)), self.adapter.decode_step_scope(self.model):
                 yield
 
     def _decode(self, state: DecodeState, seen: dict[str, Any], occurred: torch.Tensor | None) -> None:

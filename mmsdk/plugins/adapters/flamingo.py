@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -20,10 +22,20 @@ from mmsdk.core.adapter import (
 )
 from mmsdk.core.recipes import Recipe
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins._forward import add_forward_wrapper
+from mmsdk.plugins._forward import add_forward_wrapper, innermost_override
 from mmsdk.plugins.adapters._common import clip_like_blocks
 from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
+
+
+def _decoupled_embedding_without_sync(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """``IdeficsDecoupledEmbedding.forward`` without its host sync: rows of the base table for ids below its size,
+    of the extra table for the others."""
+    extra = input_ids >= module.num_embeddings
+    base = nn.functional.embedding(input_ids.masked_fill(extra, 0), module.weight)
+    added = module.additional_embedding((input_ids - module.num_embeddings).clamp(0, module.num_additional_embeddings
+                                                                                  - 1))
+    return torch.where(extra[..., None], added, base)
 
 
 class IdeficsAdapter(ModelAdapter):
@@ -97,6 +109,16 @@ class IdeficsAdapter(ModelAdapter):
 
     def needs_decode_mask_over_cache(self, model: nn.Module) -> bool:
         return True  # IdeficsModel makes torch.ones((batch, length + cache.get_seq_length())) without a mask
+
+    def decode_step_scope(self, model: nn.Module) -> AbstractContextManager[None]:
+        """IDEFICS's token embedding with extra tokens (IDEFICS-9B / 80B have 2) looks up the ids past its base
+        vocabulary with ``torch.where(ids >= n)``, a host sync that a CUDA-graph capture refuses: in decode steps it
+        selects between both tables' rows on the device instead (the same rows)."""
+        embedding = model.model.embed_tokens
+        if getattr(embedding, "num_additional_embeddings", 0) == 0:
+            return nullcontext()
+        return innermost_override(embedding, lambda forward: functools.partial(_decoupled_embedding_without_sync,
+                                                                               embedding))
 
     def rotary_embedding(self, model: nn.Module) -> nn.Module:
         return model.model.layers[0].self_attn.rotary_emb  # IDEFICS keeps one per attention module
