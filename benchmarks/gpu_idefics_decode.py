@@ -15,7 +15,7 @@ every 4 layers, ViT-H/14 vision (1280 wide, 32 layers, 224-pixel images), percei
 96, 64 latents). Gates set to 0.5 (a random model's are 0). A 64-token prompt after one image, 96 new tokens, then
 the kept step replayed 32 times (the cache has room: capacity 256 slots).
 
-    python benchmarks/gpu_idefics_decode.py --out idefics_decode.json [--stacks 0,1,2]
+    python benchmarks/gpu_idefics_decode.py --out idefics_decode.json [--stacks 0,1,2,3]
 """
 
 from __future__ import annotations
@@ -136,14 +136,14 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--stacks", default="0,1,2", help="which of the three stacks, by index (bf16, int4-weight, "
-                        "int4-weight + int4-kv)")
+    parser.add_argument("--stacks", default="0,1,2,3", help="which stacks, by index (bf16, int4-weight, "
+                        "int4-weight + int4-kv, int4-kv)")
     args = parser.parse_args()
     result: dict[str, Any] = {"env": section_env(), "rows": [], "note": "with transformers releases whose generate "
                               "hands the steps the resampled states (5.17), 'before' resamples once as well"}
     inputs = idefics_inputs()
     stacks = (("bf16", (), False), ("int4-weight", ("int4-weight",), False),
-              ("int4-weight + int4-kv", ("int4-weight",), True))
+              ("int4-weight + int4-kv", ("int4-weight",), True), ("int4-kv", (), True))
     for name, passes, kv in (stacks[int(i)] for i in args.stacks.split(",")):
         opt = Optimizer(build_idefics(), None)
         if passes:
