@@ -15,8 +15,9 @@ transformers' own loop keeps the dequantizing cache for it.
 
 Cross-attention K/V that the model recomputes at every step (IDEFICS passes no cache to those
 layers) are computed once per image instead: the K and V projections of each such block answer
-repeated calls on the same vision states from a packed copy (:class:`CrossKVMemo`); a captured decode step
-projects and rounds them at every replay, since each call refills its image states in place.
+repeated calls on the same vision states from a packed copy (:class:`CrossKVMemo`). Fast generate's decode steps
+read products their first step kept instead (mmsdk.kernels.step_projections), refreshed once per call; a CUDA graph
+captured elsewhere projects and rounds them at every replay.
 """
 
 from __future__ import annotations
