@@ -50,16 +50,10 @@ def mllama_config(layers: int = 40, vision_layers: int = 32, global_layers: int 
 def build_mllama(config: Any, device: str = "cuda") -> Any:
     from transformers import MllamaForConditionalGeneration
 
-    from benchmarks.gpu_models import bf16_model
+    from benchmarks.gpu_models import cross_attention_model
 
-    model = bf16_model(MllamaForConditionalGeneration, config, device)
-    with torch.no_grad():
-        for name, gate in model.named_parameters():
-            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
-                gate.fill_(0.5)
-    model.generation_config.eos_token_id = None  # random weights: decode the full length every time
-    model.generation_config.pad_token_id = 128004
-    return model
+    return cross_attention_model(MllamaForConditionalGeneration, config, ("cross_attn_attn_gate",
+                                                                          "cross_attn_mlp_gate"), 128004, device)
 
 
 def mllama_inputs(config: Any, device: str = "cuda") -> dict[str, torch.Tensor]:

@@ -50,16 +50,9 @@ def idefics_config() -> Any:
 def build_idefics() -> Any:
     from transformers import IdeficsForVisionText2Text
 
-    from benchmarks.gpu_models import bf16_model
+    from benchmarks.gpu_models import cross_attention_model
 
-    model = bf16_model(IdeficsForVisionText2Text, idefics_config())
-    with torch.no_grad():
-        for name, gate in model.named_parameters():
-            if name.endswith(("alpha_cross_attn", "alpha_dense")):
-                gate.fill_(0.5)
-    model.generation_config.eos_token_id = None  # random weights: decode the full length every time
-    model.generation_config.pad_token_id = 0
-    return model
+    return cross_attention_model(IdeficsForVisionText2Text, idefics_config(), ("alpha_cross_attn", "alpha_dense"), 0)
 
 
 def idefics_inputs() -> dict[str, torch.Tensor]:

@@ -27,6 +27,21 @@ def llava_config() -> Any:
     return config
 
 
+def cross_attention_model(model_class: Any, config: Any, gates: tuple[str, ...], pad_token_id: int,
+                          device: str = "cuda") -> Any:
+    """A Flamingo-style model from :func:`bf16_model` with its cross-attention gates (parameters named ending in one
+    of ``gates``) set to 0.5, as a random model's are 0 (every cross-attention layer a no-op; trained ones are not),
+    and generation set to run the full length (random weights have no reason to end)."""
+    model = bf16_model(model_class, config, device)
+    with torch.no_grad():
+        for name, gate in model.named_parameters():
+            if name.endswith(gates):
+                gate.fill_(0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = pad_token_id
+    return model
+
+
 def bf16_model(model_class: Any, config: Any, device: str = "cuda") -> Any:
     """``model_class(config)`` with random bf16 weights made on ``device`` (seed 0), in eval mode."""
     torch.manual_seed(0)
