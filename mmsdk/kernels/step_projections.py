@@ -16,14 +16,16 @@ Outside the steps (prefill, transformers' own generate) the projections are as t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from mmsdk.plugins._forward import innermost_override
 from mmsdk.plugins.tensor_keys import being_captured, storage_key
 
 __all__ = ["StepProjections", "recomputed_projections"]
@@ -60,18 +62,12 @@ class StepProjections:
 
     @contextmanager
     def standing_in(self) -> Iterator[None]:
-        """While inside, each projection's forward answers the step's image states from its kept product."""
-        shadowed = [vars(p).get("forward") for p in self.projections]  # instance overrides (memos), put back after
-        try:
+        """While inside, each projection answers the step's image states from its kept product (inside any pass
+        wrapper, as mmsdk.plugins._forward.innermost_override places it)."""
+        with ExitStack() as stack:
             for index, projection in enumerate(self.projections):
-                projection.forward = self._forward(index, projection.forward)
+                stack.enter_context(innermost_override(projection, functools.partial(self._forward, index)))
             yield
-        finally:
-            for projection, previous in zip(self.projections, shadowed, strict=True):
-                if previous is None:
-                    vars(projection).pop("forward", None)
-                else:
-                    projection.forward = previous
 
     def _forward(self, index: int, previous: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

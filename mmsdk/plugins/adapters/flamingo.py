@@ -33,8 +33,8 @@ def _decoupled_embedding_without_sync(module: nn.Module, input_ids: torch.Tensor
     of the extra table for the others."""
     extra = input_ids >= module.num_embeddings
     base = nn.functional.embedding(input_ids.masked_fill(extra, 0), module.weight)
-    added = module.additional_embedding((input_ids - module.num_embeddings).clamp(0, module.num_additional_embeddings
-                                                                                  - 1))
+    extra_ids = (input_ids - module.num_embeddings).clamp(0, module.num_additional_embeddings - 1)
+    added = module.additional_embedding(extra_ids)
     return torch.where(extra[..., None], added, base)
 
 
