@@ -8,7 +8,8 @@ products made once per call (mmsdk/kernels/step_projections.py); before, the cap
 encoder's states and runs the perceiver resampler on them again at every step; fast generate now resamples them
 once after the prefill. For each stack this script captures the kept step as before (both at every step), with the
 perceiver once, and as now, twice each in turn (:func:`as_before` patches the two changes out), and times the kept
-graph's replays with CUDA events. The answers are compared token by token.
+graph's replays with CUDA events. The answers are compared token by token. Each stack's model is also timed through
+transformers' own generate (``(t(96 new) - t(1 new)) / 95``, medians of 3), the unoptimized loop.
 
 Shapes (IDEFICS-9B): Llama-7B text (4096 hidden, 11008 MLP, 32 layers, 32 heads, vocab 32000 + 2), cross-attention
 every 4 layers, ViT-H/14 vision (1280 wide, 32 layers, 224-pixel images), perceiver resampler (6 layers, 16 heads of
@@ -124,7 +125,7 @@ def replay_ms(model: Any, inputs: dict[str, Any]) -> tuple[float, torch.Tensor]:
 
 def main() -> None:
     from benchmarks.gpu_models import attach_int4_kv
-    from benchmarks.gpu_suite import release_memory, section_env
+    from benchmarks.gpu_suite import release_memory, section_env, timed_calls
     from mmsdk import Optimizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -154,6 +155,9 @@ def main() -> None:
                 answers.append(answer)
         row["answers_equal"] = all(torch.equal(answers[0], a) for a in answers[1:])
         row["median_step_ms"] = {v: statistics.median(t) for v, t in row["step_ms"].items()}
+        # the unoptimized baseline: transformers' own generate on the same model (its passes applied)
+        t1, tn = (statistics.median(timed_calls(type(model).generate.__get__(model), inputs, n, 3)) for n in (1, NEW))
+        row["transformers_generate_step_ms"] = (tn - t1) / (NEW - 1)
         result["rows"].append(row)
         print(row, flush=True)
         with open(args.out, "w") as f:
