@@ -1079,11 +1079,12 @@ def test_idefics_extra_tokens_embed_without_a_host_sync_as_the_model_does(tiny):
 
 @pytest.mark.parametrize("passes", [(), ("int4-kv",)])
 def test_idefics_with_a_perceiver_resamples_once_per_call(passes, session, tiny, monkeypatch):
-    """IDEFICS laid out as IDEFICS-9B. transformers hands each decode step the vision encoder's states and runs the
-    perceiver on them at every step. Fast generate resamples them once after the prefill and hands the steps the
-    perceiver's output: the answers are transformers', with the perceiver run twice per call (the prefill, then
-    once) however many tokens, the image K/V projected once for the steps, on the first call and on a refilled
-    one, and the extra-token embedding's stand-in used by every step."""
+    """IDEFICS laid out as IDEFICS-9B. transformers (5.24) hands each decode step the vision encoder's states and
+    runs the perceiver on them at every step. Fast generate resamples them once after the prefill and hands the steps
+    the perceiver's output: the answers are transformers', with the perceiver run twice per call (the prefill, then
+    once; once with releases that hand the steps its output) however many tokens, the image K/V projected once for
+    the steps, on the first call and on a refilled one, and the extra-token embedding's stand-in used by every
+    step."""
     from mmsdk.kernels.step_projections import recomputed_projections
     from mmsdk.plugins.adapters import flamingo
 
@@ -1095,14 +1096,17 @@ def test_idefics_with_a_perceiver_resamples_once_per_call(passes, session, tiny,
     monkeypatch.setattr(flamingo, "_decoupled_embedding_without_sync",
                         lambda *a: embedded.append(1) or without_sync(*a))
     first = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 6}, graphs=False).run()
-    assert len(resampled) == 2, len(resampled)
+    # the prefill, then once more where this transformers release hands the steps the encoder's states (5.24; 5.17
+    # hands the resampled states): not once per token
+    once_per_call = len(resampled)
+    assert once_per_call in (1, 2), once_per_call
     assert len(embedded) == 5  # the steps embed their tokens without a host sync (the first token's forward too)
     step, projections = kept(model).step, recomputed_projections(opt.adapter, model)
     assert "perceiver_embeddings" in step.fixed and step.projections.computed == len(projections)
     assert torch.equal(first, _greedy(model, inputs, 6))
     other, resampled[:] = tiny_inputs(opt.processor, QUESTIONS, seed=3), []
     again = _Generator(model, opt.adapter, {**other, "max_new_tokens": 6}, graphs=False).run()
-    assert len(resampled) == 2 and kept(model).step is step
+    assert len(resampled) == once_per_call and kept(model).step is step
     assert step.projections.computed == 2 * len(projections)
     assert torch.equal(again, _greedy(model, other, 6)) and not torch.equal(first, again)
 
