@@ -134,6 +134,48 @@ def section_w4a16(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def section_gemv_merge(quick: bool) -> list[dict[str, Any]]:
+    """The batch-1 "quad" GEMV split along K, its slices summed by the epilogue kernel (the default) or by its own
+    last program per column block (``merge_counters``: one launch fewer), against bf16 cuBLAS, on the suite's W4A16
+    shapes (g128, weights read from HBM): the tuner's pick where it is a split "quad" tile, and the quad tiles that
+    have won a shape in earlier sweeps at 2-4 slices. Whether the merged form is worth a place among the tuner's
+    candidates and in the decode step."""
+    from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    rows = []
+    tiles = ((16, 64, 2, 1, "quad"), (8, 128, 4, 1, "quad"), (16, 64, 4, 1, "quad"), (16, 128, 4, 1, "quadp"))
+    for name, (n, k) in W4_SHAPES.items():
+        packed = quantize_int4(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), 128,
+                               scale_dtype=torch.bfloat16)
+        dense = dequantize_int4(packed, torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        int4_linear(x, packed.qweight, packed.scales, None, k, 128)  # the tuner's pick
+        picked = _tuned_gemv(n, k, 1)
+        t_bf16 = gbench(cold(lambda w: torch.nn.functional.linear(x, w), dense))
+        counters = torch.zeros(n, dtype=torch.int32, device="cuda")  # one per column block of >= 1 row
+        candidates = [(tuple(picked), None)] if picked is not None and picked[4] in ("quad", "quadp") else []
+        candidates += [(tile, splits) for tile in tiles for splits in (2, 3, 4)]
+        for config, splits in candidates:
+            def gemv(qweight: torch.Tensor, scales: torch.Tensor, merged: bool = False,
+                     config: Any = config, splits: Any = splits) -> Any:
+                return w4a16_gemv(x, qweight, scales, None, 128, config=config, splits=splits,
+                                  merge_counters=counters if merged else None)
+
+            plain_out, merged_out = gemv(packed.qweight, packed.scales), gemv(packed.qweight, packed.scales, True)
+            t_plain = gbench(cold(gemv, packed.qweight, packed.scales))
+            t_merged = gbench(cold(lambda q, sc, g=gemv: g(q, sc, True), packed.qweight, packed.scales))
+            row = {"shape": name, "config": list(config), "splits": splits or "tuner's", "bf16_us": t_bf16 * 1e3,
+                   "epilogue_us": t_plain * 1e3, "merged_us": t_merged * 1e3, "epilogue_vs_bf16": t_bf16 / t_plain,
+                   "merged_vs_bf16": t_bf16 / t_merged, "bitwise_equal": bool(torch.equal(plain_out, merged_out)),
+                   "counters_left": int(counters.abs().sum())}
+            rows.append(row)
+            print(row, flush=True)
+        if quick:
+            break
+    return rows
+
+
 def _tuned_gemv(n: int, k: int, m: int) -> Any:
     """The configuration the tuner chose for int4_linear's GEMV of ``m`` rows on this shape (g128, bf16; None for
     the fused kernel's rows, which this key does not cover)."""
@@ -691,7 +733,8 @@ def main() -> None:
     RESULTS["command"] = ("python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "")
                           + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv,
-                "kv_formats": section_kv_formats, "kv_merge": section_kv_merge, "norm": section_norm,
+                "kv_formats": section_kv_formats, "kv_merge": section_kv_merge,
+                "gemv_merge": section_gemv_merge, "norm": section_norm,
                 "decode": section_decode,
                 "steady": section_steady, "qwen_decode": section_qwen_decode,
                 "batch_decode": section_batch_decode,

@@ -96,3 +96,18 @@ def test_combine_kernels_compile(scaled):
              {"BLOCK_S": 64, "D": 128, "PDL": True, "ADVANCE": False, "SCALED": scaled})
     if scaled:
         _compile(_kv_triton.decode_combine, pointers, {"BLOCK_S": 64, "BLOCK_HD": 64, "ADVANCE": True, "PDL": True})
+
+
+@pytest.mark.parametrize("merge,leave", [(False, False), (True, False), (True, True)])
+def test_quad_gemv_compiles(merge, leave):
+    """The batch-1 "quad" GEMV split along K, storing fp32 partials for the epilogue kernel or (``MERGE``) summing
+    its K slices itself, with bias, residual and (``LEAVE_NORM``) the next norm's statistics."""
+    from mmsdk.kernels import _w4a16_triton as kernels
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16",
+                "out_ptr": "*fp32", "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16",
+                "f_ptr": "*bf16", "g_ptr": "*bf16", "scaled_ptr": "*bf16", "sq_ptr": "*fp32", "final_ptr": "*bf16",
+                "cnt_ptr": "*i32"}
+    constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, PAIRED=False, BLOCK_N=16, BLOCK_C=64,
+                     PDL=True, HAS_RESIDUAL=merge, ROW_MASK=False, LEAVE_NORM=leave, MERGE=merge)
+    _compile(kernels.gemv_quad, pointers, constants, floats=("eps",))

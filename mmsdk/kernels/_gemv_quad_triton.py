@@ -307,7 +307,8 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
               BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
               HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0,
               NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False,
-              g_ptr=None, scaled_ptr=None, sq_ptr=None, LEAVE_NORM: tl.constexpr = False):
+              g_ptr=None, scaled_ptr=None, sq_ptr=None, LEAVE_NORM: tl.constexpr = False, final_ptr=None,
+              cnt_ptr=None, n_splits=1, MERGE: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -365,6 +366,10 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     also leaves that norm's statistics for the norm's reader (:func:`leave_norm_statistics`: ``n_blocks`` parts per
     row at ``sq_ptr``, ``weight * out`` at ``scaled_ptr``): a decoder layer's attention output plus residual, which
     its gated MLP reads.
+
+    With ``MERGE`` (K split, not ``PAIRED``) the last of a column block's ``n_splits`` programs to store its fp32
+    partial sums them all and stores the output at ``final_ptr`` as the K slices' epilogue (``split_sum``) would, with
+    the bias, residual and norm statistics (:func:`merge_slices_if_last`): one launch fewer.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -443,3 +448,35 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
             leave_norm_statistics(value, rn, n_ok, row, pid_n, N, g_ptr, scaled_ptr, sq_ptr, n_blocks)
     else:
         tl.store(dst, out, mask=n_ok)
+        if MERGE:
+            merge_slices_if_last(out_ptr, final_ptr, cnt_ptr, b_ptr, r_ptr, g_ptr, scaled_ptr, sq_ptr, row, pid_n,
+                                 rn, n_ok, M, N, n_blocks, n_splits, HAS_BIAS, HAS_RESIDUAL, LEAVE_NORM)
+
+
+@triton.jit
+def merge_slices_if_last(p_ptr, out_ptr, cnt_ptr, b_ptr, r_ptr, g_ptr, scaled_ptr, sq_ptr, row, pid_n, rn, n_ok, M, N,
+                         n_blocks, n_splits, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         LEAVE_NORM: tl.constexpr):
+    """The last of column block ``pid_n``'s K-slice programs (for activation row ``row``) to count itself in sums the
+    slices' fp32 partials ``p [n_splits, M, N]`` in slice order, as ``split_sum`` does (bitwise its output), adds the
+    bias and the residual, stores the output and leaves the norm statistics (one part per column block, as a direct
+    store does). Its counter (``cnt [M, n_blocks]``, int32) goes back to 0 for the next launch or graph replay.
+
+    The barrier has every thread's partial stores issued before the counter's release; the sum reads the other
+    programs' partials past L1 (".cg"), which other SMs' writes do not update.
+    """
+    tl.debug_barrier()
+    counter = cnt_ptr + row * n_blocks + pid_n
+    if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+        acc = tl.zeros(rn.shape, dtype=tl.float32)
+        at = row.to(tl.int64) * N + rn
+        for split in range(0, n_splits):
+            acc += tl.load(p_ptr + (row + split * M).to(tl.int64) * N + rn, mask=n_ok, other=0.0,
+                           cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        value = add_residual(acc, r_ptr + at, n_ok, out_ptr.dtype.element_ty, HAS_RESIDUAL)
+        tl.store(out_ptr + at, value, mask=n_ok)
+        if LEAVE_NORM:
+            leave_norm_statistics(value, rn, n_ok, row, pid_n, N, g_ptr, scaled_ptr, sq_ptr, n_blocks)
+        tl.store(counter, 0)

@@ -242,13 +242,15 @@ def w4a16_gemv(
     residual: torch.Tensor | None = None,
     norm: InputNorm | None = None,
     leave: NormRequest | None = None,
+    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
     shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product and ``norm``
-    applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes.
+    applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes. ``merge_counters`` as
+    :func:`launch_gemv` takes them (the "quad" kinds then sum their K slices themselves).
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
@@ -258,20 +260,21 @@ def w4a16_gemv(
            norm is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
-    def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
+    def launch(cfg: tuple[Any, ...], weight: PackedWeight, counters: torch.Tensor | None = None) -> None:
         if len(cfg) == 4:  # a fused-kernel candidate
             _launch_fused(x if norm is None else norm.normalize(x), *weight, bias, out, block_size, 16, cfg)
             if residual is not None:
                 out.add_(residual)  # bf16 + bf16 in fp32, rounded once: the same as residual + out
         else:
-            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm, leave=leave)
+            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm, leave=leave,
+                        merge_counters=counters)
 
     weight = (qweight, scales, zero_points)
-    timed = followed_by_norm(launch, out) if bucket == 1 else launch
+    timed = followed_by_norm(launch, out) if bucket == 1 else launch  # trials merge with the epilogue kernel
     chosen = config or tuned_config(key, timed, gemv_candidates(bucket, block_size), block_size, weight)
     if leave is not None:
         leave.statistics = None  # the tuner's trial launches (on copies of the weight) may have set them
-    launch(chosen, weight)
+    launch(chosen, weight, merge_counters)
     return out
 
 
@@ -287,7 +290,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
                 splits: int | None, second: PackedWeight | None = None, residual: torch.Tensor | None = None,
                 norm: InputNorm | None = None, leave: NormRequest | None = None,
-                row_scale: NormStatistics | None = None) -> None:
+                row_scale: NormStatistics | None = None, merge_counters: torch.Tensor | None = None) -> None:
     """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
     from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
     shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
@@ -295,7 +298,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel, by the norm kernel for the others. ``leave``: the "quad"
     kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave
     none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics,
-    applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
+    applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics). ``merge_counters`` (int32 zeros, at least
+    ``M * ceil(N / BLOCK_N)``): a "quad" kind split along K sums its slices in its own launch, the last program of
+    each column block summing them, instead of the epilogue kernel (bitwise the same output; the counters are left at
+    zero); other launches leave them alone."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -328,6 +334,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     direct = n_splits == 1 and not paired  # a program here holds one of the two products: always via fp32 partials
     target = out if direct else torch.empty(n_splits, m, rows, device=x.device, dtype=torch.float32)
     n_blocks = triton.cdiv(n, block_n)
+    merge = merge_counters is not None and kind in QUAD_KINDS and not paired and not direct
+    if merge:
+        _check_gemv_counters(merge_counters, m * n_blocks, x.device)  # type: ignore[arg-type]
+    folded = direct or merge  # the kernel's own store adds the residual and leaves the norm statistics
     kernels = triton_kernels()
     args = (x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
             bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
@@ -343,16 +353,27 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
             residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
-            PDL=pdl, HAS_RESIDUAL=residual is not None and direct, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
+            PDL=pdl, HAS_RESIDUAL=residual is not None and folded, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
             **norm_arguments(norm, x, warps, n_splits == 1),
-            **(leave.arguments(out, n_blocks) if leave is not None and direct else {}), **flags)
+            **(leave.arguments(out, n_blocks) if leave is not None and folded else {}),
+            **({"final_ptr": out, "cnt_ptr": merge_counters, "n_splits": n_splits, "MERGE": True} if merge else {}),
+            **flags)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags)
         if direct and residual is not None:
             out.add_(residual)
-    if not direct:
+    if not folded:
         finish_splits(target, out, bias, n_splits, paired, residual, leave, row_scale, k_in)
+
+
+def _check_gemv_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
+    """``merge_counters`` must be contiguous int32 zeros on the activations' device, one per row and column block."""
+    if (counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed
+            or not counters.is_contiguous()):
+        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them (one "
+                         f"per activation row and column block); got {counters.numel()} {counters.dtype} on "
+                         f"{counters.device}.")
 
 
 def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
