@@ -261,6 +261,13 @@ def test_quad_gemv_sums_its_k_slices_itself_given_counters(target):
             left, expected = requests[1].statistics, requests[0].statistics
             assert torch.equal(left.scaled, expected.scaled)
             assert torch.allclose(left.squares.sum(1), expected.squares.sum(1), rtol=1e-5)
+    # int4_linear hands them to its batch-1 GEMV (an INT4 layer's, with MMSDK_GEMV_MERGE=1)
+    from mmsdk.kernels.w4a16 import int4_linear
+
+    x = torch.randn(1, 1, k, device=device).to(dtype)
+    assert torch.equal(int4_linear(x, *weights, k, group, merge_counters=torch.zeros(n, dtype=torch.int32,
+                                                                                     device=device)),
+                       int4_linear(x, *weights, k, group))
     x = torch.randn(2, k, device=device).to(dtype)
     for bad in (torch.zeros(9, dtype=torch.int32, device=device), torch.zeros(10, dtype=torch.int64, device=device)):
         with pytest.raises(ValueError, match="merge_counters: pass contiguous int32 zeros"):

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms",
-           "kv_merge_enabled", "l2_spill_copies", "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled",
-           "triton_available", "triton_ready"]
+__all__ = ["GEMV_MERGE_ENV", "INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls",
+           "gemv_merge_enabled", "graph_time_ms", "kv_merge_enabled", "l2_spill_copies", "note_fallback",
+           "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -41,6 +41,9 @@ TUNE_ENV = "MMSDK_TUNE"
 # "0" has the packed cache's int4 MHA decode kernel leave its splits to a combine kernel instead of merging them itself
 # (kv_decode.decode_attention's merge_counters), to measure what the merge buys
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
+# "1" has INT4 linear layers' batch-1 "quad" GEMVs split along K sum their slices in their own launch instead of an
+# epilogue kernel (w4a16.launch_gemv's merge_counters): off until it has been timed in a decode step
+GEMV_MERGE_ENV = "MMSDK_GEMV_MERGE"
 
 
 @cache
@@ -66,6 +69,11 @@ def timing_enabled() -> bool:
 def kv_merge_enabled() -> bool:
     """False with ``MMSDK_KV_MERGE=0`` (see :data:`KV_MERGE_ENV`)."""
     return os.environ.get(KV_MERGE_ENV, "1") != "0"
+
+
+def gemv_merge_enabled() -> bool:
+    """True with ``MMSDK_GEMV_MERGE=1`` (see :data:`GEMV_MERGE_ENV`)."""
+    return os.environ.get(GEMV_MERGE_ENV, "0") == "1"
 
 
 def triton_ready(*tensors: torch.Tensor) -> bool:

@@ -145,6 +145,7 @@ def int4_linear(
     residual: torch.Tensor | None = None,
     input_norm: InputNorm | None = None,
     leave: NormRequest | None = None,
+    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back).
 
@@ -154,6 +155,7 @@ def int4_linear(
     batch-1 GEMV (mmsdk.kernels.norm_fold) and run as its own kernel before the others. ``leave`` asks the GEMVs'
     store (with a residual folded into it) to leave the statistics of the RMSNorm that reads the output
     (:class:`~mmsdk.kernels.norm_fold.NormRequest`; its ``statistics`` stay None where the kernel run cannot).
+    ``merge_counters`` go to the batch-1 GEMV (:func:`launch_gemv`).
     """
     reason = unsupported_reason(x, qweight, scales, block_size)
     if reason is not None:
@@ -167,7 +169,7 @@ def int4_linear(
     if flat.shape[0] <= GEMV_MAX_M and gemv_ready(qweight):
         rows = residual.reshape(flat.shape[0], -1).contiguous() if foldable else None  # type: ignore[union-attr]
         out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows, norm=input_norm,
-                         leave=leave if rows is not None else None)
+                         leave=leave if rows is not None else None, merge_counters=merge_counters)
         if rows is not None:
             return out.reshape(shape)
     elif flat.shape[0] <= FUSED_MAX_M:

@@ -38,6 +38,7 @@ class Int4Linear(nn.Module):
     _next_request: NormRequest | None = None
     _left: NormStatistics | None = None
     _factors: tuple[tuple[object, ...], torch.Tensor] | None = None
+    _merge_counters: torch.Tensor | None = None  # with MMSDK_GEMV_MERGE=1, see gemv_counters
 
     def __init__(
         self,
@@ -176,10 +177,12 @@ class Int4Linear(nn.Module):
         if folded is None and self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
         if x.is_cuda:
+            from mmsdk.kernels import gemv_merge_enabled
             from mmsdk.kernels.w4a16 import int4_linear
 
+            counters = self.gemv_counters(x) if gemv_merge_enabled() else None
             out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
-                              self.bias, residual=residual, input_norm=folded, leave=leave)
+                              self.bias, residual=residual, input_norm=folded, leave=leave, merge_counters=counters)
             if out is not None:
                 return out
         if folded is not None:
@@ -187,6 +190,21 @@ class Int4Linear(nn.Module):
         out = torch.nn.functional.linear(x, self.dequantize(x.dtype))
         out = out if self.bias is None else out + self.bias.to(out.dtype)
         return out if residual is None else residual + out
+
+    def gemv_counters(self, x: torch.Tensor) -> torch.Tensor | None:
+        """int32 zeros for a batch-1 GEMV of ``x``'s rows that sums its own K slices (one per row and output column:
+        enough for any column block), kept on the layer and grown for more rows; None past the GEMV's rows. Made
+        outside a CUDA-graph capture (an eager step runs first), where zeros would be a launch in the graph."""
+        from mmsdk.kernels.w4a16 import GEMV_MAX_M
+
+        rows = x.numel() // self.in_features
+        if rows > GEMV_MAX_M:
+            return None
+        needed = rows * self.out_features
+        counters = self._merge_counters
+        if counters is None or counters.numel() < needed or counters.device != x.device:
+            counters = self._merge_counters = torch.zeros(needed, dtype=torch.int32, device=x.device)
+        return counters
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"
