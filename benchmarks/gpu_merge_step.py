@@ -1,15 +1,22 @@
-"""Does the int4 MHA decode kernel merging its own splits make a decode step faster? An A/B in one process.
+"""Do kernels that merge their own splits make a decode step faster? An A/B in one process.
+
+Two switches, each an environment variable read when the step is captured:
+
+* ``--switch kv`` (``MMSDK_KV_MERGE``, on by default): the int4 MHA decode kernel merges its splits itself, or a
+  combine kernel does;
+* ``--switch gemv`` (``MMSDK_GEMV_MERGE``, off by default): INT4 layers' batch-1 "quad" GEMVs split along K sum their
+  slices themselves, or an epilogue kernel does.
 
 LLaVA-1.5-7B shapes (random bf16 weights built on the GPU), qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv,
-batch 1, no image. Each round captures the kept decode step once with ``MMSDK_KV_MERGE=0`` (a combine kernel merges
-the splits) and once with the merge (the default), in alternating order, and times:
+batch 1, no image. Each round captures the kept decode step once with the switch at "0" and once at "1", in
+alternating order, and times:
 
 * ``--measure replay`` (default): the kept step's graph replayed 64 times after a 128-token call, CUDA events
   (benchmarks/gpu_decode_reuse.py), median of 3, at 1k and 4k prompts;
 * ``--measure wall``: ``(t(256 new) - t(128 new)) / 128`` from whole generate calls (medians of 3), at a 1k prompt.
-  Its spread between rounds (about 0.4 ms per step on the H200) is far larger than the difference sought.
+  Its spread between rounds (about 0.4 ms per step on the H200) is far larger than the differences sought.
 
-    python benchmarks/gpu_kv_merge_step.py --out merge_step.json [--measure replay|wall]
+    python benchmarks/gpu_merge_step.py --out merge_step.json [--switch kv|gemv] [--measure replay|wall]
 """
 
 from __future__ import annotations
@@ -24,20 +31,27 @@ import torch
 
 from benchmarks.gpu_decode_reuse import _replay_after_call, call_ms
 from benchmarks.gpu_suite import build_llava, llava_inputs, optimized, section_env, timed_calls
-from mmsdk.kernels import KV_MERGE_ENV
+from mmsdk.kernels import GEMV_MERGE_ENV, KV_MERGE_ENV
 
 ROUNDS = 3
 
 
-def replay_ms(model: Any, inputs: dict[str, Any]) -> float:
+def setting(model: Any, variable: str, value: str) -> None:
+    """``variable=value`` for the next capture: the kept decode state goes, since a kept graph keeps the kernels it
+    was captured with whatever the variable says now."""
     from mmsdk.kernels.fast_generate import release
 
-    release(model)  # the next call captures the step again, under the current setting
+    os.environ[variable] = value
+    release(model)
+
+
+def replay_ms(model: Any, inputs: dict[str, Any]) -> float:
     call_ms(model, inputs, 128, 1)
     return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
 
 
 def wall_step_ms(model: Any, inputs: dict[str, Any]) -> float:
+    model.generate(**inputs, max_new_tokens=256, do_sample=False)  # a cache for both lengths, captured now
     tn = statistics.median(timed_calls(model.generate, inputs, 128, 3))
     t2n = statistics.median(timed_calls(model.generate, inputs, 256, 3))
     return (t2n - tn) / 128
@@ -47,25 +61,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--measure", choices=("replay", "wall"), default="replay")
+    parser.add_argument("--switch", choices=("kv", "gemv"), default="kv")
     args = parser.parse_args()
+    variable = KV_MERGE_ENV if args.switch == "kv" else GEMV_MERGE_ENV
     model = optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
-    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "rows": [], "medians": {}}
+    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "variable": variable, "rows": [],
+                              "medians": {}}
     measure = replay_ms if args.measure == "replay" else wall_step_ms
     for ctx in (1024, 4096) if args.measure == "replay" else (1024,):
         inputs = llava_inputs(1, ctx, images=False)
         answers = {}
         for merge in ("0", "1"):
-            os.environ[KV_MERGE_ENV] = merge
+            setting(model, variable, merge)
             answers[merge] = model.generate(**inputs, max_new_tokens=32, do_sample=False)
         result[f"ctx{ctx}_tokens_equal"] = bool(torch.equal(answers["0"], answers["1"]))
         for round_ in range(ROUNDS):
             for merge in ("0", "1") if round_ % 2 == 0 else ("1", "0"):
-                os.environ[KV_MERGE_ENV] = merge
+                setting(model, variable, merge)
                 row = {"ctx": ctx, "round": round_, "merge": merge == "1", "step_ms": measure(model, inputs)}
                 result["rows"].append(row)
                 print(row, flush=True)
         for merge in (False, True):
-            result["medians"][f"ctx{ctx}_{'merged' if merge else 'combine'}_ms"] = statistics.median(
+            result["medians"][f"ctx{ctx}_{'merged' if merge else 'separate'}_ms"] = statistics.median(
                 r["step_ms"] for r in result["rows"] if r["ctx"] == ctx and r["merge"] == merge)
         print(result["medians"], flush=True)
         with open(args.out, "w") as f:
