@@ -38,7 +38,7 @@ class Int4Linear(nn.Module):
     _next_request: NormRequest | None = None
     _left: NormStatistics | None = None
     _factors: tuple[tuple[object, ...], torch.Tensor] | None = None
-    _merge_counters: torch.Tensor | None = None  # with MMSDK_GEMV_MERGE=1, see gemv_counters
+    _merge_counters: dict[tuple[int, torch.device], torch.Tensor] | None = None  # see gemv_counters
 
     def __init__(
         self,
@@ -192,19 +192,24 @@ class Int4Linear(nn.Module):
         return out if residual is None else residual + out
 
     def gemv_counters(self, x: torch.Tensor) -> torch.Tensor | None:
-        """int32 zeros for a batch-1 GEMV of ``x``'s rows that sums its own K slices (one per row and output column:
-        enough for any column block), kept on the layer and grown for more rows; None past the GEMV's rows. Made
-        outside a CUDA-graph capture (an eager step runs first), where zeros would be a launch in the graph."""
+        """int32 zeros for a batch-1 GEMV of ``x``'s rows that sums its own K slices (MMSDK_GEMV_MERGE=1): one per
+        row and output column, enough for any column block; None past the GEMV's rows.
+
+        One tensor per row count and device, kept for the layer's life and never replaced: a CUDA graph captured
+        with it holds no reference to it, so a replacement would free memory the graph's replays still write. Made
+        on a row count's first call, eager before any capture in fast generate (zeros made during a capture would
+        be a launch in the graph)."""
         from mmsdk.kernels.w4a16 import GEMV_MAX_M
 
         rows = x.numel() // self.in_features
         if rows > GEMV_MAX_M:
             return None
-        needed = rows * self.out_features
-        counters = self._merge_counters
-        if counters is None or counters.numel() < needed or counters.device != x.device:
-            counters = self._merge_counters = torch.zeros(needed, dtype=torch.int32, device=x.device)
-        return counters
+        if self._merge_counters is None:
+            self._merge_counters = {}
+        key = (rows, x.device)
+        if key not in self._merge_counters:
+            self._merge_counters[key] = torch.zeros(rows * self.out_features, dtype=torch.int32, device=x.device)
+        return self._merge_counters[key]
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"
