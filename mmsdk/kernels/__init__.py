@@ -42,7 +42,7 @@ TUNE_ENV = "MMSDK_TUNE"
 # (kv_decode.decode_attention's merge_counters), to measure what the merge buys
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
 # "1" has INT4 linear layers' batch-1 "quad" GEMVs split along K sum their slices in their own launch instead of an
-# epilogue kernel (w4a16.launch_gemv's merge_counters): off until it has been timed in a decode step
+# epilogue kernel (gemv_launch.launch_gemv's merge_counters): off until it has been timed in a decode step
 GEMV_MERGE_ENV = "MMSDK_GEMV_MERGE"
 
 

@@ -1,0 +1,165 @@
+"""One batch-1 / few-row W4A16 GEMV configuration launched (mmsdk.kernels.w4a16 chooses the configuration).
+
+A configuration is ``(BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs[, num_stages]])``; the kinds and
+their candidates per row count are described in mmsdk.kernels.w4a16. :func:`launch_gemv` runs one into ``out``: the
+"quad" kinds (mmsdk/kernels/_gemv_quad_triton.py), "idot" (mmsdk.kernels.gemv_idot), "mma" (tensor cores) or the
+plain "fma" / "dot" kernel, a K split summed by the epilogue kernel (mmsdk.kernels.split_k) or, given counters, by
+the "quad" kernel itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmsdk.kernels import interpreting, pdl_preload_ready, pdl_ready
+from mmsdk.kernels.gemv_idot import launch_idot
+from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
+from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, k_slices
+
+__all__ = ["GEMV_KINDS", "QUAD_KINDS", "GemvConfig", "PackedWeight", "launch_gemv", "triton_kernels"]
+
+GemvConfig = tuple[Any, ...]
+PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
+GEMV_KINDS = ("quad", "quadp", "idot", "fma", "dot", "mma")
+QUAD_KINDS = ("quad", "quadp")
+
+
+def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
+                splits: int | None, second: PackedWeight | None = None, residual: torch.Tensor | None = None,
+                norm: InputNorm | None = None, leave: NormRequest | None = None,
+                row_scale: NormStatistics | None = None, merge_counters: torch.Tensor | None = None) -> None:
+    """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
+    from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
+    shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
+    slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
+    (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel, by the norm kernel for the others. ``leave``: the "quad"
+    kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave
+    none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics,
+    applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics). ``merge_counters`` (int32 zeros, at least
+    ``M * ceil(N / BLOCK_N)``): a "quad" kind split along K sums its slices in its own launch, the last program of
+    each column block summing them, instead of the epilogue kernel (bitwise the same output; the counters are left at
+    zero); other launches leave them alone."""
+    block_n, block_g, warps, block_m, kind = cfg[:5]
+    target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
+    paired = second is not None
+    _check_kind(kind, paired)
+    if residual is not None and (paired or residual.shape != out.shape or not residual.is_contiguous()):
+        raise ValueError("a GEMV's residual must be a contiguous tensor of the output's shape, and a paired (gated) "
+                         "GEMV takes none: add it after the launch.")
+    if norm is not None and kind not in (*QUAD_KINDS, "idot"):
+        x, norm = norm.normalize(x), None
+    if row_scale is not None and not paired:
+        raise ValueError("a GEMV applies norm statistics only as a paired (gated) GEMV: pass second= as well.")
+    if leave is not None and (kind not in QUAD_KINDS or paired or x.shape[0] != 1):
+        leave = None  # the reader runs the norm itself
+    if kind == "mma":
+        _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
+        return
+    if kind == "idot":
+        launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
+                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual,
+                    norm)
+        return
+    import triton
+
+    dot = kind == "dot"
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    rows = 2 * n if paired else n
+    block_m = max(16, block_m) if dot else min(block_m, triton.next_power_of_2(m))
+    per_split, n_splits = k_slices(rows, k_blocks, block_n, block_g, target_programs, splits)
+    direct = n_splits == 1 and not paired  # a program here holds one of the two products: always via fp32 partials
+    target = out if direct else torch.empty(n_splits, m, rows, device=x.device, dtype=torch.float32)
+    n_blocks = triton.cdiv(n, block_n)
+    merge = merge_counters is not None and kind in QUAD_KINDS and not paired and not direct
+    if merge:
+        _check_gemv_counters(merge_counters, m * n_blocks, x.device)  # type: ignore[arg-type]
+    folded = direct or merge  # the kernel's own store adds the residual and leaves the norm statistics
+    kernels = triton_kernels()
+    args = (x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
+            bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
+            zero_points.stride(0) if zero_points is not None else 0)
+    flags = dict(GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct,
+                 BLOCK_N=block_n, num_warps=warps)
+    if kind in QUAD_KINDS:  # one activation row per program (grid axis 2 is then the row)
+        if group < 32:
+            raise ValueError(f"GEMV kind {kind!r} reads 4-word quads of one group: group size {group} < 32; "
+                             "use kind 'fma'.")
+        w2, s2, z2 = second if paired else (qweight, scales, zero_points)
+        pdl = pdl_preload_ready(x)  # weights load before the wait
+        kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
+            *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
+            residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
+            PDL=pdl, HAS_RESIDUAL=residual is not None and folded, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
+            **norm_arguments(norm, x, warps, n_splits == 1),
+            **(leave.arguments(out, n_blocks) if leave is not None and folded else {}),
+            **({"final_ptr": out, "cnt_ptr": merge_counters, "n_splits": n_splits, "MERGE": True} if merge else {}),
+            **flags)
+    else:
+        kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
+                                                                    DOT=dot, **flags)
+        if direct and residual is not None:
+            out.add_(residual)
+    if not folded:
+        finish_splits(target, out, bias, n_splits, paired, residual, leave, row_scale, k_in)
+
+
+def _check_gemv_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
+    """``merge_counters`` must be contiguous int32 zeros on the activations' device, one per row and column block."""
+    if (counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed
+            or not counters.is_contiguous()):
+        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them (one "
+                         f"per activation row and column block); got {counters.numel()} {counters.dtype} on "
+                         f"{counters.device}.")
+
+
+def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig, splits: int | None,
+                residual: torch.Tensor | None) -> None:
+    """Launch a kind "mma" configuration, ``(BLOCK_N, K channels per step, warps, BLOCK_M, "mma"[, target programs[,
+    num_stages]])``, into ``out`` (``residual`` as :func:`launch_gemv` takes it)."""
+    import triton
+
+    if group < 32:
+        raise ValueError(f"GEMV kind 'mma' multiplies half groups of at least 16 channels: group size {group} < 32; "
+                         "use kind 'fma'.")
+    block_n, step_k, warps, block_m = cfg[:4]
+    target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
+    options = {"num_stages": cfg[6]} if len(cfg) > 6 else {}
+    step_g = max(1, step_k // group)
+    m, k_in = x.shape
+    n, k_blocks, _ = qweight.shape
+    per_split, n_splits = k_slices(n, k_blocks, block_n, step_g, target_programs, splits)
+    direct = n_splits == 1
+    target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
+    pdl = pdl_ready(x)  # the kernel waits before its first load
+    block_m = min(block_m, triton.next_power_of_2(m))
+    triton_kernels().gemv_mma[(triton.cdiv(n, block_n), n_splits, triton.cdiv(m, block_m))](
+        x, qweight, scales, zero_points if zero_points is not None else scales, bias if bias is not None else scales,
+        target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
+        zero_points.stride(0) if zero_points is not None else 0, residual if residual is not None else scales,
+        GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_N=block_n,
+        BLOCK_M=block_m, STEP_G=step_g, ASM=not interpreting(), PDL=pdl, HAS_RESIDUAL=residual is not None and direct,
+        launch_pdl=pdl, num_warps=warps, **options)
+    if not direct:
+        finish_splits(target, out, bias, n_splits, False, residual)
+
+
+def _check_kind(kind: str, paired: bool) -> None:
+    """Refuse a GEMV kind this launch cannot run, naming the ones it can."""
+    if kind not in GEMV_KINDS:
+        raise ValueError(f"GEMV kind {kind!r}: use one of {GEMV_KINDS} (kind 'gated' is for the paired gate/up "
+                         "GEMV, mmsdk.kernels.w4a16_gated.w4a16_gated_silu, only).")
+    if paired and kind not in QUAD_KINDS:
+        raise ValueError(f"the per-weight programs of a paired (gated) GEMV run the {QUAD_KINDS} kinds only, not "
+                         f"{kind!r}: pass a 'quad', 'gated' or 'idot' config to w4a16_gated_silu, or none.")
+
+
+def triton_kernels() -> Any:
+    """The Triton kernels (a separate module, so importing this one does not import Triton)."""
+    from mmsdk.kernels import _w4a16_triton
+
+    return _w4a16_triton
