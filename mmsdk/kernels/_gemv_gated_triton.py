@@ -12,16 +12,15 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_quad_triton import (
-    load_norm_parts,
     norm_scale,
     quad_step,
-    rms_from_parts,
     squares_at,
     step_activations,
     step_scales,
     step_words,
     whole_steps_end,
 )
+from mmsdk.kernels._gemv_store_triton import load_norm_parts, rms_from_parts
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from mmsdk.kernels._gemv_gated_triton import store_gated
 from mmsdk.kernels._gemv_idot_triton import idot_products, idot_program, rounded_row, rounded_step, step_tile
-from mmsdk.kernels._gemv_quad_triton import load_norm_parts, rms_from_parts
+from mmsdk.kernels._gemv_store_triton import load_norm_parts, rms_from_parts
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._gemv_quad_triton import add_residual
+from mmsdk.kernels._gemv_store_triton import add_residual
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 # 4 bytes [e0, e1, e2, e3] in one register -> low nibbles (e0, e1), (e2, e3) and high nibbles (e0, e1), (e2, e3) as
@@ -105,7 +105,7 @@ def gemv_mma(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_
     Grid: (output row blocks of ``BLOCK_N``, K slices, blocks of ``BLOCK_M`` activation rows). A step covers ``STEP_G``
     groups (small groups: more weight bytes per thread and step). Stores fp32 partials at
     ``out[split]`` or, with ``DIRECT`` (one slice), the finished ``[M, N]`` output in out's dtype with the bias
-    and, with ``HAS_RESIDUAL``, plus ``r`` (:func:`~mmsdk.kernels._gemv_quad_triton.add_residual`). The codes become
+    and, with ``HAS_RESIDUAL``, plus ``r`` (:func:`~mmsdk.kernels._gemv_store_triton.add_residual`). The codes become
     the activations' dtype (bf16 or fp16) and the tensor cores accumulate in fp32.
     ``PDL``: the program waits for the kernel before it (``wait_for_inputs``) before it reads the activations.
     """

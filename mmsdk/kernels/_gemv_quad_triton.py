@@ -9,47 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmsdk.kernels._gemv_store_triton import merge_slices_if_last, store_output
 from mmsdk.kernels._pdl_triton import wait_for_inputs
-
-
-@triton.jit
-def add_residual(product, r_ptrs, ok, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """``product`` rounded to ``dtype``; with ``HAS_RESIDUAL`` then ``residual + that``, rounded again.
-
-    Bitwise what ``residual + linear(x)`` gives in torch: the linear's output is rounded to the model
-    dtype, and torch adds two bf16/fp16 tensors in fp32 and rounds the sum.
-    """
-    out = product.to(dtype)
-    if HAS_RESIDUAL:
-        out = (out.to(tl.float32) + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(dtype)
-    return out
-
-
-@triton.jit
-def leave_norm_statistics(value, columns, ok, row, part, N, g_ptr, scaled_ptr, sq_ptr, n_parts):
-    """What the RMSNorm that reads this store needs, left by the store (mmsdk.kernels.norm_fold.NormStatistics):
-    ``weight * value`` rounded to the model dtype at ``scaled[row, columns]`` and the sum of ``value**2`` over these
-    columns at ``sq[row, part]`` (fp32), so that its reader scales its finished sums by ``1 / rms`` instead of a norm
-    launch normalizing its input. ``value`` is what the store wrote (the model dtype), ``ok`` the columns that
-    exist."""
-    v = tl.where(ok, value.to(tl.float32), 0.0)
-    w = tl.load(g_ptr + columns, mask=ok, other=0.0).to(tl.float32)
-    tl.store(scaled_ptr + row.to(tl.int64) * N + columns, (v * w).to(scaled_ptr.dtype.element_ty), mask=ok)
-    tl.store(sq_ptr + row * n_parts + part, tl.sum(v * v, 0))
-
-
-@triton.jit
-def load_norm_parts(sq_ptr, row, n_parts, PARTS: tl.constexpr):
-    """Row ``row``'s partial sums of squares (:func:`leave_norm_statistics`), ``[PARTS]`` fp32, zeros past
-    ``n_parts`` (:func:`rms_from_parts` reduces them)."""
-    at = tl.arange(0, PARTS)
-    return tl.load(sq_ptr + row * n_parts + at, mask=at < n_parts, other=0.0)
-
-
-@triton.jit
-def rms_from_parts(parts, K_in, eps):
-    """``1 / sqrt(sum(parts) / K_in + eps)``: an RMSNorm's scale from :func:`load_norm_parts`."""
-    return tl.math.rsqrt(tl.sum(parts, 0) / K_in + eps)
 
 
 @triton.jit
@@ -439,44 +400,10 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
         out *= norm_scale(ssq, x_row, K_in, eps, WHOLE_ROW, NORM_BLOCK)
     dst = out_ptr + (split * M + row).to(tl.int64) * out_cols + column0 + rn
     if DIRECT:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        residual = r_ptr + row.to(tl.int64) * N + rn
-        value = add_residual(out, residual, n_ok, out_ptr.dtype.element_ty, HAS_RESIDUAL)
-        tl.store(dst, value, mask=n_ok)
-        if LEAVE_NORM:
-            leave_norm_statistics(value, rn, n_ok, row, pid_n, N, g_ptr, scaled_ptr, sq_ptr, n_blocks)
+        store_output(out, rn, n_ok, row, pid_n, N, b_ptr, r_ptr, out_ptr, g_ptr, scaled_ptr, sq_ptr, n_blocks,
+                     HAS_BIAS, HAS_RESIDUAL, LEAVE_NORM)
     else:
         tl.store(dst, out, mask=n_ok)
         if MERGE:
             merge_slices_if_last(out_ptr, final_ptr, cnt_ptr, b_ptr, r_ptr, g_ptr, scaled_ptr, sq_ptr, row, pid_n,
                                  rn, n_ok, M, N, n_blocks, n_splits, HAS_BIAS, HAS_RESIDUAL, LEAVE_NORM)
-
-
-@triton.jit
-def merge_slices_if_last(p_ptr, out_ptr, cnt_ptr, b_ptr, r_ptr, g_ptr, scaled_ptr, sq_ptr, row, pid_n, rn, n_ok, M, N,
-                         n_blocks, n_splits, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         LEAVE_NORM: tl.constexpr):
-    """The last of column block ``pid_n``'s K-slice programs (for activation row ``row``) to count itself in sums the
-    slices' fp32 partials ``p [n_splits, M, N]`` in slice order, as ``split_sum`` does (bitwise its output), adds the
-    bias and the residual, stores the output and leaves the norm statistics (one part per column block, as a direct
-    store does). Its counter (``cnt [M, n_blocks]``, int32) goes back to 0 for the next launch or graph replay.
-
-    The barrier has every thread's partial stores issued before the counter's release; the sum reads the other
-    programs' partials past L1 (".cg"), which other SMs' writes do not update.
-    """
-    tl.debug_barrier()
-    counter = cnt_ptr + row * n_blocks + pid_n
-    if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
-        acc = tl.zeros(rn.shape, dtype=tl.float32)
-        at = row.to(tl.int64) * N + rn
-        for split in range(0, n_splits):
-            acc += tl.load(p_ptr + (row + split * M).to(tl.int64) * N + rn, mask=n_ok, other=0.0,
-                           cache_modifier=".cg")
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        value = add_residual(acc, r_ptr + at, n_ok, out_ptr.dtype.element_ty, HAS_RESIDUAL)
-        tl.store(out_ptr + at, value, mask=n_ok)
-        if LEAVE_NORM:
-            leave_norm_statistics(value, rn, n_ok, row, pid_n, N, g_ptr, scaled_ptr, sq_ptr, n_blocks)
-        tl.store(counter, 0)

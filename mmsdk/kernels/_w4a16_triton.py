@@ -10,13 +10,8 @@ from mmsdk.kernels._gemv_mma_triton import gemv_mma
 from mmsdk.kernels._gemv_gated_triton import gemv_quad_gated, silu_times
 from mmsdk.kernels._gemv_idot_gated_triton import gemv_idot_gated
 from mmsdk.kernels._gemv_idot_triton import gemv_idot, quantize_activations
-from mmsdk.kernels._gemv_quad_triton import (
-    add_residual,
-    gemv_quad,
-    leave_norm_statistics,
-    load_norm_parts,
-    rms_from_parts,
-)
+from mmsdk.kernels._gemv_quad_triton import gemv_quad
+from mmsdk.kernels._gemv_store_triton import load_norm_parts, rms_from_parts, store_output
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 __all__ = ["dequant", "fused", "gemv", "gemv_idot", "gemv_idot_gated", "gemv_mma", "gemv_quad", "gemv_quad_gated",
@@ -184,10 +179,10 @@ def split_sum(p_ptr, b_ptr, r_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIA
               HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, g_ptr=None, scaled_ptr=None, sq_ptr=None, n_parts=0,
               LEAVE_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """``out = sum over splits of p[split] (+ bias)``, cast to out's dtype (p is fp32 ``[SPLITS, M, N]``; programs
-    ``(column block, row)``); with ``HAS_RESIDUAL`` that product plus the residual ``r`` (:func:`add_residual`);
-    with ``LEAVE_NORM`` the statistics of the RMSNorm that reads ``out`` as well (:func:`leave_norm_statistics`,
-    one part per column block). With ``PDL`` the launch overlaps the GEMV's tail and the next kernel's first loads
-    overlap this one (mmsdk/kernels/_pdl_triton.py)."""
+    ``(column block, row)``); with ``HAS_RESIDUAL`` that product plus the residual ``r``; with ``LEAVE_NORM`` the
+    statistics of the RMSNorm that reads ``out`` as well, one part per column block (the store:
+    mmsdk/kernels/_gemv_store_triton.py, ``store_output``). With ``PDL`` the launch overlaps the GEMV's tail and the
+    next kernel's first loads overlap this one (mmsdk/kernels/_pdl_triton.py)."""
     wait_for_inputs(PDL)
     part, row = tl.program_id(0), tl.program_id(1)
     columns = part * BLOCK + tl.arange(0, BLOCK)
@@ -196,12 +191,8 @@ def split_sum(p_ptr, b_ptr, r_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIA
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         acc += tl.load(p_ptr + s * MN + r, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + columns, mask=ok, other=0.0).to(tl.float32)
-    value = add_residual(acc, r_ptr + r, ok, out_ptr.dtype.element_ty, HAS_RESIDUAL)
-    tl.store(out_ptr + r, value, mask=ok)
-    if LEAVE_NORM:
-        leave_norm_statistics(value, columns, ok, row, part, N, g_ptr, scaled_ptr, sq_ptr, n_parts)
+    store_output(acc, columns, ok, row, part, N, b_ptr, r_ptr, out_ptr, g_ptr, scaled_ptr, sq_ptr, n_parts, HAS_BIAS,
+                 HAS_RESIDUAL, LEAVE_NORM)
 
 
 @triton.jit
@@ -212,7 +203,8 @@ def split_gated(p_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr
     SiLU and the product run in fp32 and are rounded once (transformers rounds the SiLU output and
     the product to the model dtype separately: the difference is one bf16 rounding). With ``ROW_SCALE`` (one row)
     both sums are scaled by the row's ``1 / rms`` first: the GEMV read an RMSNorm's input times its weight, whose
-    statistics the kernel before it left (:func:`load_norm_parts`). ``PDL`` as in :func:`split_sum`.
+    statistics the kernel before it left (:func:`~mmsdk.kernels._gemv_store_triton.load_norm_parts`). ``PDL`` as in
+    :func:`split_sum`.
     """
     wait_for_inputs(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
