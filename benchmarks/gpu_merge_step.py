@@ -1,22 +1,23 @@
 """Do kernels that merge their own splits make a decode step faster? An A/B in one process.
 
-Two switches, each an environment variable read when the step is captured:
+Three switches, each an environment variable read when the step is captured (its two settings in brackets):
 
-* ``--switch kv`` (``MMSDK_KV_MERGE``, on by default): the int4 MHA decode kernel merges its splits itself, or a
-  combine kernel does;
-* ``--switch gemv`` (``MMSDK_GEMV_MERGE``, off by default): INT4 layers' batch-1 "quad" GEMVs split along K sum their
-  slices themselves, or an epilogue kernel does.
+* ``--switch kv`` (``MMSDK_KV_MERGE`` 0 / 1, 1 the default): the int4 MHA decode kernel merges its splits itself, or
+  a combine kernel does; LLaVA-1.5-7B shapes;
+* ``--switch kv-grouped`` (``MMSDK_KV_MERGE`` 1 / all, 1 the default): the grouped-query decode kernel merges its
+  splits itself, or a combine kernel does; Qwen2-VL-7B shapes (28 query / 4 KV heads, int4-weight g128);
+* ``--switch gemv`` (``MMSDK_GEMV_MERGE`` 0 / 1, 0 the default): INT4 layers' batch-1 "quad" GEMVs split along K
+  sum their slices themselves, or an epilogue kernel does; LLaVA-1.5-7B shapes.
 
-LLaVA-1.5-7B shapes (random bf16 weights built on the GPU), qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv,
-batch 1, no image. Each round captures the kept decode step once with the switch at "0" and once at "1", in
-alternating order, and times:
+Random bf16 weights built on the GPU, qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv, batch 1, a text prompt.
+Each round captures the kept decode step once with each setting, in alternating order, and times:
 
 * ``--measure replay`` (default): the kept step's graph replayed 64 times after a 128-token call, CUDA events
   (benchmarks/gpu_decode_reuse.py), median of 3, at 1k and 4k prompts;
 * ``--measure wall``: ``(t(256 new) - t(128 new)) / 128`` from whole generate calls (medians of 3), at a 1k prompt.
   Its spread between rounds (about 0.4 ms per step on the H200) is far larger than the differences sought.
 
-    python benchmarks/gpu_merge_step.py --out merge_step.json [--switch kv|gemv] [--measure replay|wall]
+    python benchmarks/gpu_merge_step.py --out merge_step.json [--switch kv|kv-grouped|gemv] [--measure replay|wall]
 """
 
 from __future__ import annotations
@@ -30,10 +31,30 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_decode_reuse import _replay_after_call, call_ms
-from benchmarks.gpu_suite import build_llava, llava_inputs, optimized, section_env, timed_calls
+from benchmarks.gpu_suite import build_llava, build_qwen2_vl, llava_inputs, optimized, section_env, timed_calls
 from mmsdk.kernels import GEMV_MERGE_ENV, KV_MERGE_ENV
 
 ROUNDS = 3
+# switch -> (variable, (setting without the merge, setting with it), model)
+SWITCHES = {"kv": (KV_MERGE_ENV, ("0", "1"), "llava"), "kv-grouped": (KV_MERGE_ENV, ("1", "all"), "qwen2-vl"),
+            "gemv": (GEMV_MERGE_ENV, ("0", "1"), "llava")}
+
+
+def model_for(name: str) -> Any:
+    """The optimized model: LLaVA-1.5-7B shapes with groups of 32, or Qwen2-VL-7B shapes with groups of 128."""
+    if name == "llava":
+        return optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    return optimized(build_qwen2_vl(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+
+
+def prompt(name: str, ctx: int) -> dict[str, torch.Tensor]:
+    """A ``ctx``-token text prompt for the model."""
+    if name == "llava":
+        return llava_inputs(1, ctx, images=False)
+    ids = torch.randint(1, 150000, (1, ctx), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def setting(model: Any, variable: str, value: str) -> None:
@@ -61,24 +82,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--measure", choices=("replay", "wall"), default="replay")
-    parser.add_argument("--switch", choices=("kv", "gemv"), default="kv")
+    parser.add_argument("--switch", choices=tuple(SWITCHES), default="kv")
     args = parser.parse_args()
-    variable = KV_MERGE_ENV if args.switch == "kv" else GEMV_MERGE_ENV
-    model = optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
-    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "variable": variable, "rows": [],
-                              "medians": {}}
+    variable, (separate, merged), name = SWITCHES[args.switch]
+    model = model_for(name)
+    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "variable": variable, "model": name,
+                              "settings": [separate, merged], "rows": [], "medians": {}}
     measure = replay_ms if args.measure == "replay" else wall_step_ms
     for ctx in (1024, 4096) if args.measure == "replay" else (1024,):
-        inputs = llava_inputs(1, ctx, images=False)
+        inputs = prompt(name, ctx)
         answers = {}
-        for merge in ("0", "1"):
-            setting(model, variable, merge)
-            answers[merge] = model.generate(**inputs, max_new_tokens=32, do_sample=False)
-        result[f"ctx{ctx}_tokens_equal"] = bool(torch.equal(answers["0"], answers["1"]))
+        for value in (separate, merged):
+            setting(model, variable, value)
+            answers[value] = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+        result[f"ctx{ctx}_tokens_equal"] = bool(torch.equal(answers[separate], answers[merged]))
         for round_ in range(ROUNDS):
-            for merge in ("0", "1") if round_ % 2 == 0 else ("1", "0"):
-                setting(model, variable, merge)
-                row = {"ctx": ctx, "round": round_, "merge": merge == "1", "step_ms": measure(model, inputs)}
+            for value in (separate, merged) if round_ % 2 == 0 else (merged, separate):
+                setting(model, variable, value)
+                row = {"ctx": ctx, "round": round_, "merge": value == merged, "step_ms": measure(model, inputs)}
                 result["rows"].append(row)
                 print(row, flush=True)
         for merge in (False, True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import platform
 import statistics
@@ -235,16 +236,17 @@ def section_kv(quick: bool) -> list[dict[str, Any]]:
 
 
 def section_kv_merge(quick: bool) -> list[dict[str, Any]]:
-    """The int4 MHA decode kernel ("subnormal") with its splits merged by a combine kernel (the default) and by the
-    partial kernel's last program per head (``merge_counters``: one launch fewer), against SDPA on bf16 K/V, at
-    LLaVA-1.5-7B's heads, each cache read from HBM. Whether the merged form is worth making the default."""
+    """The int4 decode kernels with their splits merged by a combine kernel and by the partial kernel's last program
+    per KV head (``merge_counters``: one launch fewer), against SDPA on bf16 K/V, each cache read from HBM: the MHA
+    kernel ("subnormal") at LLaVA-1.5-7B's heads (merged by default) and the grouped-query kernel ("generic") at
+    Qwen2-VL-7B's (merged with ``MMSDK_KV_MERGE=all``). Whether each merged form is worth being the default."""
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
     from mmsdk.plugins.quantizers.quantized_cache import Packed
 
     rows = []
-    hq = hkv = 32
     d = 128
-    for ctx in (1280, 4096, 16384):
+    for (label, hq, hkv), ctx in itertools.product((("llava MHA 32/32", 32, 32), ("qwen2-vl GQA 28/4", 28, 4)),
+                                                   (1280, 4096, 16384)):
         scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
         counters = torch.zeros(hkv + 1, dtype=torch.int32, device="cuda")
         kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
@@ -258,9 +260,9 @@ def section_kv_merge(quick: bool) -> list[dict[str, Any]]:
             return ours(k_codes, v_codes, True)
 
         def sdpa(k: torch.Tensor, v: torch.Tensor) -> Any:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv)
 
-        row = {"heads": "llava MHA 32/32", "ctx": ctx, "rel_err_combine": rel(ours(kc, vc), reference),
+        row = {"heads": label, "ctx": ctx, "rel_err_combine": rel(ours(kc, vc), reference),
                "rel_err_merged": rel(merged(kc, vc), reference), "counters_left": int(counters.abs().sum())}
         t_plain, t_merged = gbench(cold(ours, kc, vc)), gbench(cold(merged, kc, vc))
         t_sdpa = gbench(cold(sdpa, kbf, vbf))

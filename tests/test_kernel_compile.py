@@ -66,6 +66,21 @@ def test_packed_decode_kernel_compiles(fmt, codes, use_dot, pairs):
     _compile(_kv_grouped_triton.decode_partial, pointers, constexprs, floats=("qk_scale",))
 
 
+@pytest.mark.parametrize("block_t,block_s", [(256, 16), (128, 64)])
+def test_grouped_decode_kernel_merging_its_splits_compiles(block_t, block_s):
+    """The grouped-query kernel of a decode step (int4, groups of 7) that merges its own splits."""
+    from mmsdk.kernels import _kv_grouped_triton
+    from mmsdk.kernels.kv_decode_choice import merge_chunk
+
+    pointers = {"q_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32", "len_ptr": "*i64",
+                "mask_ptr": "*i1", "po_ptr": "*fp32", "pl_ptr": "*fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
+                "vs_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32"}
+    constexprs = {"FMT": 0, "HAS_MASK": False, "USE_DOT": True, "BLOCK_G": 16, "BLOCK_T": block_t, "BLOCK_HD": 64,
+                  "APPEND": True, "ROPE": True, "V_AHEAD": True, "ASM": True, "PDL": True, "PAIRS": False,
+                  "MERGE": True, "MERGE_G": 8, "BLOCK_S": block_s, "CHUNK_S": merge_chunk(8, block_s, 64, 4)}
+    _compile(_kv_grouped_triton.decode_partial, pointers, constexprs, floats=("qk_scale",))
+
+
 @pytest.mark.parametrize("fmt,codes,pairs", [(1, "*i8", True), (2, "*fp8e4nv", True), (1, "*i8", False)])
 def test_code_dequantization_kernel_compiles(fmt, codes, pairs):
     from mmsdk.kernels import _kv_triton

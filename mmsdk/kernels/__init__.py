@@ -38,8 +38,9 @@ PDL_ENV = "MMSDK_PDL"  # "0" turns programmatic dependent launch off (to measure
 # "0" makes kernel tuners take their first candidate instead of timing them all: correctness runs (tests) then compile
 # one configuration per problem, not every candidate (minutes on a fresh machine)
 TUNE_ENV = "MMSDK_TUNE"
-# "0" has the packed cache's int4 MHA decode kernel leave its splits to a combine kernel instead of merging them itself
-# (kv_decode.decode_attention's merge_counters), to measure what the merge buys
+# which of the packed cache's decode kernels merge their own splits instead of leaving them to a combine kernel
+# (kv_decode.decode_attention's merge_counters): "1" (default) the int4 MHA kernel, "0" none (to measure what the
+# merge buys), "all" the byte-code kernel too (grouped-query heads, int8 / fp8: not yet timed on a GPU)
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
 # "1" has INT4 linear layers' batch-1 "quad" GEMVs split along K sum their slices in their own launch instead of an
 # epilogue kernel (gemv_launch.launch_gemv's merge_counters): off until it has been timed in a decode step
@@ -66,9 +67,13 @@ def timing_enabled() -> bool:
     return not interpreting() and os.environ.get(TUNE_ENV, "1") != "0"
 
 
-def kv_merge_enabled() -> bool:
-    """False with ``MMSDK_KV_MERGE=0`` (see :data:`KV_MERGE_ENV`)."""
-    return os.environ.get(KV_MERGE_ENV, "1") != "0"
+def kv_merge_enabled(variant: str = "subnormal") -> bool:
+    """Whether the decode kernel ``variant`` (kv_decode.VARIANTS) is to merge its own splits (see
+    :data:`KV_MERGE_ENV`)."""
+    mode = os.environ.get(KV_MERGE_ENV, "1")
+    if mode not in ("0", "1", "all"):
+        raise ValueError(f"{KV_MERGE_ENV}={mode!r}: set it to 0, 1 or all (or leave it unset)")
+    return mode != "0" and (variant == "subnormal" or (mode == "all" and variant == "generic"))
 
 
 def gemv_merge_enabled() -> bool:

@@ -15,6 +15,7 @@ import triton.language as tl
 from mmsdk.kernels._kv_intdot_triton import integer_query, integer_scores
 from mmsdk.kernels._kv_triton import encode, merge_natural, rope_rotate, softmax_total, split_program, token_tile
 from mmsdk.kernels._pdl_triton import let_next_launch
+from mmsdk.kernels._split_merge_triton import last_to_arrive, row_merged
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with
@@ -336,19 +337,9 @@ def decode_partial_int4_subnormal_mha(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, ma
 def merge_if_last(po_ptr, pl_ptr, vs_ptr, out_ptr, len_ptr, cnt_ptr, bh, b, hk, n_splits, so_b, so_h,
                   BLOCK_S: tl.constexpr, D: tl.constexpr, ADVANCE: tl.constexpr):
     """The last of partial row ``bh``'s programs to arrive merges the row's splits (one query head per KV head);
-    with ``ADVANCE`` the last row to be merged adds the step's token to ``len``. Counters are left at 0.
-
-    The barrier has every thread's partial stores issued before the counter's release; the merge reads the other
-    programs' partials past L1 (".cg"), which other SMs' writes do not update.
-    """
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel")
-    if arrived == n_splits - 1:
+    with ``ADVANCE`` the last row to be merged adds the step's token to ``len``. Counters are left at 0
+    (mmsdk/kernels/_split_merge_triton.py)."""
+    if last_to_arrive(cnt_ptr, bh, n_splits):
         merge_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, bh, b, hk, hk, n_splits, so_b, so_h, BLOCK_S, D,
                       PAST_L1=True)
-        tl.store(cnt_ptr + bh, 0)
-        if ADVANCE:  # every program has read the length before counting itself in
-            rows = tl.num_programs(0)
-            if tl.atomic_add(cnt_ptr + rows, 1, sem="acq_rel") == rows - 1:
-                tl.store(len_ptr, tl.load(len_ptr, cache_modifier=".cg") + 1)
-                tl.store(cnt_ptr + rows, 0)
+        row_merged(cnt_ptr, bh, len_ptr, ADVANCE)
