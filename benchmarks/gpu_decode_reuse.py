@@ -364,23 +364,23 @@ _FREE = {"g32_norms_free": ("llava", "norms"), "g32_combine_free": ("llava", "co
 @contextmanager
 def kernels_made_free(stack: str) -> Iterator[None]:
     """For a key of ``_FREE``, that kind of kernel replaced by nothing while the block runs; otherwise nothing."""
-    import mmsdk.kernels._kv_triton as kv_triton
+    import mmsdk.kernels._split_merge_triton as merging
     import mmsdk.kernels.norm_rope_gpu as norm_ops
 
     kind = _FREE.get(stack, (None, None))[1]
     saved = {"rms_norm": norm_ops.rms_norm, "add_rms_norm": norm_ops.add_rms_norm,
-             "decode_combine_natural": kv_triton.decode_combine_natural, "decode_combine": kv_triton.decode_combine}
+             "decode_combine_natural": merging.decode_combine_natural, "decode_combine": merging.decode_combine}
     if kind == "norms":
         norm_ops.rms_norm = lambda x, weight, eps: x
         norm_ops.add_rms_norm = lambda x, residual, weight, eps: (x, x)
     elif kind == "combine":
-        kv_triton.decode_combine_natural = kv_triton.decode_combine = _NoLaunch()
+        merging.decode_combine_natural = merging.decode_combine = _NoLaunch()
     try:
         yield
     finally:
         norm_ops.rms_norm, norm_ops.add_rms_norm = saved["rms_norm"], saved["add_rms_norm"]
-        kv_triton.decode_combine_natural = saved["decode_combine_natural"]
-        kv_triton.decode_combine = saved["decode_combine"]
+        merging.decode_combine_natural = saved["decode_combine_natural"]
+        merging.decode_combine = saved["decode_combine"]
 
 
 class _NoLaunch:

@@ -119,9 +119,9 @@ def mha_resources(merge: bool) -> dict[str, Any]:
 
 def combine_resources() -> dict[str, Any]:
     """The combine kernel that merges the MHA kernel's splits when it does not merge them itself."""
-    from mmsdk.kernels import _kv_triton
+    from mmsdk.kernels import _split_merge_triton
 
-    kernel = _kv_triton.decode_combine_natural
+    kernel = _split_merge_triton.decode_combine_natural
     signature = {name: {"out_ptr": "*bf16"}.get(name, POINTERS.get(name, "*fp32" if name.endswith("_ptr") else "i32"))
                  for name in kernel.arg_names}
     return compiled_resources(kernel, signature, dict(BLOCK_S=16, D=128, PDL=True, ADVANCE=True, SCALED=True), 4)

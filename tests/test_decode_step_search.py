@@ -116,23 +116,23 @@ def test_timing_only_stacks_replace_their_kernels_and_restore_them():
     heads'), "norms" makes the RMSNorms return their input; everything is as before after the block."""
     pytest.importorskip("triton")
     import benchmarks.gpu_decode_reuse as reuse
-    import mmsdk.kernels._kv_triton as kv_triton
+    import mmsdk.kernels._split_merge_triton as merging
     import mmsdk.kernels.norm_rope_gpu as norm_ops
 
-    combines = (kv_triton.decode_combine_natural, kv_triton.decode_combine)
+    combines = (merging.decode_combine_natural, merging.decode_combine)
     norms = (norm_ops.rms_norm, norm_ops.add_rms_norm)
     assert reuse.stacks()["qwen_g128_combine_free"][1] == "qwen2-vl"
     for stack in ("g32_combine_free", "qwen_g128_combine_free"):
         with reuse.kernels_made_free(stack):
-            for kernel in (kv_triton.decode_combine_natural, kv_triton.decode_combine):
+            for kernel in (merging.decode_combine_natural, merging.decode_combine):
                 assert kernel not in combines and kernel[(4,)](1, 2, PDL=True) is None
             assert (norm_ops.rms_norm, norm_ops.add_rms_norm) == norms
-        assert (kv_triton.decode_combine_natural, kv_triton.decode_combine) == combines
+        assert (merging.decode_combine_natural, merging.decode_combine) == combines
     with reuse.kernels_made_free("g32_norms_free"):
         assert norm_ops.rms_norm("x", None, 1e-6) == "x" and norm_ops.add_rms_norm("x", "r", None, 1e-6) == ("x", "x")
-        assert (kv_triton.decode_combine_natural, kv_triton.decode_combine) == combines
+        assert (merging.decode_combine_natural, merging.decode_combine) == combines
     with reuse.kernels_made_free("qwen_g128"):  # a real stack: nothing replaced
-        assert (kv_triton.decode_combine_natural, kv_triton.decode_combine) == combines
+        assert (merging.decode_combine_natural, merging.decode_combine) == combines
     assert (norm_ops.rms_norm, norm_ops.add_rms_norm) == norms
 
 

@@ -104,13 +104,14 @@ def test_mha_decode_kernel_compiles(merge):
 
 @pytest.mark.parametrize("scaled", [True, False])
 def test_combine_kernels_compile(scaled):
-    from mmsdk.kernels import _kv_triton
+    from mmsdk.kernels import _split_merge_triton
 
     pointers = {"po_ptr": "*fp32", "pl_ptr": "*fp32", "vs_ptr": "*fp32", "out_ptr": "*bf16", "len_ptr": "*i64"}
-    _compile(_kv_triton.decode_combine_natural, pointers,
+    _compile(_split_merge_triton.decode_combine_natural, pointers,
              {"BLOCK_S": 64, "D": 128, "PDL": True, "ADVANCE": False, "SCALED": scaled})
     if scaled:
-        _compile(_kv_triton.decode_combine, pointers, {"BLOCK_S": 64, "BLOCK_HD": 64, "ADVANCE": True, "PDL": True})
+        _compile(_split_merge_triton.decode_combine, pointers,
+                 {"BLOCK_S": 64, "BLOCK_HD": 64, "ADVANCE": True, "PDL": True})
 
 
 @pytest.mark.parametrize("merge,leave", [(False, False), (True, False), (True, True)])

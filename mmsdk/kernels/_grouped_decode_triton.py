@@ -3,7 +3,7 @@
 Flash-decoding over unquantized K/V ``[B, H_kv, T, D]`` (bf16 / fp16, contiguous): one program per (batch, KV head,
 split of the T slots) loads each tile of K and V once, as whole rows, for all the query heads of its group, and
 scores and sums them on the tensor cores; the splits are merged by
-:func:`mmsdk.kernels._kv_triton.decode_combine_natural` (without V scales).
+:func:`mmsdk.kernels._split_merge_triton.decode_combine_natural` (without V scales).
 """
 
 from __future__ import annotations

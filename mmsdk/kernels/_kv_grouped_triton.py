@@ -2,7 +2,8 @@
 grouped-query heads on the tensor cores). Imported only when the kernel is launched.
 
 Its partials (even channels, then odd ones, per slot) and log-sum-exps are merged by
-:func:`mmsdk.kernels._kv_triton.decode_combine`, or with ``MERGE`` by the kernel's own last program per KV head.
+:func:`mmsdk.kernels._split_merge_triton.decode_combine`, or with ``MERGE`` by the kernel's own last program per KV
+head.
 
 (Loading each split's first K/V tile before the wait for the kernel in front, as the batch-1 GEMVs load their first
 weights, took the kernel alone from 6.97 to 5.15 µs at 1280 tokens together with PDL, but made Qwen2-VL-7B's decode

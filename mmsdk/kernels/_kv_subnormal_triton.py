@@ -3,8 +3,8 @@ nibbles (and, without ``KDOT``, K's) decoded as exact subnormal floats; with ``K
 integer dot products (mmsdk/kernels/_kv_intdot_triton.py).
 
 Imported only when the kernel is launched. Partials and log-sum-exps have the layout of
-:func:`mmsdk.kernels._kv_triton.decode_partial_int4`, so :func:`~mmsdk.kernels._kv_triton.decode_combine_natural`
-merges them.
+:func:`mmsdk.kernels._kv_triton.decode_partial_int4`, so
+:func:`~mmsdk.kernels._split_merge_triton.decode_combine_natural` merges them.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._kv_intdot_triton import integer_query, integer_scores
-from mmsdk.kernels._kv_triton import encode, merge_natural, rope_rotate, softmax_total, split_program, token_tile
+from mmsdk.kernels._kv_triton import encode, rope_rotate, softmax_total, split_program, token_tile
 from mmsdk.kernels._pdl_triton import let_next_launch
-from mmsdk.kernels._split_merge_triton import last_to_arrive, row_merged
+from mmsdk.kernels._split_merge_triton import last_to_arrive, merge_natural, row_merged
 
 # Subnormal decoding. An integer x < 2**24 in the low bits of an
 # int32 reads, as fp32, as exactly ``x * 2**-149`` (exponent field 0: subnormal; exponent field 1 with

@@ -1,4 +1,6 @@
-"""Triton kernels behind mmsdk.kernels.kv_decode (imported only when a kernel is launched).
+"""Triton kernels behind mmsdk.kernels.kv_decode (imported only when a kernel is launched): writing K/V into the
+packed cache, reading its tiles, the "magic" int4 decode kernel and the online softmax's steps. Merging the splits:
+mmsdk/kernels/_split_merge_triton.py.
 
 Code formats (``FMT``): 0 = int4 (``q + 8`` two per byte, even channel low), 1 = int8, 2 = fp8 e4m3.
 Channels are handled as even/odd halves throughout, so int4 bytes unpack without shuffles.
@@ -8,8 +10,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from mmsdk.kernels._pdl_triton import let_next_launch, wait_for_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -246,65 +246,6 @@ def softmax_total(m_i, l_i):
 
 
 @triton.jit
-def combine_program(HQ, G, n_splits, BLOCK_S: tl.constexpr):
-    """A combine program's (row, batch, query head, KV head) and its splits' (ids, valid mask): one program per
-    (batch, query head)."""
-    bh = tl.program_id(0)
-    h = bh % HQ
-    rs = tl.arange(0, BLOCK_S)
-    return bh, bh // HQ, h, h // G, rs, rs < n_splits
-
-
-@triton.jit
-def split_weights(pl_ptr, bh, rs, s_ok, n_splits, PAST_L1: tl.constexpr = False):
-    """Each split's weight ``2**(lse - max lse)`` and their sum (1 for a row with no keys).
-
-    The combine kernels load their partials and V's scales before calling this: every load of the kernel is then
-    in flight at once, where loads written after the weights waited for them (one memory round trip each).
-    ``PAST_L1``: load past L1 (".cg"), for values other programs of the same kernel wrote. (A flag, not the modifier
-    string as a constexpr: Triton 3.6 rejects strings passed between jit functions.)
-    """
-    if PAST_L1:
-        lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lse = tl.load(pl_ptr + bh.to(tl.int64) * n_splits + rs, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a row with no keys: every weight 0, total 1
-    w = tl.where(s_ok, tl.math.exp2(lse - top), 0.0)
-    total = tl.sum(w, 0)
-    return w, tl.where(total == 0.0, 1.0, total)
-
-
-@triton.jit
-def decode_combine(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, D, n_splits, so_b, so_h, len_ptr,
-                   BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr, ADVANCE: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
-    """Merge the splits of one (batch, query head) by their log-sum-exp, apply V's scale, write [B, 1, Hq, D];
-    ``ADVANCE`` as in :func:`decode_combine_natural`. With ``PDL`` the kernel is launched as a dependent of the
-    partial kernel (mmsdk.kernels._kv_grouped_triton.decode_partial): it waits for the partials, then lets the next
-    kernel launch."""
-    wait_for_inputs(PDL)
-    bh, b, h, hk, rs, s_ok = combine_program(HQ, G, n_splits, BLOCK_S)
-    rd = tl.arange(0, BLOCK_HD)
-    rows = po_ptr + (bh.to(tl.int64) * n_splits + rs)[:, None] * (2 * BLOCK_HD) + rd[None, :]
-    part_e = tl.load(rows, mask=s_ok[:, None], other=0.0)
-    part_o = tl.load(rows + BLOCK_HD, mask=s_ok[:, None], other=0.0)
-    de, do = (2 * rd) < D, (2 * rd + 1) < D
-    scale_e = tl.load(vs_ptr + hk * D + 2 * rd, mask=de, other=0.0)
-    scale_o = tl.load(vs_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0)
-    tl.debug_barrier()  # keeps the compiler from moving these loads after the weights' (see split_weights)
-    w, total = split_weights(pl_ptr, bh, rs, s_ok, n_splits)
-    oe = tl.sum(w[:, None] * part_e, 0) / total * scale_e
-    oo = tl.sum(w[:, None] * part_o, 0) / total * scale_o
-    dst = out_ptr + b * so_b + h * so_h
-    tl.store(dst + 2 * rd, oe.to(out_ptr.dtype.element_ty), mask=de)
-    tl.store(dst + 2 * rd + 1, oo.to(out_ptr.dtype.element_ty), mask=do)
-    if ADVANCE:
-        if bh == 0:  # every partial program has read the length: the partial kernel has finished
-            tl.store(len_ptr, tl.load(len_ptr) + 1)
-
-
-@triton.jit
 def int4_words(c_ptr, rows, t_ok, rw, rs, W):
     """Values (fp32, ``code - 8``, scale not applied) of int4 code rows read as int32 words: ``[BLOCK_T, W, 8]``.
 
@@ -366,45 +307,3 @@ def decode_partial_int4(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr
         tl.store(po_ptr + slot[:, None, None] * D + ch[None, :, :], acc / l_safe[:, None, None],
                  mask=g_ok[:, None, None])
     tl.store(pl_ptr + slot, lse, mask=g_ok)
-
-
-@triton.jit
-def merge_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, row, b, h, hk, n_splits, so_b, so_h, BLOCK_S: tl.constexpr,
-                  D: tl.constexpr, SCALED: tl.constexpr = True, PAST_L1: tl.constexpr = False):
-    """Merge the ``n_splits`` natural-order partials of partial row ``row`` (batch ``b``, query head ``h``, KV head
-    ``hk``) by their log-sum-exp, apply V's scale (``SCALED``), write the head's output. ``PAST_L1``: the partials
-    load past L1 (see :func:`split_weights`)."""
-    rs = tl.arange(0, BLOCK_S)
-    s_ok = rs < n_splits
-    rd = tl.arange(0, D)
-    rows = po_ptr + (row.to(tl.int64) * n_splits + rs)[:, None] * D + rd[None, :]
-    if PAST_L1:
-        parts = tl.load(rows, mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        parts = tl.load(rows, mask=s_ok[:, None], other=0.0)
-    if SCALED:
-        scale = tl.load(vs_ptr + hk * D + rd)
-    else:
-        scale = tl.full((D,), 1.0, tl.float32)
-    tl.debug_barrier()  # keeps the compiler from moving these loads after the weights' (see split_weights)
-    w, total = split_weights(pl_ptr, row, rs, s_ok, n_splits, PAST_L1)
-    o = tl.sum(w[:, None] * parts, 0) / total * scale
-    tl.store(out_ptr + b * so_b + h * so_h + rd, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def decode_combine_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, HQ, G, n_splits, so_b, so_h, len_ptr,
-                           BLOCK_S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
-                           ADVANCE: tl.constexpr = False, SCALED: tl.constexpr = True):
-    """Merge the splits of one (batch, query head) from natural-order partials (see decode_combine).
-
-    With ``PDL`` the next kernel (the output projection's GEMV) may launch at once. With ``ADVANCE`` program 0
-    adds the step's token to the cache length ``len`` (the partial kernel appended it: its ``APPEND``). Without
-    ``SCALED`` V has no scale to apply (unquantized K/V, mmsdk.kernels.grouped_decode).
-    """
-    let_next_launch(PDL)
-    bh, b, h, hk, rs, s_ok = combine_program(HQ, G, n_splits, BLOCK_S)
-    merge_natural(po_ptr, pl_ptr, vs_ptr, out_ptr, bh, b, h, hk, n_splits, so_b, so_h, BLOCK_S, D, SCALED)
-    if ADVANCE:
-        if bh == 0:  # every partial program has read the length: the partial kernel has finished
-            tl.store(len_ptr, tl.load(len_ptr) + 1)

@@ -33,7 +33,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Attention of ``query`` [B, Hq, 1, D] over every slot of ``key`` / ``value`` [B, H_kv, T, D] that ``mask``
     ([B, L >= T] nonzero = attend, or None) keeps: ``[B, 1, Hq, D]`` in the query's dtype. CUDA (or Triton's
     interpreter); the inputs as :func:`takes` describes them."""
-    from mmsdk.kernels import _grouped_decode_triton, _kv_triton, pdl_ready
+    from mmsdk.kernels import _grouped_decode_triton, _kv_triton, _split_merge_triton, pdl_ready
     from mmsdk.kernels.kv_decode_choice import pow2, splits
 
     batch, heads, _, dim = query.shape
@@ -50,7 +50,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         split_t, float(scaling) * _kv_triton.LOG2E, D=dim, HAS_MASK=mask is not None,
         BLOCK_G=max(16, pow2(group)), BLOCK_T=block_t, PDL=pdl, launch_pdl=pdl, num_warps=warps,
         num_stages=stages)
-    _kv_triton.decode_combine_natural[(batch * heads,)](  # lse stands in for V's scales and the count: not read
+    # lse stands in for V's scales and the count: not read
+    _split_merge_triton.decode_combine_natural[(batch * heads,)](
         partial, lse, lse, out, heads, group, n_splits, out.stride(0), out.stride(2), lse,
         BLOCK_S=pow2(n_splits), D=dim, PDL=pdl, SCALED=False, num_warps=4 if dim >= 64 else 1)
     return out

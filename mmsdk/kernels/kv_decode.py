@@ -113,7 +113,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     default "subnormal" only: on the H200 it took 0.4-1.1 µs less per call than the two launches at 1280-16k tokens
     of LLaVA-1.5-7B's heads, docs/benchmarks.md; the "generic" merge is not yet timed on a GPU).
     """
-    from mmsdk.kernels import _kv_grouped_triton, _kv_triton
+    from mmsdk.kernels import _kv_grouped_triton, _kv_triton, _split_merge_triton
 
     b, hq, _, d = query.shape
     variant = pick_variant(variant, words_ready(key_codes, value_codes, fmt, d), hq // key_codes.shape[1])
@@ -165,7 +165,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     )
     if merge:
         return out
-    _kv_triton.decode_combine[(b * hq,)](
+    _split_merge_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
         BLOCK_S=pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl, launch_pdl=pdl,
         num_warps=4 if block_hd >= 64 else 1,
@@ -188,7 +188,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
     """Flash-decoding over int4 codes read as int32 words (8 channels per load element); ``append``, the RoPE
     rows ``rope_args`` (cos, sin, batch stride) and ``merge_counters`` (variant "subnormal" only) as in
     :func:`decode_attention`."""
-    from mmsdk.kernels import _kv_triton
+    from mmsdk.kernels import _kv_triton, _split_merge_triton
 
     b, hq, _, d = query.shape
     h_kv, t_max = key_codes.shape[1], key_codes.shape[2]
@@ -227,7 +227,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, pow2(group)) if use_dot else
             pow2(group), BLOCK_T=launch.block_t, W=d // 8, num_warps=launch.warps,
             **({"num_stages": launch.stages} if launch.stages is not None else {}))
-    _kv_triton.decode_combine_natural[(b * hq,)](
+    _split_merge_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2), length,
         BLOCK_S=pow2(n_splits), D=d, PDL=pdl_ready(query), ADVANCE=append is not None,
         num_warps=4 if d >= 64 else 1,
