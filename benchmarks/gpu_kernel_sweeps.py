@@ -819,7 +819,7 @@ def read_floor(codes: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]
 
     def launch(k: torch.Tensor, v: torch.Tensor, programs: int, block: int, empty: bool = False) -> None:
         read_words[(programs,)](k.view(torch.int32), v.view(torch.int32), out, n_words, BLOCK=block, EMPTY=empty,
-                                num_warps=4)
+                                num_warps=4, enable_fp_fusion=True)
 
     grids = {(p, b): gtime([lambda p=p, b=b, kv=kv: launch(*kv, p, b) for kv in codes])
              for p in (132, 264, 528, 1056, 2112) for b in (512, 1024)}

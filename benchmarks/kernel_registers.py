@@ -63,7 +63,7 @@ def compiled_resources(kernel: Any, signature: dict[str, str], constants: dict[s
 
     signature, constants = aot_signature(kernel, constants, signature)
     compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": 2})
+                              options={"num_warps": warps, "num_stages": 2, "enable_fp_fusion": True})
     with tempfile.TemporaryDirectory() as folder:
         ptx = Path(folder) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])

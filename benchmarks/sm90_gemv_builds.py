@@ -106,7 +106,7 @@ def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, 
                if n not in constants and (n.endswith("_ptr") or n in ("KW", "K_in", "N", "stride_xm"))
                and pointers.get(n) != "fp32"}
     compiled = triton.compile(ASTSource(kernel, signature, constants, aligned),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+                              target=GPUTarget("cuda", 90, 32), options={**options, "enable_fp_fusion": True})
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "gemv.cubin"
         cubin.write_bytes(compiled.asm["cubin"])

@@ -32,7 +32,7 @@ def _compile(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any], 
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
     try:
-        triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True})
     except RuntimeError as error:  # no ptxas for this Triton build: nothing to check against
         if "ptxas" in str(error).lower():
             pytest.skip(f"Triton cannot compile for sm_90 here: {error}")

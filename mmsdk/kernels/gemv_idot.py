@@ -50,7 +50,7 @@ def quantize_row_activations(x: torch.Tensor, words: int, norm: InputNorm | None
                                  torch.empty(m, n_quads, device=x.device, dtype=torch.int32))
     kernels.quantize_activations[(triton.cdiv(n_quads, QUANTIZE_BLOCK), m)](
         x, rounded.pairs, rounded.scales, rounded.sums, k_in, n_quads, x.stride(0), BLOCK_Q=QUANTIZE_BLOCK,
-        PDL=pdl_ready(x), launch_pdl=pdl_ready(x), num_warps=4, **_norm_arguments(norm, x))
+        PDL=pdl_ready(x), launch_pdl=pdl_ready(x), num_warps=4, **_norm_arguments(norm, x), enable_fp_fusion=True)
     return rounded
 
 
@@ -94,7 +94,8 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         per_split * group // 32, zero_points.stride(0) if zero_points is not None else 0,
         residual if residual is not None else scales, GROUP=group, HAS_ZP=zero_points is not None,
         HAS_BIAS=bias is not None, DIRECT=direct, HAS_RESIDUAL=residual is not None and direct, BLOCK_N=block_n,
-        BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps)
+        BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        enable_fp_fusion=True)
     if not direct:
         finish_splits(target, out, bias, n_splits, False, residual)
 
@@ -131,7 +132,8 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
         zero_points if has_zp else scales, qweight2.view(torch.int32), scales2, zero_points2 if has_zp else scales2,
         target, m, n, words, per_split * group // 32, zero_points.stride(0) if has_zp else 0, k_in, GROUP=group,
         HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n, BLOCK_C=block_c, ROW_MASK=n % block_n != 0,
-        ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps, **row_scale_arguments(statistics, k_in))
+        ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps, **row_scale_arguments(statistics, k_in),
+        enable_fp_fusion=True)
     if not direct:  # the partials are scaled already
         finish_splits(target, out, None, n_splits, True)
 

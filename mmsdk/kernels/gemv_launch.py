@@ -97,10 +97,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             **norm_arguments(norm, x, warps, n_splits == 1),
             **(leave.arguments(out, n_blocks) if leave is not None and folded else {}),
             **({"final_ptr": out, "cnt_ptr": merge_counters, "n_splits": n_splits, "MERGE": True} if merge else {}),
-            **flags)
+            **flags, enable_fp_fusion=True)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
-                                                                    DOT=dot, **flags)
+                                                                    DOT=dot, **flags, enable_fp_fusion=True)
         if direct and residual is not None:
             out.add_(residual)
     if not folded:
@@ -143,7 +143,7 @@ def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         zero_points.stride(0) if zero_points is not None else 0, residual if residual is not None else scales,
         GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_N=block_n,
         BLOCK_M=block_m, STEP_G=step_g, ASM=not interpreting(), PDL=pdl, HAS_RESIDUAL=residual is not None and direct,
-        launch_pdl=pdl, num_warps=warps, **options)
+        launch_pdl=pdl, num_warps=warps, **options, enable_fp_fusion=True)
     if not direct:
         finish_splits(target, out, bias, n_splits, False, residual)
 

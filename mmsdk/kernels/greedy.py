@@ -44,7 +44,7 @@ def _chunk_maxima(logits: torch.Tensor, width: int, warps: int) -> dict[str, obj
     values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     _greedy_triton.chunk_argmax[(chunks, rows)](logits, values, indices, vocab, logits.stride(0), chunks, BLOCK=width,
-                                                num_warps=warps)
+                                                num_warps=warps, enable_fp_fusion=True)
     return dict(values_ptr=values, indices_ptr=indices, chunks=chunks, CHUNKS=1 << (chunks - 1).bit_length(),
                 CHUNKED=True)
 
@@ -63,7 +63,7 @@ def argmax_rows(logits: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     width, warps = _tile(vocab, block)
     _greedy_triton.argmax_rows[(rows,)](logits, out, vocab, logits.stride(0), BLOCK=width, num_warps=warps,
-                                        **_chunk_maxima(logits, width, warps))
+                                        **_chunk_maxima(logits, width, warps), enable_fp_fusion=True)
     return out
 
 
@@ -103,5 +103,5 @@ def greedy_step(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor,
         column if column is not None else token, vocab, logits.stride(0), eos.numel(), int(pad),
         tokens.stride(0) if tokens is not None else 0, **_chunk_maxima(logits, width, warps), BLOCK=width,
         BLOCK_EOS=max(1, 1 << max(0, (eos.numel() - 1).bit_length())), HAS_COLUMN=tokens is not None,
-        num_warps=warps,
+        num_warps=warps, enable_fp_fusion=True,
     )

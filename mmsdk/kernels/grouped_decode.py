@@ -49,11 +49,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         mask.stride(0) if mask is not None else 0, mask.shape[-1] if mask is not None else 0, kv_heads, group, slots,
         split_t, float(scaling) * _kv_triton.LOG2E, D=dim, HAS_MASK=mask is not None,
         BLOCK_G=max(16, pow2(group)), BLOCK_T=block_t, PDL=pdl, launch_pdl=pdl, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, enable_fp_fusion=True)
     # lse stands in for V's scales and the count: not read
     _split_merge_triton.decode_combine_natural[(batch * heads,)](
         partial, lse, lse, out, heads, group, n_splits, out.stride(0), out.stride(2), lse,
-        BLOCK_S=pow2(n_splits), D=dim, PDL=pdl, SCALED=False, num_warps=4 if dim >= 64 else 1)
+        BLOCK_S=pow2(n_splits), D=dim, PDL=pdl, SCALED=False, num_warps=4 if dim >= 64 else 1, enable_fp_fusion=True)
     return out
 
 

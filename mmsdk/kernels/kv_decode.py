@@ -49,7 +49,7 @@ def append_kv(key: torch.Tensor, value: torch.Tensor, key_codes: torch.Tensor, v
     _kv_triton.append[(b * h, n)](
         key, value, key_codes, value_codes, key_scale, value_scale, length, h, key_codes.shape[2], d, half,
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-        FMT=FORMATS[fmt], BLOCK_HD=pow2(half), num_warps=1,
+        FMT=FORMATS[fmt], BLOCK_HD=pow2(half), num_warps=1, enable_fp_fusion=True,
     )
 
 
@@ -78,7 +78,7 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, fmt: str, length:
     _kv_triton.dequantize[(b * h, ceil_div(length, block_t))](
         codes, scale.contiguous(), out, h, t_max, codes.stride(0) // width, length, dim,
         width if fmt == "int4" else dim // 2 if pairs else dim, out.stride(0), out.stride(1), out.stride(2),
-        FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=pow2(half), PAIRS=pairs, num_warps=4,
+        FMT=FORMATS[fmt], BLOCK_T=block_t, BLOCK_HD=pow2(half), PAIRS=pairs, num_warps=4, enable_fp_fusion=True,
     )
     return out
 
@@ -161,14 +161,14 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, ASM=not interpreting(),
         PDL=pdl, PAIRS=pairs, MERGE=merge, MERGE_G=pow2(group), BLOCK_S=pow2(n_splits),
         CHUNK_S=merge_chunk(pow2(group), pow2(n_splits), block_hd, warps) if merge else 1,
-        launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        launch_pdl=pdl, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
     )
     if merge:
         return out
     _split_merge_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
         BLOCK_S=pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl, launch_pdl=pdl,
-        num_warps=4 if block_hd >= 64 else 1,
+        num_warps=4 if block_hd >= 64 else 1, enable_fp_fusion=True,
     )
     return out
 
@@ -215,7 +215,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
             merge_counters if merge else lse, HAS_MASK=mask is not None, BLOCK_T=launch.block_t,
             W=d // 8, PREFETCH=launch.prefetch, APPEND=append is not None, ROPE=rope_args is not None,
             FOLD=launch.fold, KDOT=launch.kdot, ASM=not interpreting(), STAGES=launch.stages, MERGE=merge,
-            BLOCK_S=pow2(n_splits), PDL=pdl_ready(query), num_warps=launch.warps)
+            BLOCK_S=pow2(n_splits), PDL=pdl_ready(query), num_warps=launch.warps, enable_fp_fusion=True)
         if merge:
             return out
     elif append is not None or rope_args is not None:
@@ -226,11 +226,11 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         _kv_triton.decode_partial_int4[(b * h_kv, n_splits)](
             *args, HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=max(16, pow2(group)) if use_dot else
             pow2(group), BLOCK_T=launch.block_t, W=d // 8, num_warps=launch.warps,
-            **({"num_stages": launch.stages} if launch.stages is not None else {}))
+            **({"num_stages": launch.stages} if launch.stages is not None else {}), enable_fp_fusion=True)
     _split_merge_triton.decode_combine_natural[(b * hq,)](
         partial, lse, value_scale, out, hq, group, n_splits, out.stride(0), out.stride(2), length,
         BLOCK_S=pow2(n_splits), D=d, PDL=pdl_ready(query), ADVANCE=append is not None,
-        num_warps=4 if d >= 64 else 1,
+        num_warps=4 if d >= 64 else 1, enable_fp_fusion=True,
     )
     return out
 

@@ -62,7 +62,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
     warps = 4 if hidden <= 2048 else 8
     _kernels().add_rms_norm[(x2.shape[0],)](
         x2, r2, weight, out, total, hidden, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0), float(eps),
-        HAS_RES=residual is not None, BLOCK_H=_pow2(hidden), PDL=pdl_ready(x), num_warps=warps,
+        HAS_RES=residual is not None, BLOCK_H=_pow2(hidden), PDL=pdl_ready(x), num_warps=warps, enable_fp_fusion=True,
     )
     return out.view(x.shape), total.view(x.shape)
 
@@ -139,6 +139,7 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         sqb, sqh, sql, skb, skh, skl, oqb, oqh, oql, okb, okh, okl, cos.stride(0), cos.stride(1),
         float(eps[0]), float(eps[1]),
         NORM=weights is not None, BLOCK_HEADS=block_heads, BLOCK_D2=_pow2(dim // 2), num_warps=warps,
+        enable_fp_fusion=True,
     )
     return q_out, k_out
 
@@ -202,6 +203,6 @@ def mrope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, streams: l
     sin = torch.empty_like(cos)
     _kernels().mrope_cos_sin[(batch * length,)](
         pos, inv_freq.float().contiguous(), stream, cos, sin, batch * length, half, pos.stride(0), float(scaling),
-        BLOCK_D2=_pow2(half), num_warps=1,
+        BLOCK_D2=_pow2(half), num_warps=1, enable_fp_fusion=True,
     )
     return cos, sin

@@ -33,7 +33,8 @@ def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
     if paired:
         _w4a16_triton.split_gated[(triton.cdiv(m * n, block),)](
             partials, out, m * n, n, SPLITS=n_splits, BLOCK=block, PDL=pdl, launch_pdl=pdl, num_warps=4,
-            **(row_scale_arguments(row_scale, k_in) | ({"K_in": k_in} if row_scale is not None else {})))
+            **(row_scale_arguments(row_scale, k_in) | ({"K_in": k_in} if row_scale is not None else {})),
+            enable_fp_fusion=True)
     else:
         parts = triton.cdiv(n, block)
         leaving = leave.arguments(out, parts) | {"n_parts": parts} if leave is not None else {}
@@ -41,7 +42,7 @@ def finish_splits(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
                                             residual if residual is not None else partials, out, m * n, n,
                                             SPLITS=n_splits, HAS_BIAS=bias is not None,
                                             HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, launch_pdl=pdl,
-                                            num_warps=4, **leaving)
+                                            num_warps=4, **leaving, enable_fp_fusion=True)
 
 
 def _ceil(a: int, b: int) -> int:

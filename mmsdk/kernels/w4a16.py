@@ -298,7 +298,7 @@ def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         out, m, n, k_in, k_blocks * group, x.stride(0), out.stride(0),
         zero_points.stride(0) if zero_points is not None else 0,
         GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
     )
 
 
@@ -321,5 +321,6 @@ def dequantize_packed(
         qweight, scales, zero_points if zero_points is not None else scales, out, n, in_features,
         k_blocks * block_size, zero_points.stride(0) if zero_points is not None else 0,
         GROUP=block_size, HAS_ZP=zero_points is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        enable_fp_fusion=True,
     )
     return out

@@ -191,6 +191,6 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
         zero_points2 if has_zp else scales2, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
         zero_points.stride(0) if has_zp else 0, GROUP=group, HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n,
         BLOCK_C=block_c, PDL=pdl, ROW_MASK=n % block_n != 0, launch_pdl=pdl, num_warps=warps,
-        **norm_arguments(norm, x, warps, direct), **row_scale_arguments(statistics, k_in))
+        **norm_arguments(norm, x, warps, direct), **row_scale_arguments(statistics, k_in), enable_fp_fusion=True)
     if not direct:  # the partials are scaled already
         finish_splits(target, out, None, n_splits, True)
