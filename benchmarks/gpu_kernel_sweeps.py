@@ -35,10 +35,10 @@
 * ``gemv_floor``: per batch-1 GEMV shape, a kernel that only reads the packed weight and its scales (``read_floor``),
   against the tuner's pick and bf16 cuBLAS: how far each GEMV is from the bytes it must read, and what the 3x-bf16
   goal leaves for everything but the reads.
-* ``mha``: the same as ``gqa`` for LLaVA-1.5-7B's 32 MHA heads. (Merging the splits in the partial kernel's last
-  program instead of a second, combine kernel measured slower for every configuration, MHA and GQA, at
-  1k-16k tokens, so that code was removed; its results are benchmarks/results/h200_kernel_sweeps_merge.json,
-  made at commit e1d71cb.)
+* ``mha``: the same as ``gqa`` for LLaVA-1.5-7B's 32 MHA heads. (A first merge of the splits in the partial
+  kernel's last program measured slower than the combine kernel at 1k-16k tokens and was removed:
+  benchmarks/results/h200_kernel_sweeps_merge.json, commit e1d71cb. The thirtieth pass's merge, launched under PDL,
+  is faster and the MHA default; ``gpu_suite.py --sections kv_merge`` times it, and the grouped-query one.)
 
 Times are medians of CUDA-graph replays (20 calls per graph), as in gpu_tune.py; weights and caches are read
 from HBM as in a model (copies timed in turn, gpu_tune.cold; ``pdl`` times one copy, as before the ninth pass);
