@@ -50,6 +50,7 @@ errors are relative to the fp32 product of the dequantized weights (or the fp64 
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -766,7 +767,9 @@ def mha() -> list[dict[str, Any]]:
 
 def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
               contexts: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
-    """Every (variant, config) of ``space`` at each context against SDPA on the bf16 cache, fastest first."""
+    """Every (variant, config) of ``space`` at each context against SDPA on the bf16 cache, fastest first; each with
+    its splits merged by a combine kernel and by the partial kernel itself (``merge_counters``), since the merge
+    changes which tiles and how many splits pay."""
     from benchmarks.gpu_suite import kv_problem
     from mmsdk.kernels import l2_spill_copies
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
@@ -782,25 +785,29 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
                           kbf, vbf))
         codes = l2_spill_copies((kc, vc))  # each layer reads its own cache: a 4k-token int4 cache fits in L2
         results = []
-        for variant, configs in space.items():
+        counters = torch.zeros(hkv + 1, dtype=torch.int32, device="cuda")
+        for (variant, configs), merged in itertools.product(space.items(), (False, True)):
             for cfg in configs:
-                def run(cfg: Any = cfg, variant: str = variant, k_codes: Any = kc, v_codes: Any = vc) -> torch.Tensor:
+                def run(cfg: Any = cfg, variant: str = variant, k_codes: Any = kc, v_codes: Any = vc,
+                        merged: bool = merged) -> torch.Tensor:
                     return decode_attention(q, k_codes, v_codes, scale, scale, length, "int4", d**-0.5, config=cfg,
-                                            variant=variant)
+                                            variant=variant, merge_counters=counters if merged else None)
 
                 try:
                     out = run()
                     t = gtime([lambda c=cfg, v=variant, kv=kv: run(c, v, *kv) for kv in codes])
                 except Exception as error:
-                    print("skip", variant, cfg, type(error).__name__, str(error)[:100], flush=True)
+                    print("skip", variant, cfg, merged, type(error).__name__, str(error)[:100], flush=True)
                     continue
-                results.append({"variant": variant, "cfg": cfg, "us": t, "ratio": t / sdpa,
-                                "rel_err": rel(out, reference)})
+                results.append({"variant": variant, "cfg": cfg, "merged": merged, "us": t, "ratio": t / sdpa,
+                                "rel_err": rel(out, reference), "counters_left": int(counters.abs().sum())})
         results.sort(key=lambda r: r["us"])
-        with pdl_setting(False):  # the default without programmatic dependent launch
-            no_pdl = gtime([lambda kv=kv: run(None, next(iter(space)), *kv) for kv in codes])
+        with pdl_setting(False):  # the default without programmatic dependent launch, its splits combined
+            no_pdl = gtime([lambda kv=kv: run(None, next(iter(space)), *kv, merged=False) for kv in codes])
         floor = read_floor(codes)
-        rows.append({"ctx": ctx, "sdpa_us": sdpa, "default": next(r for r in results if r["cfg"] is None),
+        defaults = [r for r in results if r["cfg"] is None]
+        rows.append({"ctx": ctx, "sdpa_us": sdpa, "default": next(r for r in defaults if not r["merged"]),
+                     "default_merged": next((r for r in defaults if r["merged"]), None),
                      "default_without_pdl_us": no_pdl, "read_floor": floor,
                      "read_floor_ratio": floor["read_us"] / sdpa,
                      "best": results[:6], "all": results})
