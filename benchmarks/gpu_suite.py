@@ -136,16 +136,17 @@ def section_w4a16(quick: bool) -> list[dict[str, Any]]:
 
 
 def section_gemv_merge(quick: bool) -> list[dict[str, Any]]:
-    """The batch-1 "quad" GEMV split along K, its slices summed by the epilogue kernel (the default) or by its own
-    last program per column block (``merge_counters``: one launch fewer), against bf16 cuBLAS, on the suite's W4A16
-    shapes (g128, weights read from HBM): the tuner's pick where it is a split "quad" tile, and the quad tiles that
-    have won a shape in earlier sweeps at 2-4 slices. Whether the merged form is worth a place among the tuner's
-    candidates and in the decode step."""
+    """The batch-1 "quad" and "idot" GEMVs split along K, their slices summed by the epilogue kernel (the default) or
+    by their own last program per column block (``merge_counters``: one launch fewer), against bf16 cuBLAS, on the
+    suite's W4A16 shapes (g128, weights read from HBM): the tuner's pick where it is a "quad" or "idot" tile, and the
+    tiles that have won a shape in earlier sweeps (down's "idot" 16 x 32 x 2 among them) at 2-4 slices. Whether the
+    merged form is worth a place among the tuner's candidates and in the decode step."""
     from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
 
     rows = []
-    tiles = ((16, 64, 2, 1, "quad"), (8, 128, 4, 1, "quad"), (16, 64, 4, 1, "quad"), (16, 128, 4, 1, "quadp"))
+    tiles = ((16, 64, 2, 1, "quad"), (8, 128, 4, 1, "quad"), (16, 64, 4, 1, "quad"), (16, 128, 4, 1, "quadp"),
+             (16, 32, 2, 1, "idot"))
     for name, (n, k) in W4_SHAPES.items():
         packed = quantize_int4(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), 128,
                                scale_dtype=torch.bfloat16)
@@ -155,7 +156,7 @@ def section_gemv_merge(quick: bool) -> list[dict[str, Any]]:
         picked = _tuned_gemv(n, k, 1)
         t_bf16 = gbench(cold(lambda w: torch.nn.functional.linear(x, w), dense))
         counters = torch.zeros(n, dtype=torch.int32, device="cuda")  # one per column block of >= 1 row
-        candidates = [(tuple(picked), None)] if picked is not None and picked[4] in ("quad", "quadp") else []
+        candidates = [(tuple(picked), None)] if picked is not None and picked[4] in ("quad", "quadp", "idot") else []
         candidates += [(tile, splits) for tile in tiles for splits in (2, 3, 4)]
         for config, splits in candidates:
             def gemv(qweight: torch.Tensor, scales: torch.Tensor, merged: bool = False,

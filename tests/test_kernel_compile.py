@@ -114,6 +114,20 @@ def test_combine_kernels_compile(scaled):
                  {"BLOCK_S": 64, "BLOCK_HD": 64, "ADVANCE": True, "PDL": True})
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_idot_gemv_compiles(merge):
+    """The batch-1 integer-dot GEMV split along K, storing fp32 partials for the epilogue kernel or (``MERGE``) summing
+    its K slices itself, with bias and residual."""
+    from mmsdk.kernels import _w4a16_triton as kernels
+
+    pointers = {"xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*bf16",
+                "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32", "r_ptr": "*bf16", "final_ptr": "*bf16",
+                "cnt_ptr": "*i32"}
+    constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, HAS_RESIDUAL=merge, BLOCK_N=16, BLOCK_C=64,
+                     ROW_MASK=False, ASM=True, PDL=True, MERGE=merge)
+    _compile(kernels.gemv_idot, pointers, constants)
+
+
 @pytest.mark.parametrize("merge,leave", [(False, False), (True, False), (True, True)])
 def test_quad_gemv_compiles(merge, leave):
     """The batch-1 "quad" GEMV split along K, storing fp32 partials for the epilogue kernel or (``MERGE``) summing

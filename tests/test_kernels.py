@@ -229,10 +229,11 @@ def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
                        residual.to(dtype) + plain)
 
 
-def test_quad_gemv_sums_its_k_slices_itself_given_counters(target):
-    """With ``merge_counters`` a "quad" GEMV split along K sums its slices in its own launch (the last program of
-    each column block), with the bias, the residual and the next norm's statistics: bitwise the epilogue kernel's
-    output, and the counters are left at zero. One slice, the other kinds and bad counters as below."""
+def test_gemv_sums_its_k_slices_itself_given_counters(target):
+    """With ``merge_counters`` a "quad" or "idot" GEMV split along K sums its slices in its own launch (the last
+    program of each column block), with the bias, the residual and ("quad") the next norm's statistics: bitwise the
+    epilogue kernel's output, and the counters are left at zero. One slice, the other kinds and bad counters as
+    below."""
     from mmsdk.kernels.norm_fold import NormRequest
     from mmsdk.kernels.w4a16 import w4a16_gemv
 
@@ -246,6 +247,8 @@ def test_quad_gemv_sums_its_k_slices_itself_given_counters(target):
                                       (2, (16, 2, 4, 1, "quad"), 2, ("residual",)),
                                       (1, (16, 4, 4, 1, "quad"), 1, ("residual",)),
                                       (1, (8, 4, 4, 1, "idot"), 2, ("residual",)),
+                                      (2, (8, 2, 4, 1, "idot"), 4, ("bias", "residual")),
+                                      (1, (16, 4, 4, 1, "idot"), 1, ("bias",)),
                                       (2, (8, 4, 4, 1, "fma"), 3, ("bias",))):
         x = torch.randn(m, k, device=device).to(dtype)
         bias = torch.randn(n, device=device).to(dtype) if "bias" in extras else None

@@ -42,8 +42,8 @@ TUNE_ENV = "MMSDK_TUNE"
 # (kv_decode.decode_attention's merge_counters): "1" (default) the int4 MHA kernel, "0" none (to measure what the
 # merge buys), "all" the byte-code kernel too (grouped-query heads, int8 / fp8: not yet timed on a GPU)
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
-# "1" has INT4 linear layers' batch-1 "quad" GEMVs split along K sum their slices in their own launch instead of an
-# epilogue kernel (gemv_launch.launch_gemv's merge_counters): off until it has been timed in a decode step
+# "1" has INT4 linear layers' batch-1 "quad" / "idot" GEMVs split along K sum their slices in their own launch instead
+# of an epilogue kernel (gemv_launch.launch_gemv's merge_counters): off until it has been timed in a decode step
 GEMV_MERGE_ENV = "MMSDK_GEMV_MERGE"
 
 

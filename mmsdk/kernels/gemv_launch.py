@@ -39,9 +39,9 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave
     none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics,
     applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics). ``merge_counters`` (int32 zeros, at least
-    ``M * ceil(N / BLOCK_N)``): a "quad" kind split along K sums its slices in its own launch, the last program of
-    each column block summing them, instead of the epilogue kernel (bitwise the same output; the counters are left at
-    zero); other launches leave them alone."""
+    ``M * ceil(N / BLOCK_N)``): a "quad" kind or "idot" split along K sums its slices in its own launch, the last
+    program of each column block summing them, instead of the epilogue kernel (bitwise the same output; the counters
+    are left at zero); other launches leave them alone."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -58,12 +58,16 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if kind == "mma":
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
         return
-    if kind == "idot":
-        launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
-                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual,
-                    norm)
-        return
     import triton
+
+    if kind == "idot":
+        per_split, n_splits = k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits)
+        counters = merge_counters if n_splits > 1 else None
+        if counters is not None:
+            _check_gemv_counters(counters, x.shape[0] * triton.cdiv(qweight.shape[0], block_n), x.device)
+        launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg, per_split, n_splits, residual, norm,
+                    counters)
+        return
 
     dot = kind == "dot"
     m, k_in = x.shape

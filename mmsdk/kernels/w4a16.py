@@ -248,7 +248,8 @@ def w4a16_gemv(
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
     shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product and ``norm``
     applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes. ``merge_counters`` as
-    :func:`mmsdk.kernels.gemv_launch.launch_gemv` takes them (the "quad" kinds then sum their K slices themselves).
+    :func:`mmsdk.kernels.gemv_launch.launch_gemv` takes them (the "quad" kinds and "idot" then sum their K slices
+    themselves).
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
