@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 __all__ = ["GEMV_MERGE_ENV", "INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls",
-           "gemv_merge_enabled", "graph_time_ms", "kv_merge_enabled", "l2_spill_copies", "note_fallback",
-           "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
+           "check_merge_counters", "gemv_merge_enabled", "graph_time_ms", "kv_merge_enabled", "l2_spill_copies",
+           "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -79,6 +79,15 @@ def kv_merge_enabled(variant: str = "subnormal") -> bool:
 def gemv_merge_enabled() -> bool:
     """True with ``MMSDK_GEMV_MERGE=1`` (see :data:`GEMV_MERGE_ENV`)."""
     return os.environ.get(GEMV_MERGE_ENV, "0") == "1"
+
+
+def check_merge_counters(counters: torch.Tensor, needed: int, device: torch.device, per: str) -> None:
+    """A kernel that merges its own splits counts its programs in ``counters``: contiguous int32 zeros on ``device``,
+    at least ``needed`` of them (``per`` says what one counts)."""
+    if (counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed
+            or not counters.is_contiguous()):
+        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them ({per}); "
+                         f"got {counters.numel()} {counters.dtype} on {counters.device}.")
 
 
 def triton_ready(*tensors: torch.Tensor) -> bool:

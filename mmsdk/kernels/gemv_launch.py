@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import interpreting, pdl_preload_ready, pdl_ready
+from mmsdk.kernels import check_merge_counters, interpreting, pdl_preload_ready, pdl_ready
 from mmsdk.kernels.gemv_idot import launch_idot
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
 from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, k_slices
@@ -24,6 +24,7 @@ GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
 GEMV_KINDS = ("quad", "quadp", "idot", "fma", "dot", "mma")
 QUAD_KINDS = ("quad", "quadp")
+PER_BLOCK = "one per activation row and column block"  # what a GEMV's merge counter counts
 
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -64,7 +65,8 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         per_split, n_splits = k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits)
         counters = merge_counters if n_splits > 1 else None
         if counters is not None:
-            _check_gemv_counters(counters, x.shape[0] * triton.cdiv(qweight.shape[0], block_n), x.device)
+            needed = x.shape[0] * triton.cdiv(qweight.shape[0], block_n)
+            check_merge_counters(counters, needed, x.device, PER_BLOCK)
         launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg, per_split, n_splits, residual, norm,
                     counters)
         return
@@ -80,7 +82,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     n_blocks = triton.cdiv(n, block_n)
     merge = merge_counters is not None and kind in QUAD_KINDS and not paired and not direct
     if merge:
-        _check_gemv_counters(merge_counters, m * n_blocks, x.device)  # type: ignore[arg-type]
+        check_merge_counters(merge_counters, m * n_blocks, x.device, PER_BLOCK)  # type: ignore[arg-type]
     folded = direct or merge  # the kernel's own store adds the residual and leaves the norm statistics
     kernels = triton_kernels()
     args = (x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
@@ -109,15 +111,6 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             out.add_(residual)
     if not folded:
         finish_splits(target, out, bias, n_splits, paired, residual, leave, row_scale, k_in)
-
-
-def _check_gemv_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
-    """``merge_counters`` must be contiguous int32 zeros on the activations' device, one per row and column block."""
-    if (counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed
-            or not counters.is_contiguous()):
-        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them (one "
-                         f"per activation row and column block); got {counters.numel()} {counters.dtype} on "
-                         f"{counters.device}.")
 
 
 def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
+from mmsdk.kernels import check_merge_counters, interpreting, note_fallback, pdl_ready, triton_ready
 from mmsdk.kernels.kv_decode_choice import (VARIANTS, byte_pairs, ceil_div, generic_config, merge_chunk, pick_variant,
                                             pow2, splits, words_ready)
 from mmsdk.kernels.kv_word_config import word_launch
@@ -141,7 +141,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     n_splits, split_t = splits(b * h_kv, t_max, block_t, target)
     merge = merge_counters is not None
     if merge:
-        _check_counters(merge_counters, b * h_kv + 1, query.device)
+        check_merge_counters(merge_counters, b * h_kv + 1, query.device, "batch * KV heads + 1")
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
@@ -208,7 +208,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         new_key, new_value = _new_token(append, query)
         merge = merge_counters is not None
         if merge:
-            _check_counters(merge_counters, b * h_kv + 1, query.device)
+            check_merge_counters(merge_counters, b * h_kv + 1, query.device, "batch * KV heads + 1")
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
             new_value.stride(1), *(rope_args or _no_rope(query)), out, out.stride(0), out.stride(2),
@@ -233,14 +233,6 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         num_warps=4 if d >= 64 else 1, enable_fp_fusion=True,
     )
     return out
-
-
-def _check_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
-    """``merge_counters`` must be int32 zeros on the query's device, one per (batch, KV head) and one more."""
-    if counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed \
-            or not counters.is_contiguous():
-        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them "
-                         f"(batch * KV heads + 1); got {counters.dtype} x {counters.numel()} on {counters.device}")
 
 
 def _no_rope(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
