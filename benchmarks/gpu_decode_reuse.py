@@ -390,14 +390,20 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def text_prompt(name: str, length: int = 1024) -> dict[str, torch.Tensor]:
+    """A batch-1 text prompt of ``length`` tokens for ``name`` ("llava" or "qwen2-vl"), the same for every run."""
+    if name == "llava":
+        return suite.llava_inputs(1, length, False)
+    ids = torch.randint(1, 150000, (1, length), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
 def _model_and_inputs(name: str, passes: tuple[Any, ...]) -> tuple[Any, dict[str, torch.Tensor], float]:
     """(optimized model with int4-kv, a 1k-token text prompt, K/V bytes per token of its int4 cache)."""
     if name == "llava":
-        return suite.optimized(suite.build_llava(), passes, kv=True), suite.llava_inputs(1, 1024, False), suite.KV_INT4
-    ids = torch.randint(1, 150000, (1, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        return suite.optimized(suite.build_llava(), passes, kv=True), text_prompt(name), suite.KV_INT4
     kv_int4 = 28 * 2 * 4 * 128 * 0.5  # layers x (K, V) x KV heads x head_dim, half a byte each
-    model = suite.optimized(suite.build_qwen2_vl(), passes, kv=True)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, kv_int4
+    return suite.optimized(suite.build_qwen2_vl(), passes, kv=True), text_prompt(name), kv_int4
 
 
 def main() -> None:

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_decode_reuse import _replay_after_call, call_ms
-from benchmarks.gpu_suite import build_llava, build_qwen2_vl, llava_inputs, optimized, section_env, timed_calls
+from benchmarks.gpu_decode_reuse import _replay_after_call, call_ms, text_prompt
+from benchmarks.gpu_suite import build_llava, build_qwen2_vl, optimized, section_env, timed_calls
 from mmsdk.kernels import GEMV_MERGE_ENV, KV_MERGE_ENV
 
 ROUNDS = 3
@@ -47,14 +47,6 @@ def model_for(name: str) -> Any:
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     return optimized(build_qwen2_vl(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
-
-
-def prompt(name: str, ctx: int) -> dict[str, torch.Tensor]:
-    """A ``ctx``-token text prompt for the model."""
-    if name == "llava":
-        return llava_inputs(1, ctx, images=False)
-    ids = torch.randint(1, 150000, (1, ctx), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def setting(model: Any, variable: str, value: str) -> None:
@@ -90,7 +82,7 @@ def main() -> None:
                               "settings": [separate, merged], "rows": [], "medians": {}}
     measure = replay_ms if args.measure == "replay" else wall_step_ms
     for ctx in (1024, 4096) if args.measure == "replay" else (1024,):
-        inputs = prompt(name, ctx)
+        inputs = text_prompt(name, ctx)
         answers = {}
         for value in (separate, merged):
             setting(model, variable, value)
