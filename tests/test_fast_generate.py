@@ -703,7 +703,7 @@ def test_integer_dot_gemvs_in_the_decode_step_keep_the_answers(name, session, ti
     applied by the rounding kernel, the gated MLP scaled by the statistics o_proj's store left) gives the logits of
     the float kinds ("quad", "gated") up to the activations' rounding, compared at every step while the answers
     agree. Each run's GEMVs take the first of their kinds' candidates, untimed (so nothing else launches)."""
-    from mmsdk.kernels import gemv_idot, w4a16, w4a16_gated, w4a16_tuning
+    from mmsdk.kernels import gemv_idot, gemv_launch, w4a16, w4a16_gated, w4a16_tuning
     from mmsdk.kernels.w4a16_tuning import tuning
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
 
@@ -714,7 +714,7 @@ def test_integer_dot_gemvs_in_the_decode_step_keep_the_answers(name, session, ti
         original = getattr(gemv_idot, function)
         spy = (lambda original, function: lambda *a, **k: launched.append(function) or original(*a, **k))(
             original, function)
-        for module in (gemv_idot, w4a16, w4a16_gated):
+        for module in (gemv_idot, gemv_launch, w4a16, w4a16_gated):  # each module that imported the launcher
             if hasattr(module, function):
                 monkeypatch.setattr(module, function, spy)
     every_config, every_paired = w4a16.gemv_candidates, w4a16_gated._paired_candidates
