@@ -1,13 +1,14 @@
 """Do kernels that merge their own splits make a decode step faster? An A/B in one process.
 
-Three switches, each an environment variable read when the step is captured (its two settings in brackets):
+The switch is an environment variable read when the step is captured (its two settings in brackets):
 
 * ``--switch kv`` (``MMSDK_KV_MERGE`` 0 / 1, 1 the default): the int4 MHA decode kernel merges its splits itself, or
-  a combine kernel does; LLaVA-1.5-7B shapes;
-* ``--switch kv-grouped`` (``MMSDK_KV_MERGE`` 1 / all, 1 the default): the grouped-query decode kernel merges its
-  splits itself, or a combine kernel does; Qwen2-VL-7B shapes (28 query / 4 KV heads, int4-weight g128);
-* ``--switch gemv`` (``MMSDK_GEMV_MERGE`` 0 / 1, 0 the default): INT4 layers' batch-1 "quad" GEMVs split along K
-  sum their slices themselves, or an epilogue kernel does; LLaVA-1.5-7B shapes.
+  a combine kernel does; LLaVA-1.5-7B shapes.
+
+(Two more switches, removed with what they switched once measured here, made the decode step no faster: the
+grouped-query decode kernel merging its own splits, 1.871 -> 1.937 ms per Qwen2-VL-7B step at a 1k prompt, and the
+batch-1 INT4 GEMVs summing their own K slices, 1.761 -> 1.761 ms per LLaVA step: docs/benchmarks.md, thirty-second
+pass.)
 
 Random bf16 weights built on the GPU, qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv, batch 1, a text prompt.
 Each round captures the kept decode step once with each setting, in alternating order, and times:
@@ -17,7 +18,7 @@ Each round captures the kept decode step once with each setting, in alternating 
 * ``--measure wall``: ``(t(256 new) - t(128 new)) / 128`` from whole generate calls (medians of 3), at a 1k prompt.
   Its spread between rounds (about 0.4 ms per step on the H200) is far larger than the differences sought.
 
-    python benchmarks/gpu_merge_step.py --out merge_step.json [--switch kv|kv-grouped|gemv] [--measure replay|wall]
+    python benchmarks/gpu_merge_step.py --out merge_step.json [--switch kv] [--measure replay|wall]
 """
 
 from __future__ import annotations
@@ -31,22 +32,19 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_decode_reuse import _replay_after_call, call_ms, text_prompt
-from benchmarks.gpu_suite import build_llava, build_qwen2_vl, optimized, section_env, timed_calls
-from mmsdk.kernels import GEMV_MERGE_ENV, KV_MERGE_ENV
+from benchmarks.gpu_suite import build_llava, optimized, section_env, timed_calls
+from mmsdk.kernels import KV_MERGE_ENV
 
 ROUNDS = 3
 # switch -> (variable, (setting without the merge, setting with it), model)
-SWITCHES = {"kv": (KV_MERGE_ENV, ("0", "1"), "llava"), "kv-grouped": (KV_MERGE_ENV, ("1", "all"), "qwen2-vl"),
-            "gemv": (GEMV_MERGE_ENV, ("0", "1"), "llava")}
+SWITCHES = {"kv": (KV_MERGE_ENV, ("0", "1"), "llava")}
 
 
 def model_for(name: str) -> Any:
-    """The optimized model: LLaVA-1.5-7B shapes with groups of 32, or Qwen2-VL-7B shapes with groups of 128."""
-    if name == "llava":
-        return optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
-
-    return optimized(build_qwen2_vl(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+    """The optimized model: LLaVA-1.5-7B shapes, INT4 weights in groups of 32."""
+    if name != "llava":
+        raise ValueError(f"no model {name!r} here: only 'llava'")
+    return optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
 
 
 def setting(model: Any, variable: str, value: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import platform
 import statistics
@@ -135,49 +134,6 @@ def section_w4a16(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def section_gemv_merge(quick: bool) -> list[dict[str, Any]]:
-    """The batch-1 "quad" and "idot" GEMVs split along K, their slices summed by the epilogue kernel (the default) or
-    by their own last program per column block (``merge_counters``: one launch fewer), against bf16 cuBLAS, on the
-    suite's W4A16 shapes (g128, weights read from HBM): the tuner's pick where it is a "quad" or "idot" tile, and the
-    tiles that have won a shape in earlier sweeps (down's "idot" 16 x 32 x 2 among them) at 2-4 slices. Whether the
-    merged form is worth a place among the tuner's candidates and in the decode step."""
-    from mmsdk.kernels.w4a16 import int4_linear, w4a16_gemv
-    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
-
-    rows = []
-    tiles = ((16, 64, 2, 1, "quad"), (8, 128, 4, 1, "quad"), (16, 64, 4, 1, "quad"), (16, 128, 4, 1, "quadp"),
-             (16, 32, 2, 1, "idot"))
-    for name, (n, k) in W4_SHAPES.items():
-        packed = quantize_int4(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), 128,
-                               scale_dtype=torch.bfloat16)
-        dense = dequantize_int4(packed, torch.bfloat16)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        int4_linear(x, packed.qweight, packed.scales, None, k, 128)  # the tuner's pick
-        picked = _tuned_gemv(n, k, 1)
-        t_bf16 = gbench(cold(lambda w: torch.nn.functional.linear(x, w), dense))
-        counters = torch.zeros(n, dtype=torch.int32, device="cuda")  # one per column block of >= 1 row
-        candidates = [(tuple(picked), None)] if picked is not None and picked[4] in ("quad", "quadp", "idot") else []
-        candidates += [(tile, splits) for tile in tiles for splits in (2, 3, 4)]
-        for config, splits in candidates:
-            def gemv(qweight: torch.Tensor, scales: torch.Tensor, merged: bool = False,
-                     config: Any = config, splits: Any = splits) -> Any:
-                return w4a16_gemv(x, qweight, scales, None, 128, config=config, splits=splits,
-                                  merge_counters=counters if merged else None)
-
-            plain_out, merged_out = gemv(packed.qweight, packed.scales), gemv(packed.qweight, packed.scales, True)
-            t_plain = gbench(cold(gemv, packed.qweight, packed.scales))
-            t_merged = gbench(cold(lambda q, sc, g=gemv: g(q, sc, True), packed.qweight, packed.scales))
-            row = {"shape": name, "config": list(config), "splits": splits or "tuner's", "bf16_us": t_bf16 * 1e3,
-                   "epilogue_us": t_plain * 1e3, "merged_us": t_merged * 1e3, "epilogue_vs_bf16": t_bf16 / t_plain,
-                   "merged_vs_bf16": t_bf16 / t_merged, "bitwise_equal": bool(torch.equal(plain_out, merged_out)),
-                   "counters_left": int(counters.abs().sum())}
-            rows.append(row)
-            print(row, flush=True)
-        if quick:
-            break
-    return rows
-
-
 def _tuned_gemv(n: int, k: int, m: int) -> Any:
     """The configuration the tuner chose for int4_linear's GEMV of ``m`` rows on this shape (g128, bf16; None for
     the fused kernel's rows, which this key does not cover)."""
@@ -237,17 +193,16 @@ def section_kv(quick: bool) -> list[dict[str, Any]]:
 
 
 def section_kv_merge(quick: bool) -> list[dict[str, Any]]:
-    """The int4 decode kernels with their splits merged by a combine kernel and by the partial kernel's last program
-    per KV head (``merge_counters``: one launch fewer), against SDPA on bf16 K/V, each cache read from HBM: the MHA
-    kernel ("subnormal") at LLaVA-1.5-7B's heads (merged by default) and the grouped-query kernel ("generic") at
-    Qwen2-VL-7B's (merged with ``MMSDK_KV_MERGE=all``). Whether each merged form is worth being the default."""
+    """The int4 MHA decode kernel ("subnormal") with its splits merged by a combine kernel and by the partial
+    kernel's last program per head (``merge_counters``: one launch fewer; the packed cache's default), against SDPA
+    on bf16 K/V, at LLaVA-1.5-7B's heads, each cache read from HBM. Whether the merge still pays."""
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
     from mmsdk.plugins.quantizers.quantized_cache import Packed
 
     rows = []
+    hq = hkv = 32
     d = 128
-    for (label, hq, hkv), ctx in itertools.product((("llava MHA 32/32", 32, 32), ("qwen2-vl GQA 28/4", 28, 4)),
-                                                   (1280, 4096, 16384)):
+    for ctx in (1280, 4096, 16384):
         scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
         counters = torch.zeros(hkv + 1, dtype=torch.int32, device="cuda")
         kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
@@ -261,9 +216,9 @@ def section_kv_merge(quick: bool) -> list[dict[str, Any]]:
             return ours(k_codes, v_codes, True)
 
         def sdpa(k: torch.Tensor, v: torch.Tensor) -> Any:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
-        row = {"heads": label, "ctx": ctx, "rel_err_combine": rel(ours(kc, vc), reference),
+        row = {"heads": "llava MHA 32/32", "ctx": ctx, "rel_err_combine": rel(ours(kc, vc), reference),
                "rel_err_merged": rel(merged(kc, vc), reference), "counters_left": int(counters.abs().sum())}
         t_plain, t_merged = gbench(cold(ours, kc, vc)), gbench(cold(merged, kc, vc))
         t_sdpa = gbench(cold(sdpa, kbf, vbf))
@@ -737,7 +692,7 @@ def main() -> None:
                           + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv,
                 "kv_formats": section_kv_formats, "kv_merge": section_kv_merge,
-                "gemv_merge": section_gemv_merge, "norm": section_norm,
+                "norm": section_norm,
                 "decode": section_decode,
                 "steady": section_steady, "qwen_decode": section_qwen_decode,
                 "batch_decode": section_batch_decode,

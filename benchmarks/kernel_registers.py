@@ -4,8 +4,7 @@ A Triton kernel whose tiles hold more values than the 255 registers a thread may
 which a timing shows only on the GPU. This script compiles ``mmsdk.kernels._kv_grouped_triton.decode_partial``
 (the "generic" kernel: int8 / fp8 codes, and int4 codes on grouped-query heads) for each code format and tile
 through Triton's compiler and asks the ptxas that ships with Triton's wheel for its resource report, and does the
-same for the grouped-query launches that merge their own splits, the int4 MHA kernel of a decode step (merging its
-splits itself or not) and its combine kernel. The numbers
+same for the int4 MHA kernel of a decode step (merging its splits itself or not) and its combine kernel. The numbers
 are this machine's Triton's; the GPU machine's Triton may allocate differently.
 
 It also serves as a compile check against the GPU machine's Triton, whose front end differs (3.6 rejects a string
@@ -78,26 +77,15 @@ def compiled_resources(kernel: Any, signature: dict[str, str], constants: dict[s
             "spill_loads": number(r"(\d+) bytes spill loads")}
 
 
-# Qwen2-VL-7B's self-attention launches (7 query heads per KV head, int4) at 1280 / 4k / 16k cache slots, merging
-# their own splits: (BLOCK_T, num_warps, splits rounded up to a power of two), as kv_decode_choice picks them
-MERGE_CASES = ((128, 8, 16), (256, 8, 16), (128, 4, 64))
-
-
-def resources(fmt: int, mask: bool, append: bool, block_t: int, warps: int, v_ahead: bool,
-              merge_splits: int = 0) -> dict[str, Any]:
-    """ptxas's registers and spill bytes for one compiled variant of the generic decode kernel; ``merge_splits``
-    (> 0): merging that many splits (a power of two) of groups of 7 query heads itself."""
+def resources(fmt: int, mask: bool, append: bool, block_t: int, warps: int, v_ahead: bool) -> dict[str, Any]:
+    """ptxas's registers and spill bytes for one compiled variant of the generic decode kernel."""
     from mmsdk.kernels import _kv_grouped_triton
-    from mmsdk.kernels.kv_decode_choice import merge_chunk
 
     kernel = _kv_grouped_triton.decode_partial
     constants = dict(FMT=fmt, HAS_MASK=mask, USE_DOT=True, BLOCK_G=16, BLOCK_T=block_t, BLOCK_HD=64, APPEND=append,
                      ROPE=append, V_AHEAD=v_ahead, ASM=True, PDL=True, PAIRS=fmt != 0)
-    if merge_splits:
-        constants.update(MERGE=True, MERGE_G=8, BLOCK_S=merge_splits, CHUNK_S=merge_chunk(8, merge_splits, 64, warps))
     signature = {name: FORMATS[fmt][1] if name in ("kc_ptr", "vc_ptr") else POINTERS.get(name, "i32")
                  for name in kernel.arg_names}
-    signature.update(out_ptr="*fp16", cnt_ptr="*i32")
     signature["qk_scale"] = "fp32"
     return compiled_resources(kernel, signature, constants, warps)
 
@@ -139,10 +127,6 @@ def main() -> None:
             rows.append({"launch": label, "format": name, "block_t": block_t, "warps": warps, "v_ahead": v_ahead,
                          **resources(fmt, mask, append, block_t, warps, v_ahead)})
             print(rows[-1], flush=True)
-    for block_t, warps, merge_splits in MERGE_CASES:
-        rows.append({"launch": f"self, int4, merging {merge_splits} splits", "format": "int4", "block_t": block_t,
-                     "warps": warps, "v_ahead": True, **resources(0, False, True, block_t, warps, True, merge_splits)})
-        print(rows[-1], flush=True)
     for merge in (False, True):
         rows.append({"launch": "MHA int4 step kernel" + (", merging its splits" if merge else ""),
                      **mha_resources(merge)})

@@ -473,27 +473,6 @@ def _host_reads_in_step(monkeypatch, opt, inputs, **options):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("name,passes", [("tiny:llava", ("int4-weight", "int4-kv")), ("tiny:llava", ("int8-kv",)),
-                                         ("tiny:qwen2-vl", FULL_STACK)])
-def test_cuda_graph_generate_with_the_grouped_kernel_merging_its_splits(name, passes, session, tiny, monkeypatch):
-    """``MMSDK_KV_MERGE=all``: the grouped-query decode kernel (the tiny models' 3 query heads per KV head) merges
-    its own splits inside the captured step: transformers' greedy answer, twice through the kept graph, and every
-    layer's counters back at zero."""
-    monkeypatch.setenv("MMSDK_KV_MERGE", "all")
-    loaded = tiny(name)
-    opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
-    opt.apply(*[Int4WeightConfig(indivisible="pad") if p == "int4-weight" else p for p in passes])
-    model = opt.model
-    inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
-    got = _Generator(model, opt.adapter, {**inputs, "max_new_tokens": 40}).run()
-    _assert_agrees(got, _greedy(model, inputs, 40))
-    assert torch.equal(model.generate(**inputs, max_new_tokens=40), got)  # the kept graph's replays
-    layers = kept(model).cache.layers
-    assert layers and all(not layer.merge_counters.any() for layer in layers)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name,passes", [("tiny:llava", ()), ("tiny:llava", ("int4-weight",)),
                                          ("tiny:llava", ("int4-weight", "int4-kv")), ("tiny:llava", ("int8-kv",)),
                                          ("tiny:llava", ("fp8-kv",)),

@@ -337,22 +337,3 @@ def test_cuda_gated_mlp_adds_the_residual_in_its_down_projection():
     residual = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16) * 8
     with torch.no_grad():
         assert torch.equal(plus_residual(mlp, x, residual), residual + mlp(x))
-
-
-def test_int4_layer_keeps_zeroed_counters_for_a_gemv_that_sums_its_own_slices(monkeypatch):
-    """With MMSDK_GEMV_MERGE=1 an INT4 layer hands its batch-1 GEMV int32 zeros, one per row and output column (any
-    column block's count fits), one tensor per row count kept and never replaced (a captured graph may write it),
-    none past the GEMV's 16 rows; the variable read as the library reads it."""
-    from mmsdk.kernels import gemv_merge_enabled
-
-    layer = Int4Linear.from_linear(nn.Linear(64, 24, bias=False), block_size=32)
-    assert not gemv_merge_enabled()
-    monkeypatch.setenv("MMSDK_GEMV_MERGE", "1")
-    assert gemv_merge_enabled()
-    one = layer.gemv_counters(torch.zeros(1, 1, 64))
-    assert one.dtype == torch.int32 and one.numel() == 24 and not one.any()
-    assert layer.gemv_counters(torch.zeros(1, 64)) is one
-    four = layer.gemv_counters(torch.zeros(4, 1, 64))
-    assert four.numel() == 96 and layer.gemv_counters(torch.zeros(1, 64)) is one
-    assert layer.gemv_counters(torch.zeros(2, 2, 64)) is four
-    assert layer.gemv_counters(torch.zeros(17, 64)) is None

@@ -66,21 +66,6 @@ def test_packed_decode_kernel_compiles(fmt, codes, use_dot, pairs):
     _compile(_kv_grouped_triton.decode_partial, pointers, constexprs, floats=("qk_scale",))
 
 
-@pytest.mark.parametrize("block_t,block_s", [(256, 16), (128, 64)])
-def test_grouped_decode_kernel_merging_its_splits_compiles(block_t, block_s):
-    """The grouped-query kernel of a decode step (int4, groups of 7) that merges its own splits."""
-    from mmsdk.kernels import _kv_grouped_triton
-    from mmsdk.kernels.kv_decode_choice import merge_chunk
-
-    pointers = {"q_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32", "len_ptr": "*i64",
-                "mask_ptr": "*i1", "po_ptr": "*fp32", "pl_ptr": "*fp32", "kn_ptr": "*bf16", "vn_ptr": "*bf16",
-                "vs_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32"}
-    constexprs = {"FMT": 0, "HAS_MASK": False, "USE_DOT": True, "BLOCK_G": 16, "BLOCK_T": block_t, "BLOCK_HD": 64,
-                  "APPEND": True, "ROPE": True, "V_AHEAD": True, "ASM": True, "PDL": True, "PAIRS": False,
-                  "MERGE": True, "MERGE_G": 8, "BLOCK_S": block_s, "CHUNK_S": merge_chunk(8, block_s, 64, 4)}
-    _compile(_kv_grouped_triton.decode_partial, pointers, constexprs, floats=("qk_scale",))
-
-
 @pytest.mark.parametrize("fmt,codes,pairs", [(1, "*i8", True), (2, "*fp8e4nv", True), (1, "*i8", False)])
 def test_code_dequantization_kernel_compiles(fmt, codes, pairs):
     from mmsdk.kernels import _kv_triton
@@ -114,30 +99,24 @@ def test_combine_kernels_compile(scaled):
                  {"BLOCK_S": 64, "BLOCK_HD": 64, "ADVANCE": True, "PDL": True})
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_idot_gemv_compiles(merge):
-    """The batch-1 integer-dot GEMV split along K, storing fp32 partials for the epilogue kernel or (``MERGE``) summing
-    its K slices itself, with bias and residual."""
+def test_idot_gemv_compiles():
+    """The batch-1 integer-dot GEMV split along K, storing fp32 partials for the epilogue kernel, with bias."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     pointers = {"xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*bf16",
-                "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32", "r_ptr": "*bf16", "final_ptr": "*bf16",
-                "cnt_ptr": "*i32"}
-    constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, HAS_RESIDUAL=merge, BLOCK_N=16, BLOCK_C=64,
-                     ROW_MASK=False, ASM=True, PDL=True, MERGE=merge)
+                "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32", "r_ptr": "*bf16"}
+    constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, HAS_RESIDUAL=False, BLOCK_N=16, BLOCK_C=64,
+                     ROW_MASK=False, ASM=True, PDL=True)
     _compile(kernels.gemv_idot, pointers, constants)
 
 
-@pytest.mark.parametrize("merge,leave", [(False, False), (True, False), (True, True)])
-def test_quad_gemv_compiles(merge, leave):
-    """The batch-1 "quad" GEMV split along K, storing fp32 partials for the epilogue kernel or (``MERGE``) summing
-    its K slices itself, with bias, residual and (``LEAVE_NORM``) the next norm's statistics."""
+def test_quad_gemv_compiles():
+    """The batch-1 "quad" GEMV split along K, storing fp32 partials for the epilogue kernel, with bias."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16",
                 "out_ptr": "*fp32", "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "r_ptr": "*bf16",
-                "f_ptr": "*bf16", "g_ptr": "*bf16", "scaled_ptr": "*bf16", "sq_ptr": "*fp32", "final_ptr": "*bf16",
-                "cnt_ptr": "*i32"}
+                "f_ptr": "*bf16", "g_ptr": "*bf16", "scaled_ptr": "*bf16", "sq_ptr": "*fp32"}
     constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, PAIRED=False, BLOCK_N=16, BLOCK_C=64,
-                     PDL=True, HAS_RESIDUAL=merge, ROW_MASK=False, LEAVE_NORM=leave, MERGE=merge)
+                     PDL=True, HAS_RESIDUAL=False, ROW_MASK=False, LEAVE_NORM=False)
     _compile(kernels.gemv_quad, pointers, constants, floats=("eps",))

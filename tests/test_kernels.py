@@ -229,54 +229,6 @@ def test_w4a16_gemv_adds_a_residual_as_torch_rounds_it(target):
                        residual.to(dtype) + plain)
 
 
-def test_gemv_sums_its_k_slices_itself_given_counters(target):
-    """With ``merge_counters`` a "quad" or "idot" GEMV split along K sums its slices in its own launch (the last
-    program of each column block), with the bias, the residual and ("quad") the next norm's statistics: bitwise the
-    epilogue kernel's output, and the counters are left at zero. One slice, the other kinds and bad counters as
-    below."""
-    from mmsdk.kernels.norm_fold import NormRequest
-    from mmsdk.kernels.w4a16 import w4a16_gemv
-
-    device, dtype, _ = target
-    n, k, group = 40, 512, 64
-    packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=False, scale_dtype=dtype)
-    weights = (packed.qweight, packed.scales, packed.zero_points)
-    counters = torch.zeros(2 * 5, dtype=torch.int32, device=device)  # 2 rows x 5 column blocks of 8
-    for m, config, splits, extras in ((1, (16, 4, 4, 1, "quad"), 2, ()), (2, (8, 2, 2, 1, "quadp"), 3, ("bias",)),
-                                      (1, (8, 4, 4, 1, "quad"), 4, ("bias", "residual", "leave")),
-                                      (2, (16, 2, 4, 1, "quad"), 2, ("residual",)),
-                                      (1, (16, 4, 4, 1, "quad"), 1, ("residual",)),
-                                      (1, (8, 4, 4, 1, "idot"), 2, ("residual",)),
-                                      (2, (8, 2, 4, 1, "idot"), 4, ("bias", "residual")),
-                                      (1, (16, 4, 4, 1, "idot"), 1, ("bias",)),
-                                      (2, (8, 4, 4, 1, "fma"), 3, ("bias",))):
-        x = torch.randn(m, k, device=device).to(dtype)
-        bias = torch.randn(n, device=device).to(dtype) if "bias" in extras else None
-        residual = (torch.randn(m, n, device=device) * 4).to(dtype) if "residual" in extras else None
-        weight = (torch.rand(n, device=device) + 0.5).to(dtype)
-        requests = [NormRequest(weight, 1e-6) if "leave" in extras else None for _ in range(2)]
-        plain = w4a16_gemv(x, *weights, group, bias, config=config, splits=splits, residual=residual,
-                           leave=requests[0])
-        merged = w4a16_gemv(x, *weights, group, bias, config=config, splits=splits, residual=residual,
-                            leave=requests[1], merge_counters=counters)
-        assert torch.equal(merged, plain) and not counters.any(), (config, splits)
-        if "leave" in extras:  # per column block here, per 1024 columns in the epilogue: the same total
-            left, expected = requests[1].statistics, requests[0].statistics
-            assert torch.equal(left.scaled, expected.scaled)
-            assert torch.allclose(left.squares.sum(1), expected.squares.sum(1), rtol=1e-5)
-    # int4_linear hands them to its batch-1 GEMV (an INT4 layer's, with MMSDK_GEMV_MERGE=1)
-    from mmsdk.kernels.w4a16 import int4_linear
-
-    x = torch.randn(1, 1, k, device=device).to(dtype)
-    assert torch.equal(int4_linear(x, *weights, k, group, merge_counters=torch.zeros(n, dtype=torch.int32,
-                                                                                     device=device)),
-                       int4_linear(x, *weights, k, group))
-    x = torch.randn(2, k, device=device).to(dtype)
-    for bad in (torch.zeros(9, dtype=torch.int32, device=device), torch.zeros(10, dtype=torch.int64, device=device)):
-        with pytest.raises(ValueError, match="merge_counters: pass contiguous int32 zeros"):
-            w4a16_gemv(x, *weights, group, config=(8, 2, 2, 1, "quad"), splits=2, merge_counters=bad)
-
-
 def _rms_normalized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x**2) + eps)`` in fp32, unrounded (what a GEMV with the norm folded in multiplies)."""
     h = x.float()
@@ -795,7 +747,7 @@ def test_kernels_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "24 passed" in result.stdout, result.stdout[-2000:]
+    assert " passed" in result.stdout and "23 passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):

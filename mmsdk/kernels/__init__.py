@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["GEMV_MERGE_ENV", "INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls",
-           "check_merge_counters", "gemv_merge_enabled", "graph_time_ms", "kv_merge_enabled", "l2_spill_copies",
-           "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
+__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms",
+           "kv_merge_enabled", "l2_spill_copies", "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled",
+           "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -38,13 +38,9 @@ PDL_ENV = "MMSDK_PDL"  # "0" turns programmatic dependent launch off (to measure
 # "0" makes kernel tuners take their first candidate instead of timing them all: correctness runs (tests) then compile
 # one configuration per problem, not every candidate (minutes on a fresh machine)
 TUNE_ENV = "MMSDK_TUNE"
-# which of the packed cache's decode kernels merge their own splits instead of leaving them to a combine kernel
-# (kv_decode.decode_attention's merge_counters): "1" (default) the int4 MHA kernel, "0" none (to measure what the
-# merge buys), "all" the byte-code kernel too (grouped-query heads, int8 / fp8: not yet timed on a GPU)
+# "0" has the packed cache's int4 MHA decode kernel leave its splits to a combine kernel instead of merging them itself
+# (kv_decode.decode_attention's merge_counters), to measure what the merge buys
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
-# "1" has INT4 linear layers' batch-1 "quad" / "idot" GEMVs split along K sum their slices in their own launch instead
-# of an epilogue kernel (gemv_launch.launch_gemv's merge_counters): off until it has been timed in a decode step
-GEMV_MERGE_ENV = "MMSDK_GEMV_MERGE"
 
 
 @cache
@@ -67,27 +63,12 @@ def timing_enabled() -> bool:
     return not interpreting() and os.environ.get(TUNE_ENV, "1") != "0"
 
 
-def kv_merge_enabled(variant: str = "subnormal") -> bool:
-    """Whether the decode kernel ``variant`` (kv_decode.VARIANTS) is to merge its own splits (see
-    :data:`KV_MERGE_ENV`)."""
+def kv_merge_enabled() -> bool:
+    """Whether the int4 MHA decode kernel is to merge its own splits (see :data:`KV_MERGE_ENV`)."""
     mode = os.environ.get(KV_MERGE_ENV, "1")
-    if mode not in ("0", "1", "all"):
-        raise ValueError(f"{KV_MERGE_ENV}={mode!r}: set it to 0, 1 or all (or leave it unset)")
-    return mode != "0" and (variant == "subnormal" or (mode == "all" and variant == "generic"))
-
-
-def gemv_merge_enabled() -> bool:
-    """True with ``MMSDK_GEMV_MERGE=1`` (see :data:`GEMV_MERGE_ENV`)."""
-    return os.environ.get(GEMV_MERGE_ENV, "0") == "1"
-
-
-def check_merge_counters(counters: torch.Tensor, needed: int, device: torch.device, per: str) -> None:
-    """A kernel that merges its own splits counts its programs in ``counters``: contiguous int32 zeros on ``device``,
-    at least ``needed`` of them (``per`` says what one counts)."""
-    if (counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed
-            or not counters.is_contiguous()):
-        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them ({per}); "
-                         f"got {counters.numel()} {counters.dtype} on {counters.device}.")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{KV_MERGE_ENV}={mode!r}: set it to 0 or 1 (or leave it unset)")
+    return mode == "1"
 
 
 def triton_ready(*tensors: torch.Tensor) -> bool:

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_quad_triton import by_nibble, inverse_rms, pick
-from mmsdk.kernels._gemv_store_triton import merge_slices_if_last
 from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_dot_ptx, word_dots
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
@@ -201,8 +200,7 @@ def rounded_row(xq_ptr, xs_ptr, xsum_ptr, row, KW, n_quads, rc):
 def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KW, quads_per_split, stride_zn,
               r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr,
-              ASM: tl.constexpr, PDL: tl.constexpr = False, final_ptr=None, cnt_ptr=None, n_splits=1,
-              MERGE: tl.constexpr = False):
+              ASM: tl.constexpr, PDL: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (rows x quads x words) against activations rounded by
     :func:`quantize_activations` (one activation row per program, grid axis 2).
 
@@ -212,10 +210,6 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
     slice; with ``HAS_BIAS`` and ``HAS_RESIDUAL`` rounded as torch rounds ``residual + linear``), otherwise fp32
     partials for mmsdk.kernels.split_k.finish_splits. With ``PDL`` a program loads its first step's words and
     scales before it waits for the rounding kernel (mmsdk/kernels/_pdl_triton.py).
-
-    With ``MERGE`` (K split) the last of a column block's ``n_splits`` programs to store its fp32 partial sums them
-    all into ``final_ptr`` as the K slices' epilogue would, with the bias and the residual
-    (mmsdk.kernels._gemv_store_triton.merge_slices_if_last, counters ``cnt``): one launch fewer.
     """
     WPG: tl.constexpr = GROUP // 8
     split, row, rn, n_ok, rc, rw, q_begin, q_end, n_quads, k_blocks = idot_program(N, KW, quads_per_split, GROUP,
@@ -254,6 +248,3 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
         tl.store(dst, value, mask=n_ok)
     else:
         tl.store(dst, out, mask=n_ok)
-        if MERGE:
-            merge_slices_if_last(out_ptr, final_ptr, cnt_ptr, b_ptr, r_ptr, None, None, None, row, tl.program_id(0),
-                                 rn, n_ok, M, N, tl.num_programs(0), n_splits, HAS_BIAS, HAS_RESIDUAL, False)

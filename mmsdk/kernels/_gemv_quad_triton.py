@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mmsdk.kernels._gemv_store_triton import merge_slices_if_last, store_output
+from mmsdk.kernels._gemv_store_triton import store_output
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 
@@ -268,8 +268,7 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
               BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
               HAS_RESIDUAL: tl.constexpr = False, ROW_MASK: tl.constexpr = True, f_ptr=None, eps=0.0,
               NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024, WHOLE_ROW: tl.constexpr = False,
-              g_ptr=None, scaled_ptr=None, sq_ptr=None, LEAVE_NORM: tl.constexpr = False, final_ptr=None,
-              cnt_ptr=None, n_splits=1, MERGE: tl.constexpr = False):
+              g_ptr=None, scaled_ptr=None, sq_ptr=None, LEAVE_NORM: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (one activation row per program).
 
     With ``PAIRED`` two weights of the same shape share the launch (a gated MLP's gate and up
@@ -327,10 +326,6 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
     also leaves that norm's statistics for the norm's reader (:func:`leave_norm_statistics`: ``n_blocks`` parts per
     row at ``sq_ptr``, ``weight * out`` at ``scaled_ptr``): a decoder layer's attention output plus residual, which
     its gated MLP reads.
-
-    With ``MERGE`` (K split, not ``PAIRED``) the last of a column block's ``n_splits`` programs to store its fp32
-    partial sums them all and stores the output at ``final_ptr`` as the K slices' epilogue (``split_sum``) would, with
-    the bias, residual and norm statistics (:func:`merge_slices_if_last`): one launch fewer.
     """
     WPG: tl.constexpr = GROUP // 8
     pid_n, split, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -404,6 +399,3 @@ def gemv_quad(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups
                      HAS_BIAS, HAS_RESIDUAL, LEAVE_NORM)
     else:
         tl.store(dst, out, mask=n_ok)
-        if MERGE:
-            merge_slices_if_last(out_ptr, final_ptr, cnt_ptr, b_ptr, r_ptr, g_ptr, scaled_ptr, sq_ptr, row, pid_n,
-                                 rn, n_ok, M, N, n_blocks, n_splits, HAS_BIAS, HAS_RESIDUAL, LEAVE_NORM)

@@ -1,6 +1,6 @@
 """How the batch-1 W4A16 GEMVs store their output: bias, residual and the next RMSNorm's statistics
-(:func:`store_output`), the K slices' sum by a merging GEMV's last program (:func:`merge_slices_if_last`), and the
-statistics' reading by the gated GEMVs (:func:`load_norm_parts`, :func:`rms_from_parts`).
+(:func:`store_output`) and the statistics' reading by the gated GEMVs (:func:`load_norm_parts`,
+:func:`rms_from_parts`).
 
 Imported only when a kernel is launched (through mmsdk.kernels._w4a16_triton).
 """
@@ -43,7 +43,7 @@ def store_output(acc, columns, ok, row, part, N, b_ptr, r_ptr, out_ptr, g_ptr, s
     """A GEMV's finished fp32 sums ``acc`` for ``columns`` of activation row ``row`` into ``out [M, N]``: plus the
     bias, rounded to out's dtype, plus the residual ``r`` (:func:`add_residual`), and with ``LEAVE_NORM`` the
     statistics of the RMSNorm that reads the output (:func:`leave_norm_statistics`, part ``part`` of ``n_parts``).
-    What a one-slice GEMV's store, the K slices' epilogue and a merging GEMV's last program all do."""
+    What a one-slice GEMV's store and the K slices' epilogue both do."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + columns, mask=ok, other=0.0).to(tl.float32)
     at = row.to(tl.int64) * N + columns
@@ -66,26 +66,3 @@ def rms_from_parts(parts, K_in, eps):
     """``1 / sqrt(sum(parts) / K_in + eps)``: an RMSNorm's scale from :func:`load_norm_parts`."""
     return tl.math.rsqrt(tl.sum(parts, 0) / K_in + eps)
 
-
-@triton.jit
-def merge_slices_if_last(p_ptr, out_ptr, cnt_ptr, b_ptr, r_ptr, g_ptr, scaled_ptr, sq_ptr, row, pid_n, rn, n_ok, M, N,
-                         n_blocks, n_splits, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         LEAVE_NORM: tl.constexpr):
-    """The last of column block ``pid_n``'s K-slice programs (for activation row ``row``) to count itself in sums the
-    slices' fp32 partials ``p [n_splits, M, N]`` in slice order, as ``split_sum`` does (bitwise its output), adds the
-    bias and the residual, stores the output and leaves the norm statistics (one part per column block, as a direct
-    store does). Its counter (``cnt [M, n_blocks]``, int32) goes back to 0 for the next launch or graph replay.
-
-    The barrier has every thread's partial stores issued before the counter's release; the sum reads the other
-    programs' partials past L1 (".cg"), which other SMs' writes do not update.
-    """
-    tl.debug_barrier()
-    counter = cnt_ptr + row * n_blocks + pid_n
-    if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
-        acc = tl.zeros(rn.shape, dtype=tl.float32)
-        for split in range(0, n_splits):
-            acc += tl.load(p_ptr + (row + split * M).to(tl.int64) * N + rn, mask=n_ok, other=0.0,
-                           cache_modifier=".cg")
-        store_output(acc, rn, n_ok, row, pid_n, N, b_ptr, r_ptr, out_ptr, g_ptr, scaled_ptr, sq_ptr, n_blocks,
-                     HAS_BIAS, HAS_RESIDUAL, LEAVE_NORM)
-        tl.store(counter, 0)

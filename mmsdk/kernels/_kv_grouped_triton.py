@@ -2,8 +2,9 @@
 grouped-query heads on the tensor cores). Imported only when the kernel is launched.
 
 Its partials (even channels, then odd ones, per slot) and log-sum-exps are merged by
-:func:`mmsdk.kernels._split_merge_triton.decode_combine`, or with ``MERGE`` by the kernel's own last program per KV
-head.
+:func:`mmsdk.kernels._split_merge_triton.decode_combine`. (Merging them in the kernel's own last program per KV head,
+as the int4 MHA kernel does, took 1.4-2.0 µs more per call on Qwen2-VL-7B's heads, that one program summing every
+split of 7 query heads alone, and was removed: benchmarks/results/h200_suite_merges_32.json, made at commit b164790.)
 
 (Loading each split's first K/V tile before the wait for the kernel in front, as the batch-1 GEMVs load their first
 weights, took the kernel alone from 6.97 to 5.15 µs at 1280 tokens together with PDL, but made Qwen2-VL-7B's decode
@@ -20,7 +21,6 @@ from mmsdk.kernels._gemv_mma_triton import centred_nibbles
 from mmsdk.kernels._kv_triton import (decode_raw_codes, load_raw_codes, load_rotated, softmax_step, softmax_total,
                                       split_pairs, split_program, store_token, token_tile)
 from mmsdk.kernels._pdl_triton import wait_for_inputs
-from mmsdk.kernels._split_merge_triton import last_to_arrive, merge_group, row_merged
 
 
 @triton.jit
@@ -68,13 +68,10 @@ def attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, vc_ptr, ro
 def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                    sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
                    kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
-                   out_ptr, so_b, so_h, cnt_ptr,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
                    APPEND: tl.constexpr = False, ROPE: tl.constexpr = False, V_AHEAD: tl.constexpr = False,
-                   ASM: tl.constexpr = False, PDL: tl.constexpr = False, PAIRS: tl.constexpr = False,
-                   MERGE: tl.constexpr = False, MERGE_G: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
-                   CHUNK_S: tl.constexpr = 1):
+                   ASM: tl.constexpr = False, PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
 
     ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
@@ -92,12 +89,6 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
 
     ``PDL``: launched as a dependent of the kernel before it (programmatic dependent launch), so its programs are
     resident when that kernel ends; each waits for it before reading anything, then lets the combine kernel launch.
-
-    ``MERGE``: no combine kernel; the last program of each (batch, KV head) to finish merges the splits of its
-    ``G`` query heads (``MERGE_G`` = G rounded up to a power of two, ``BLOCK_S`` >= the splits, ``CHUNK_S`` splits
-    summed at a time) into ``out`` (``[B, 1, H_KV * G, D]``, strides ``so_*``), counting itself in at ``cnt`` (int32
-    zeros, left at zero; with ``APPEND`` it also advances ``len``): mmsdk/kernels/_split_merge_triton.py. Without
-    it ``out`` and ``cnt`` are not read.
     """
     wait_for_inputs(PDL)
     bh, b, hk, split, n_splits, t_begin = split_program(H_KV, SPLIT_T)
@@ -148,8 +139,3 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     tl.store(out, acc_e / l_safe[:, None], mask=g_ok[:, None])
     tl.store(out + BLOCK_HD, acc_o / l_safe[:, None], mask=g_ok[:, None])
     tl.store(pl_ptr + slot, lse, mask=g_ok)
-    if MERGE:
-        if last_to_arrive(cnt_ptr, bh, n_splits):
-            merge_group(po_ptr, pl_ptr, vs_ptr, out_ptr, b, hk, H_KV * G, G, D, n_splits, so_b, so_h, MERGE_G,
-                        BLOCK_S, CHUNK_S, BLOCK_HD)
-            row_merged(cnt_ptr, bh, len_ptr, APPEND)

@@ -41,52 +41,6 @@ def row_merged(cnt_ptr, row, len_ptr, ADVANCE: tl.constexpr):
 
 
 @triton.jit
-def merge_group(po_ptr, pl_ptr, vs_ptr, out_ptr, b, hk, HQ, G, D, n_splits, so_b, so_h,
-                MERGE_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """Merge the splits of the ``G`` query heads of KV head ``hk`` (batch ``b``) from the grouped kernel's partials
-    (mmsdk.kernels._kv_grouped_triton.decode_partial: even channels, then odd ones, per slot), as
-    :func:`decode_combine` does for one head, and write ``[B, 1, HQ, D]``.
-
-    The log-sum-exps of all splits come first (the weights' maximum and sum); the partials are then summed
-    ``CHUNK_S`` splits at a time, so that a chunk of every head's partials stays within the registers the wrapper
-    budgets (all of them at once for up to ``CHUNK_S`` splits: one round trip to L2).
-    """
-    rg = tl.arange(0, MERGE_G)
-    g_ok = rg < G
-    heads = hk * G + rg
-    first = (b * HQ + heads).to(tl.int64) * n_splits  # each head's first slot
-    rs = tl.arange(0, BLOCK_S)
-    ok = g_ok[:, None] & (rs < n_splits)[None, :]
-    lse = tl.load(pl_ptr + first[:, None] + rs[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, 1)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a row with no keys: every weight 0, total 1
-    total = tl.sum(tl.where(ok, tl.math.exp2(lse - top[:, None]), 0.0), 1)
-    total = tl.where(total == 0.0, 1.0, total)
-    rd = tl.arange(0, BLOCK_HD)
-    rc = tl.arange(0, CHUNK_S)
-    acc_e = tl.zeros((MERGE_G, BLOCK_HD), tl.float32)
-    acc_o = tl.zeros((MERGE_G, BLOCK_HD), tl.float32)
-    for s0 in range(0, n_splits, CHUNK_S):
-        c_ok = g_ok[:, None] & ((s0 + rc) < n_splits)[None, :]
-        slot = first[:, None] + s0 + rc[None, :]
-        rows = po_ptr + slot[:, :, None] * (2 * BLOCK_HD) + rd[None, None, :]
-        part_e = tl.load(rows, mask=c_ok[:, :, None], other=0.0, cache_modifier=".cg")
-        part_o = tl.load(rows + BLOCK_HD, mask=c_ok[:, :, None], other=0.0, cache_modifier=".cg")
-        w = tl.load(pl_ptr + slot, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(c_ok, tl.math.exp2(w - top[:, None]), 0.0)
-        acc_e += tl.sum(w[:, :, None] * part_e, 1)
-        acc_o += tl.sum(w[:, :, None] * part_o, 1)
-    de, do = (2 * rd) < D, (2 * rd + 1) < D
-    scale_e = tl.load(vs_ptr + hk * D + 2 * rd, mask=de, other=0.0)
-    scale_o = tl.load(vs_ptr + hk * D + 2 * rd + 1, mask=do, other=0.0)
-    dst = out_ptr + b * so_b + heads[:, None] * so_h
-    oe = acc_e / total[:, None] * scale_e[None, :]
-    oo = acc_o / total[:, None] * scale_o[None, :]
-    tl.store(dst + 2 * rd[None, :], oe.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & de[None, :])
-    tl.store(dst + 2 * rd[None, :] + 1, oo.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & do[None, :])
-
-
-@triton.jit
 def combine_program(HQ, G, n_splits, BLOCK_S: tl.constexpr):
     """A combine program's (row, batch, query head, KV head) and its splits' (ids, valid mask): one program per
     (batch, query head)."""

@@ -71,13 +71,10 @@ def _norm_arguments(norm: InputNorm | None, x: torch.Tensor) -> dict[str, Any]:
 
 def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: tuple[Any, ...], per_split: int,
-                n_splits: int, residual: torch.Tensor | None = None, norm: InputNorm | None = None,
-                merge_counters: torch.Tensor | None = None) -> None:
+                n_splits: int, residual: torch.Tensor | None = None, norm: InputNorm | None = None) -> None:
     """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
-    groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials, summed by
-    :func:`finish_splits` or, given ``merge_counters`` (checked by the caller: mmsdk.kernels.gemv_launch), by the
-    GEMV's own last program of each column block. With ``norm`` ``x`` is that RMSNorm's input, normalized by the
-    rounding kernel."""
+    groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials and
+    :func:`finish_splits`. With ``norm`` ``x`` is that RMSNorm's input, normalized by the rounding kernel."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
@@ -89,7 +86,6 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     words = k_blocks * group // 8
     rounded = quantize_row_activations(x, words, norm)
     direct = n_splits == 1
-    merge = merge_counters is not None and not direct
     pdl = pdl_preload_ready(x)  # the first weights load while the rounding kernel runs
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
     kernels.gemv_idot[(triton.cdiv(n, block_n), n_splits, m)](
@@ -97,11 +93,10 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         zero_points if zero_points is not None else scales, bias if bias is not None else scales, target, m, n, words,
         per_split * group // 32, zero_points.stride(0) if zero_points is not None else 0,
         residual if residual is not None else scales, GROUP=group, HAS_ZP=zero_points is not None,
-        HAS_BIAS=bias is not None, DIRECT=direct, HAS_RESIDUAL=residual is not None and (direct or merge),
-        BLOCK_N=block_n, BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl,
-        num_warps=warps, **({"final_ptr": out, "cnt_ptr": merge_counters, "n_splits": n_splits, "MERGE": True}
-                            if merge else {}), enable_fp_fusion=True)
-    if not (direct or merge):
+        HAS_BIAS=bias is not None, DIRECT=direct, HAS_RESIDUAL=residual is not None and direct, BLOCK_N=block_n,
+        BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        enable_fp_fusion=True)
+    if not direct:
         finish_splits(target, out, bias, n_splits, False, residual)
 
 

@@ -3,8 +3,7 @@
 A configuration is ``(BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs[, num_stages]])``; the kinds and
 their candidates per row count are described in mmsdk.kernels.w4a16. :func:`launch_gemv` runs one into ``out``: the
 "quad" kinds (mmsdk/kernels/_gemv_quad_triton.py), "idot" (mmsdk.kernels.gemv_idot), "mma" (tensor cores) or the
-plain "fma" / "dot" kernel, a K split summed by the epilogue kernel (mmsdk.kernels.split_k) or, given counters, by
-the "quad" kernel itself.
+plain "fma" / "dot" kernel, a K split summed by the epilogue kernel (mmsdk.kernels.split_k).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import check_merge_counters, interpreting, pdl_preload_ready, pdl_ready
+from mmsdk.kernels import interpreting, pdl_preload_ready, pdl_ready
 from mmsdk.kernels.gemv_idot import launch_idot
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
 from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, k_slices
@@ -24,14 +23,13 @@ GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
 GEMV_KINDS = ("quad", "quadp", "idot", "fma", "dot", "mma")
 QUAD_KINDS = ("quad", "quadp")
-PER_BLOCK = "one per activation row and column block"  # what a GEMV's merge counter counts
 
 
 def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig,
                 splits: int | None, second: PackedWeight | None = None, residual: torch.Tensor | None = None,
                 norm: InputNorm | None = None, leave: NormRequest | None = None,
-                row_scale: NormStatistics | None = None, merge_counters: torch.Tensor | None = None) -> None:
+                row_scale: NormStatistics | None = None) -> None:
     """Launch one GEMV configuration into ``out``; with ``second`` (same shape) ``out = silu(x W1.T) * (x W2.T)``
     from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
     shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
@@ -39,10 +37,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel, by the norm kernel for the others. ``leave``: the "quad"
     kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave
     none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics,
-    applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics). ``merge_counters`` (int32 zeros, at least
-    ``M * ceil(N / BLOCK_N)``): a "quad" kind or "idot" split along K sums its slices in its own launch, the last
-    program of each column block summing them, instead of the epilogue kernel (bitwise the same output; the counters
-    are left at zero); other launches leave them alone."""
+    applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -59,17 +54,12 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if kind == "mma":
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
         return
-    import triton
-
     if kind == "idot":
-        per_split, n_splits = k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits)
-        counters = merge_counters if n_splits > 1 else None
-        if counters is not None:
-            needed = x.shape[0] * triton.cdiv(qweight.shape[0], block_n)
-            check_merge_counters(counters, needed, x.device, PER_BLOCK)
-        launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg, per_split, n_splits, residual, norm,
-                    counters)
+        launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
+                    *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual,
+                    norm)
         return
+    import triton
 
     dot = kind == "dot"
     m, k_in = x.shape
@@ -80,10 +70,6 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     direct = n_splits == 1 and not paired  # a program here holds one of the two products: always via fp32 partials
     target = out if direct else torch.empty(n_splits, m, rows, device=x.device, dtype=torch.float32)
     n_blocks = triton.cdiv(n, block_n)
-    merge = merge_counters is not None and kind in QUAD_KINDS and not paired and not direct
-    if merge:
-        check_merge_counters(merge_counters, m * n_blocks, x.device, PER_BLOCK)  # type: ignore[arg-type]
-    folded = direct or merge  # the kernel's own store adds the residual and leaves the norm statistics
     kernels = triton_kernels()
     args = (x, qweight.view(torch.int32), scales, zero_points if zero_points is not None else scales,
             bias if bias is not None else scales, target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
@@ -99,17 +85,16 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         kernels.gemv_quad[(n_blocks * (2 if paired else 1), n_splits, m)](
             *args, w2.view(torch.int32), s2, z2 if z2 is not None else s2, n_blocks,
             residual if residual is not None else scales, BLOCK_C=block_g, PAIRED=paired, PREFETCH=kind == "quadp",
-            PDL=pdl, HAS_RESIDUAL=residual is not None and folded, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
+            PDL=pdl, HAS_RESIDUAL=residual is not None and direct, ROW_MASK=n % block_n != 0, launch_pdl=pdl,
             **norm_arguments(norm, x, warps, n_splits == 1),
-            **(leave.arguments(out, n_blocks) if leave is not None and folded else {}),
-            **({"final_ptr": out, "cnt_ptr": merge_counters, "n_splits": n_splits, "MERGE": True} if merge else {}),
+            **(leave.arguments(out, n_blocks) if leave is not None and direct else {}),
             **flags, enable_fp_fusion=True)
     else:
         kernels.gemv[(n_blocks, n_splits, triton.cdiv(m, block_m))](*args, BLOCK_M=block_m, BLOCK_G=block_g,
                                                                     DOT=dot, **flags, enable_fp_fusion=True)
         if direct and residual is not None:
             out.add_(residual)
-    if not folded:
+    if not direct:
         finish_splits(target, out, bias, n_splits, paired, residual, leave, row_scale, k_in)
 
 

@@ -8,9 +8,9 @@ of valid tokens lives in a device tensor, so a CUDA graph replays the same launc
 :func:`decode_attention` is flash-decoding: the sequence is cut into splits, one program per
 (batch, KV head, split) loads each K/V tile once for all the query heads of its group (GQA),
 dequantizes it in registers (K's scale is folded into q, V's into the output) and keeps an online
-softmax; a second kernel merges the splits, or the kernel's own last program per KV head does (``merge_counters``).
-No full-precision copy of the cache is ever made. Which kernel a call
-takes, its tiles and its splits: :mod:`mmsdk.kernels.kv_decode_choice`.
+softmax; a second kernel merges the splits, or in the int4 MHA kernel its own last program per head does
+(``merge_counters``). No full-precision copy of the cache is ever made. Which kernel a call takes, its tiles and its
+splits: :mod:`mmsdk.kernels.kv_decode_choice`.
 
 :func:`attention_implementation` registers, under a name of its own in transformers' attention
 registry, a function that runs this kernel when the cache layer hands it a packed marker instead
@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import check_merge_counters, interpreting, note_fallback, pdl_ready, triton_ready
-from mmsdk.kernels.kv_decode_choice import (VARIANTS, byte_pairs, ceil_div, generic_config, merge_chunk, pick_variant,
-                                            pow2, splits, words_ready)
+from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
+from mmsdk.kernels.kv_decode_choice import (VARIANTS, byte_pairs, ceil_div, generic_config, pick_variant, pow2, splits,
+                                            words_ready)
 from mmsdk.kernels.kv_word_config import word_launch
 
-__all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "decode_variant",
-           "dequantize_codes", "reference_decode_attention"]
+__all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
+           "reference_decode_attention"]
 
 FORMATS = {"int4": 0, "int8": 1, "fp8": 2}
 _PREFIX = "mmsdk_packed_kv_"
@@ -106,12 +106,14 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     rotated yet: the "subnormal" and "generic" kernels rotate them as they load them (rotate-half RoPE, rounded as
     the RoPE kernel rounds), which saves the step a RoPE launch; "magic" rotates them first (one RoPE kernel).
 
-    ``merge_counters`` (int32 zeros, at least ``B * H_kv + 1``): variants "subnormal" and "generic" merge their
-    splits in their own launch, the last program of each (batch, KV head) merging them, instead of a combine kernel
-    (one launch fewer), and leave the counters at zero for the next call; "magic" merges with the combine kernel and
-    leaves them alone. Which calls the packed cache passes them to: :func:`mmsdk.kernels.kv_merge_enabled` (by
-    default "subnormal" only: on the H200 it took 0.4-1.1 µs less per call than the two launches at 1280-16k tokens
-    of LLaVA-1.5-7B's heads, docs/benchmarks.md; the "generic" merge is not yet timed on a GPU).
+    ``merge_counters`` (int32 zeros, at least ``B * H_kv + 1``): variant "subnormal" merges its splits in its own
+    launch, the last program of each head merging them, instead of a combine kernel (one launch fewer), and leaves
+    the counters at zero for the next call; the other variants merge with the combine kernel and leave them alone.
+    The packed cache passes them unless ``MMSDK_KV_MERGE=0``: on the H200 the merged kernel took 0.4-1.1 µs less
+    per call than the two launches at 1280-16k tokens of LLaVA-1.5-7B's heads. (The same merge in the "generic"
+    kernel, for grouped-query heads, took 1.4-2.0 µs more per call at Qwen2-VL-7B's 28 / 4 heads, one program per
+    KV head summing every split of its 7 query heads alone, and was removed: docs/benchmarks.md, thirty-second
+    pass.)
     """
     from mmsdk.kernels import _kv_grouped_triton, _kv_triton, _split_merge_triton
 
@@ -139,9 +141,6 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     (block_t, warps, target, stages), v_ahead = generic_config(config, use_dot, block_g * block_hd <= 64, t_max,
                                                                 byte_codes=fmt != "int4")
     n_splits, split_t = splits(b * h_kv, t_max, block_t, target)
-    merge = merge_counters is not None
-    if merge:
-        check_merge_counters(merge_counters, b * h_kv + 1, query.device, "batch * KV heads + 1")
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
@@ -155,28 +154,17 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         query.stride(0), query.stride(1), mask.stride(0) if mask is not None else 0,
         mask.shape[-1] if mask is not None else 0, h_kv, group, t_max, d, row_width, split_t,
         float(scaling) * _kv_triton.LOG2E, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1),
-        new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)), out, out.stride(0), out.stride(2),
-        merge_counters if merge else lse,
+        new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
         BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, ASM=not interpreting(),
-        PDL=pdl, PAIRS=pairs, MERGE=merge, MERGE_G=pow2(group), BLOCK_S=pow2(n_splits),
-        CHUNK_S=merge_chunk(pow2(group), pow2(n_splits), block_hd, warps) if merge else 1,
-        launch_pdl=pdl, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
+        PDL=pdl, PAIRS=pairs, launch_pdl=pdl, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
     )
-    if merge:
-        return out
     _split_merge_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
         BLOCK_S=pow2(n_splits), BLOCK_HD=block_hd, ADVANCE=append is not None, PDL=pdl, launch_pdl=pdl,
         num_warps=4 if block_hd >= 64 else 1, enable_fp_fusion=True,
     )
     return out
-
-
-def decode_variant(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor, fmt: str) -> str:
-    """The variant :func:`decode_attention` takes by default for these inputs (one of :data:`VARIANTS`)."""
-    return pick_variant(None, words_ready(key_codes, value_codes, fmt, query.shape[-1]),
-                        query.shape[1] // key_codes.shape[1])
 
 
 def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
@@ -208,7 +196,7 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         new_key, new_value = _new_token(append, query)
         merge = merge_counters is not None
         if merge:
-            check_merge_counters(merge_counters, b * h_kv + 1, query.device, "batch * KV heads + 1")
+            _check_counters(merge_counters, b * h_kv + 1, query.device)
         _kv_subnormal_triton.decode_partial_int4_subnormal_mha[(b * h_kv, n_splits)](
             *args, new_key, new_value, value_scale, new_key.stride(0), new_key.stride(1), new_value.stride(0),
             new_value.stride(1), *(rope_args or _no_rope(query)), out, out.stride(0), out.stride(2),
@@ -233,6 +221,14 @@ def _decode_int4_words(query: torch.Tensor, key_codes: torch.Tensor, value_codes
         num_warps=4 if d >= 64 else 1, enable_fp_fusion=True,
     )
     return out
+
+
+def _check_counters(counters: torch.Tensor, needed: int, device: torch.device) -> None:
+    """``merge_counters`` must be int32 zeros on the query's device, one per (batch, KV head) and one more."""
+    if (counters.dtype != torch.int32 or counters.device != device or counters.numel() < needed
+            or not counters.is_contiguous()):
+        raise ValueError(f"merge_counters: pass contiguous int32 zeros on {device}, at least {needed} of them "
+                         f"(batch * KV heads + 1); got {counters.numel()} {counters.dtype} on {counters.device}.")
 
 
 def _no_rope(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -9,9 +9,8 @@ import torch
 
 from mmsdk.kernels.kv_word_config import TARGET_PROGRAMS
 
-__all__ = ["GENERIC_MIDDLE_CACHE", "GENERIC_SHORT_CACHE", "MERGE_FLOATS_PER_THREAD", "VARIANTS", "byte_pairs",
-           "ceil_div", "completed_config", "generic_config", "merge_chunk", "pick_variant", "pow2", "splits",
-           "words_ready"]
+__all__ = ["GENERIC_MIDDLE_CACHE", "GENERIC_SHORT_CACHE", "VARIANTS", "byte_pairs", "ceil_div", "completed_config",
+           "generic_config", "pick_variant", "pow2", "splits", "words_ready"]
 
 
 def pow2(n: int) -> int:
@@ -121,20 +120,6 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     block_t, warps, target, stages = completed_config(config, default)
     stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
     return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
-
-
-# partial outputs a thread of the grouped kernel's merging program holds at once (both channel halves): a chunk of
-# splits of every query head of the group is loaded together (mmsdk/kernels/_split_merge_triton.py merge_group).
-# Compiled for sm_90 by Triton 3.6 (the GPU machine's), Qwen2-VL-7B's merging launches at 1280 / 4k / 16k slots spill
-# 0 / 8 / 0 bytes with 128, 0 / 8 / 116 with 64 (benchmarks/kernel_registers.py); Triton 3.9 allocates otherwise.
-MERGE_FLOATS_PER_THREAD = 128
-
-
-def merge_chunk(merge_g: int, block_s: int, block_hd: int, warps: int) -> int:
-    """Splits the grouped kernel's merge sums at a time: a power of two, at most ``block_s``, whose partials
-    (``merge_g`` heads x 2 halves x ``block_hd`` channels each) fit :data:`MERGE_FLOATS_PER_THREAD` per thread."""
-    fit = MERGE_FLOATS_PER_THREAD * 32 * warps // (merge_g * 2 * block_hd)
-    return max(1, min(block_s, 1 << max(0, fit.bit_length() - 1)))
 
 
 def completed_config(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:

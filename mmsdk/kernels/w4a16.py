@@ -141,7 +141,6 @@ def int4_linear(
     residual: torch.Tensor | None = None,
     input_norm: InputNorm | None = None,
     leave: NormRequest | None = None,
-    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back).
 
@@ -151,7 +150,6 @@ def int4_linear(
     batch-1 GEMV (mmsdk.kernels.norm_fold) and run as its own kernel before the others. ``leave`` asks the GEMVs'
     store (with a residual folded into it) to leave the statistics of the RMSNorm that reads the output
     (:class:`~mmsdk.kernels.norm_fold.NormRequest`; its ``statistics`` stay None where the kernel run cannot).
-    ``merge_counters`` go to the batch-1 GEMV (:func:`mmsdk.kernels.gemv_launch.launch_gemv`).
     """
     reason = unsupported_reason(x, qweight, scales, block_size)
     if reason is not None:
@@ -165,7 +163,7 @@ def int4_linear(
     if flat.shape[0] <= GEMV_MAX_M and gemv_ready(qweight):
         rows = residual.reshape(flat.shape[0], -1).contiguous() if foldable else None  # type: ignore[union-attr]
         out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows, norm=input_norm,
-                         leave=leave if rows is not None else None, merge_counters=merge_counters)
+                         leave=leave if rows is not None else None)
         if rows is not None:
             return out.reshape(shape)
     elif flat.shape[0] <= FUSED_MAX_M:
@@ -240,16 +238,13 @@ def w4a16_gemv(
     residual: torch.Tensor | None = None,
     norm: InputNorm | None = None,
     leave: NormRequest | None = None,
-    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
     shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product and ``norm``
-    applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes. ``merge_counters`` as
-    :func:`mmsdk.kernels.gemv_launch.launch_gemv` takes them (the "quad" kinds and "idot" then sum their K slices
-    themselves).
+    applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes.
     """
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
@@ -259,21 +254,20 @@ def w4a16_gemv(
            norm is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
-    def launch(cfg: tuple[Any, ...], weight: PackedWeight, counters: torch.Tensor | None = None) -> None:
+    def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
         if len(cfg) == 4:  # a fused-kernel candidate
             _launch_fused(x if norm is None else norm.normalize(x), *weight, bias, out, block_size, 16, cfg)
             if residual is not None:
                 out.add_(residual)  # bf16 + bf16 in fp32, rounded once: the same as residual + out
         else:
-            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm, leave=leave,
-                        merge_counters=counters)
+            launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm, leave=leave)
 
     weight = (qweight, scales, zero_points)
-    timed = followed_by_norm(launch, out) if bucket == 1 else launch  # trials merge with the epilogue kernel
+    timed = followed_by_norm(launch, out) if bucket == 1 else launch
     chosen = config or tuned_config(key, timed, gemv_candidates(bucket, block_size), block_size, weight)
     if leave is not None:
         leave.statistics = None  # the tuner's trial launches (on copies of the weight) may have set them
-    launch(chosen, weight, merge_counters)
+    launch(chosen, weight)
     return out
 
 

@@ -38,7 +38,6 @@ class Int4Linear(nn.Module):
     _next_request: NormRequest | None = None
     _left: NormStatistics | None = None
     _factors: tuple[tuple[object, ...], torch.Tensor] | None = None
-    _merge_counters: dict[tuple[int, torch.device], torch.Tensor] | None = None  # see gemv_counters
 
     def __init__(
         self,
@@ -177,12 +176,10 @@ class Int4Linear(nn.Module):
         if folded is None and self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
         if x.is_cuda:
-            from mmsdk.kernels import gemv_merge_enabled
             from mmsdk.kernels.w4a16 import int4_linear
 
-            counters = self.gemv_counters(x) if gemv_merge_enabled() else None
             out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
-                              self.bias, residual=residual, input_norm=folded, leave=leave, merge_counters=counters)
+                              self.bias, residual=residual, input_norm=folded, leave=leave)
             if out is not None:
                 return out
         if folded is not None:
@@ -190,26 +187,6 @@ class Int4Linear(nn.Module):
         out = torch.nn.functional.linear(x, self.dequantize(x.dtype))
         out = out if self.bias is None else out + self.bias.to(out.dtype)
         return out if residual is None else residual + out
-
-    def gemv_counters(self, x: torch.Tensor) -> torch.Tensor | None:
-        """int32 zeros for a batch-1 GEMV of ``x``'s rows that sums its own K slices (MMSDK_GEMV_MERGE=1): one per
-        row and output column, enough for any column block; None past the GEMV's rows.
-
-        One tensor per row count and device, kept for the layer's life and never replaced: a CUDA graph captured
-        with it holds no reference to it, so a replacement would free memory the graph's replays still write. Made
-        on a row count's first call, eager before any capture in fast generate (zeros made during a capture would
-        be a launch in the graph)."""
-        from mmsdk.kernels.w4a16 import GEMV_MAX_M
-
-        rows = x.numel() // self.in_features
-        if rows > GEMV_MAX_M:
-            return None
-        if self._merge_counters is None:
-            self._merge_counters = {}
-        key = (rows, x.device)
-        if key not in self._merge_counters:
-            self._merge_counters[key] = torch.zeros(rows * self.out_features, dtype=torch.int32, device=x.device)
-        return self._merge_counters[key]
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"

@@ -97,8 +97,7 @@ class PackedStaticLayer(QuantizedKVLayer):
         self.length = torch.zeros(1, dtype=torch.int64, device=device)
         self.key_scale = self.key_codec.scale.to(device).expand(heads, dim).contiguous()
         self.value_scale = self.value_codec.scale.to(device).expand(heads, dim).contiguous()
-        # decode kernels that merge their own splits count their programs here (mmsdk.kernels.kv_merge_enabled says
-        # which); left at zero
+        # the int4 MHA decode kernel merges its own splits with these (unless MMSDK_KV_MERGE=0); left at zero
         self.merge_counters = torch.zeros(batch * heads + 1, dtype=torch.int32, device=device)
         self._markers = (torch.empty(0), torch.empty(0))
         for marker in self._markers:
@@ -251,17 +250,16 @@ class PackedStaticLayer(QuantizedKVLayer):
     def attend(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None) -> torch.Tensor:
         """Decode attention of ``query`` [B, Hq, 1, D] over the stored tokens: ``[B, 1, Hq, D]``."""
         from mmsdk.kernels import kv_merge_enabled
-        from mmsdk.kernels.kv_decode import decode_attention, decode_variant
+        from mmsdk.kernels.kv_decode import decode_attention
 
         if self._rope is not None:
             self._check_rope(query, self._rope.query, "query")
         pending, self._pending = self._pending, None  # the kernel writes it and advances the length
         rope, self._rope = self._rope, None  # the kernel rotates q (and the kept token) as it loads them
-        merging = kv_merge_enabled(decode_variant(query, self.key_codes, self.value_codes, self.fmt))
         return decode_attention(query, self.key_codes, self.value_codes, self.key_scale, self.value_scale,
                                 self.length, self.fmt, scaling, mask, append=pending,
                                 rope=(rope.cos, rope.sin) if rope is not None else None,
-                                merge_counters=self.merge_counters if merging else None)
+                                merge_counters=self.merge_counters if kv_merge_enabled() else None)
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
