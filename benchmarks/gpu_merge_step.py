@@ -36,14 +36,13 @@ from benchmarks.gpu_suite import build_llava, optimized, section_env, timed_call
 from mmsdk.kernels import KV_MERGE_ENV
 
 ROUNDS = 3
-# switch -> (variable, (setting without the merge, setting with it), model)
-SWITCHES = {"kv": (KV_MERGE_ENV, ("0", "1"), "llava")}
+# switch -> (variable, (setting without the merge, setting with it))
+SWITCHES = {"kv": (KV_MERGE_ENV, ("0", "1"))}
+MODEL = "llava"  # gpu_decode_reuse.text_prompt's name for LLaVA-1.5-7B's prompt
 
 
-def model_for(name: str) -> Any:
+def llava_model() -> Any:
     """The optimized model: LLaVA-1.5-7B shapes, INT4 weights in groups of 32."""
-    if name != "llava":
-        raise ValueError(f"no model {name!r} here: only 'llava'")
     return optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
 
 
@@ -74,13 +73,13 @@ def main() -> None:
     parser.add_argument("--measure", choices=("replay", "wall"), default="replay")
     parser.add_argument("--switch", choices=tuple(SWITCHES), default="kv")
     args = parser.parse_args()
-    variable, (separate, merged), name = SWITCHES[args.switch]
-    model = model_for(name)
-    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "variable": variable, "model": name,
+    variable, (separate, merged) = SWITCHES[args.switch]
+    model = llava_model()
+    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "variable": variable, "model": MODEL,
                               "settings": [separate, merged], "rows": [], "medians": {}}
     measure = replay_ms if args.measure == "replay" else wall_step_ms
     for ctx in (1024, 4096) if args.measure == "replay" else (1024,):
-        inputs = text_prompt(name, ctx)
+        inputs = text_prompt(MODEL, ctx)
         answers = {}
         for value in (separate, merged):
             setting(model, variable, value)
