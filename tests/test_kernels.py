@@ -740,9 +740,9 @@ def test_bad_inputs_fall_back_or_refuse():
     assert "group size" in unsupported_reason(x.half(), packed.qweight, packed.scales, 24)
 
 
-# The interpreter checks in three processes (1.5-2.5 min each), so that a run over two workers (pytest -n 2, the
-# README's command) spreads them: in one process they were the suite's longest test by far, 5.3 of its 9.6 minutes
-# in one process on two cores.
+# The interpreter checks run in three processes (1.5-2.5 min each), so that a run over two workers (pytest -n 2, the
+# README's command) spreads them. As one process they were the suite's longest test by far: 5.3 of the 9.6 minutes
+# of a run without workers on two cores.
 _NORM_STORE, _NORM_FOLD = "gemv_store_leaves_rmsnorm_statistics", "gemvs_fold_an_rmsnorm"
 
 
