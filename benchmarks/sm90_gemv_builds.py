@@ -94,8 +94,13 @@ def build_mma(block_n: int, step_k: int, warps: int, block_m: int, group: int, s
 
 
 def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, str], options: dict[str, int],
-              words: float) -> dict[str, object]:
-    """Registers, stack, spills, barriers and the K loop's instructions per weight word of one sm_90 build."""
+              words: float, divisible: tuple[str, ...] = ("KW", "K_in", "N", "stride_xm"),
+              top: int = 6) -> dict[str, object]:
+    """Registers, stack, spills, barriers and the K loop's instructions per weight word of one sm_90 build.
+
+    ``divisible``: the integer arguments built as multiples of 16, as Triton's launcher specializes them when they
+    are (a kernel's loads vectorize only where the compiler knows that of its strides). ``top``: how many of the loop's
+    most frequent opcodes to list."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -103,7 +108,7 @@ def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, 
     names = kernel.arg_names  # type: ignore[attr-defined]
     signature, constants = aot_signature(kernel, constants, pointers)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n not in constants and (n.endswith("_ptr") or n in ("KW", "K_in", "N", "stride_xm"))
+               if n not in constants and (n.endswith("_ptr") or n in divisible)
                and pointers.get(n) != "fp32"}
     compiled = triton.compile(ASTSource(kernel, signature, constants, aligned),
                               target=GPUTarget("cuda", 90, 32), options={**options, "enable_fp_fusion": True})
@@ -119,9 +124,9 @@ def _compiled(kernel: object, constants: dict[str, object], pointers: dict[str, 
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "spill_stores": sass.count(" STL"),
             "barriers": compiled.asm["ptx"].count("bar.sync"),
             "weight_bytes_per_thread_and_step": int(words * 4),
-            "loop_instructions_per_word": round(len(loop) / words, 1),
+            "loop_instructions": len(loop), "loop_instructions_per_word": round(len(loop) / words, 1),
             "every_loop_instructions_per_word": [round(len(body) / words, 1) for body in loops],
-            "loop_top_opcodes": dict(Counter(_opcode(line) for line in loop).most_common(6))}
+            "loop_top_opcodes": dict(Counter(_opcode(line) for line in loop).most_common(top))}
 
 
 def loop_bodies(sass: str) -> list[list[str]]:
