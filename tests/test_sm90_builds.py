@@ -62,3 +62,22 @@ def test_gated_integer_dot_gemv_takes_fewer_instructions_per_word():
     assert idot["loop_instructions_per_word"] < 0.6 * quad["loop_instructions_per_word"]
     assert idot["registers"] <= 128 < quad["registers"]
     assert "IDP" in idot["loop_top_opcodes"] and "IDP" not in quad["loop_top_opcodes"]
+
+
+@pytest.mark.skipif(not _tools_ready(), reason="needs Triton with its CUDA backend tools (ptxas, cuobjdump)")
+def test_grouped_query_kv_kernel_default_tiles_build_without_spills():
+    """benchmarks/sm90_gqa_builds.py: the grouped-query KV kernel at generic_config's three tensor-core defaults for
+    Qwen2-VL-7B's heads (128 tokens on 8 warps, 256 on 8, 128 on 4) spills nothing, runs both products on the tensor
+    cores, and its tile loop reads the codes only through the pipelined copies into shared memory: no plain global
+    loads, where a build that does not know the row width is a multiple of 16 issues 128 single-byte ones per thread
+    and tile."""
+    from benchmarks.sm90_gqa_builds import build
+    from mmsdk.kernels.kv_decode_choice import GENERIC_MIDDLE_CACHE, GENERIC_SHORT_CACHE, generic_config
+
+    tiles = {generic_config(None, True, False, slots)[0][:2]
+             for slots in (GENERIC_SHORT_CACHE, GENERIC_MIDDLE_CACHE, 4 * GENERIC_MIDDLE_CACHE)}
+    assert tiles == {(128, 8), (256, 8), (128, 4)}
+    for block_t, warps in sorted(tiles):
+        built = build(block_t, warps)
+        assert built["spill_stores"] == 0, built
+        assert "HMMA" in built["loop_top_opcodes"] and "LDG" not in built["loop_top_opcodes"], built
