@@ -107,11 +107,6 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
         t_end = tl.minimum(t_begin + SPLIT_T, length + 1)
     else:
         t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
-    # This head's code rows from per-program pointers: the tiles' offsets then stay 32-bit (int64 row ids cost every
-    # code load a 64-bit multiply-add of its address). A row is HDP bytes of int4 codes, else D bytes.
-    row_bytes = HDP if FMT == 0 else D
-    k_rows, v_rows = kc_ptr + base * row_bytes, vc_ptr + base * row_bytes
-    t_end = t_end.to(tl.int32)
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
     heads = hk * G + rg
@@ -131,11 +126,11 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
     for t0 in range(t_begin, t_end, BLOCK_T):
         rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-        k_raw_even, k_raw_odd = load_raw_codes(k_rows, rt, t_ok, rd, D, HDP, FMT, PAIRS)
+        k_raw_even, k_raw_odd = load_raw_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT, PAIRS)
         v_raw_even, v_raw_odd = k_raw_even, k_raw_odd  # placeholders, ignored unless V_AHEAD
         if V_AHEAD:
-            v_raw_even, v_raw_odd = load_raw_codes(v_rows, rt, t_ok, rd, D, HDP, FMT, PAIRS)
-        m_i, l_i, acc_e, acc_o = attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, v_rows, rt,
+            v_raw_even, v_raw_odd = load_raw_codes(vc_ptr, base + rt, t_ok, rd, D, HDP, FMT, PAIRS)
+        m_i, l_i, acc_e, acc_o = attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, vc_ptr, base + rt,
                                              t_ok, rd, D, HDP, m_i, l_i, acc_e, acc_o, FMT, USE_DOT, V_AHEAD, ASM,
                                              PAIRS)
     l_safe, lse = softmax_total(m_i, l_i)
