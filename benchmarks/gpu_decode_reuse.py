@@ -48,6 +48,7 @@ import torch
 
 import benchmarks.gpu_suite as suite
 from benchmarks._step_against_tuner import step_with_tuner_picks
+from benchmarks.gpu_tune import NoLaunch
 
 REPLAYS = 64
 
@@ -374,20 +375,13 @@ def kernels_made_free(stack: str) -> Iterator[None]:
         norm_ops.rms_norm = lambda x, weight, eps: x
         norm_ops.add_rms_norm = lambda x, residual, weight, eps: (x, x)
     elif kind == "combine":
-        merging.decode_combine_natural = merging.decode_combine = _NoLaunch()
+        merging.decode_combine_natural = merging.decode_combine = NoLaunch()
     try:
         yield
     finally:
         norm_ops.rms_norm, norm_ops.add_rms_norm = saved["rms_norm"], saved["add_rms_norm"]
         merging.decode_combine_natural = saved["decode_combine_natural"]
         merging.decode_combine = saved["decode_combine"]
-
-
-class _NoLaunch:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
-
-    def __getitem__(self, grid: Any) -> Any:
-        return lambda *args, **kwargs: None
 
 
 def text_prompt(name: str, length: int = 1024) -> dict[str, torch.Tensor]:

@@ -66,6 +66,13 @@ def pdl_setting(on: bool) -> AbstractContextManager[None]:
     return env_setting(PDL_ENV, "1" if on else "0")
 
 
+class NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing (a call timed without that launch)."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda *args, **kwargs: None
+
+
 def prefill_setting(chunk: int) -> AbstractContextManager[None]:
     """Fast generate's prefill chunk (``MMSDK_PREFILL_TOKENS``: tokens over all batch rows) inside the block."""
     from mmsdk.kernels.chunked_prefill import PREFILL_ENV

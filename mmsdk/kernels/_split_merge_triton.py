@@ -2,7 +2,7 @@
 
 A decode attention kernel cuts a row's cached tokens (one batch entry and KV head) into splits, one program each,
 which store partial outputs and log-sum-exps. A combine kernel merges them (:func:`decode_combine`,
-:func:`decode_combine_natural`), or the partial kernel does it itself (``merge_counters``): each program counts
+:func:`decode_combine_natural`), or the int4 MHA partial kernel does it itself (``merge_counters``): each program counts
 itself in at ``cnt[row]`` after its stores, and the last of the row's programs to arrive merges the row, one launch
 fewer per layer. Counters go back to 0 when the row is merged, so the same int32 zeros serve every later launch, a
 CUDA graph's replays included. Imported only when a kernel is launched.
