@@ -8,16 +8,13 @@ copy of the cache from HBM, as the kernel sweeps time it. A kernel "alone" is th
 launch left out of the graph (its inputs are then stale memory: the timing, not the output, is what counts there);
 both are timed without PDL, which would overlap a kernel with its own next call.
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_gqa_parts.py --out gqa_parts.json [--early 0,1]
-
-``--early`` times the kernel with and without ``MMSDK_KV_EARLY`` (each split's first tile loaded first), a row each.
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_gqa_parts.py --out gqa_parts.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -79,18 +76,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gqa_parts.json")
     parser.add_argument("--contexts", default="1280,4096,16384")
-    parser.add_argument("--early", default="0", help="MMSDK_KV_EARLY settings to time, one row each: 0, 1 or 0,1")
     args = parser.parse_args()
     from benchmarks.gpu_suite import section_env
-    from mmsdk.kernels import KV_EARLY_ENV
 
-    rows = []
-    for ctx in args.contexts.split(","):
-        for early in args.early.split(","):
-            os.environ[KV_EARLY_ENV] = early
-            rows.append({"early": early, **parts(int(ctx))})
-    result = {"command": f"python3 benchmarks/gpu_gqa_parts.py --early {args.early}", "env": section_env(),
-              "rows": rows}
+    result = {"command": "python3 benchmarks/gpu_gqa_parts.py", "env": section_env(),
+              "rows": [parts(int(ctx)) for ctx in args.contexts.split(",")]}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

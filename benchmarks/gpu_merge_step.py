@@ -1,12 +1,9 @@
-"""Does a kernel switch make a decode step faster? An A/B in one process.
+"""Do kernels that merge their own splits make a decode step faster? An A/B in one process.
 
-The switch is an environment variable read when the step is captured (its two settings in brackets, off / on):
+The switch is an environment variable read when the step is captured (its two settings in brackets):
 
 * ``--switch kv`` (``MMSDK_KV_MERGE`` 0 / 1, 1 the default): the int4 MHA decode kernel merges its splits itself, or
   a combine kernel does; LLaVA-1.5-7B shapes.
-* ``--switch kv-early`` (``MMSDK_KV_EARLY`` 0 / 1, 0 the default): the grouped-query decode kernel loads each split's
-  first K / V tile before the token count and the query, and folds the new token in from registers; Qwen2-VL-7B
-  shapes (28 query / 4 KV heads, int4-weight g128).
 
 (Two more switches, removed with what they switched once measured here, made the decode step no faster: the
 grouped-query decode kernel merging its own splits, 1.871 -> 1.937 ms per Qwen2-VL-7B step at a 1k prompt, and the
@@ -21,7 +18,7 @@ Each round captures the kept decode step once with each setting, in alternating 
 * ``--measure wall``: ``(t(256 new) - t(128 new)) / 128`` from whole generate calls (medians of 3), at a 1k prompt.
   Its spread between rounds (about 0.4 ms per step on the H200) is far larger than the differences sought.
 
-    python benchmarks/gpu_merge_step.py --out merge_step.json [--switch kv|kv-early] [--measure replay|wall]
+    python benchmarks/gpu_merge_step.py --out merge_step.json [--switch kv] [--measure replay|wall]
 """
 
 from __future__ import annotations
@@ -35,21 +32,18 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_decode_reuse import _replay_after_call, call_ms, text_prompt
-from benchmarks.gpu_suite import build_llava, build_qwen2_vl, optimized, section_env, timed_calls
-from mmsdk.kernels import KV_EARLY_ENV, KV_MERGE_ENV
+from benchmarks.gpu_suite import build_llava, optimized, section_env, timed_calls
+from mmsdk.kernels import KV_MERGE_ENV
 
 ROUNDS = 3
-# switch -> (variable, (setting off, setting on), model: gpu_decode_reuse.text_prompt's name)
-SWITCHES = {"kv": (KV_MERGE_ENV, ("0", "1"), "llava"), "kv-early": (KV_EARLY_ENV, ("0", "1"), "qwen2-vl")}
+# switch -> (variable, (setting without the merge, setting with it))
+SWITCHES = {"kv": (KV_MERGE_ENV, ("0", "1"))}
+MODEL = "llava"  # gpu_decode_reuse.text_prompt's name for LLaVA-1.5-7B's prompt
 
 
-def model_for(name: str) -> Any:
-    """The optimized model: LLaVA-1.5-7B shapes with groups of 32, or Qwen2-VL-7B shapes with groups of 128."""
-    if name == "llava":
-        return optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
-
-    return optimized(build_qwen2_vl(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+def llava_model() -> Any:
+    """The optimized model: LLaVA-1.5-7B shapes, INT4 weights in groups of 32."""
+    return optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
 
 
 def setting(model: Any, variable: str, value: str) -> None:
@@ -79,30 +73,31 @@ def main() -> None:
     parser.add_argument("--measure", choices=("replay", "wall"), default="replay")
     parser.add_argument("--switch", choices=tuple(SWITCHES), default="kv")
     args = parser.parse_args()
-    variable, (off, on), name = SWITCHES[args.switch]
-    model = model_for(name)
-    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "variable": variable, "model": name,
-                              "settings": [off, on], "rows": [], "medians": {}}
+    variable, (separate, merged) = SWITCHES[args.switch]
+    model = llava_model()
+    result: dict[str, Any] = {"env": section_env(), "measure": args.measure, "variable": variable, "model": MODEL,
+                              "settings": [separate, merged], "rows": [], "medians": {}}
     measure = replay_ms if args.measure == "replay" else wall_step_ms
     for ctx in (1024, 4096) if args.measure == "replay" else (1024,):
-        inputs = text_prompt(name, ctx)
+        inputs = text_prompt(MODEL, ctx)
         answers = {}
-        for value in (off, on):
+        for value in (separate, merged):
             setting(model, variable, value)
             answers[value] = model.generate(**inputs, max_new_tokens=32, do_sample=False)
-        result[f"ctx{ctx}_tokens_equal"] = bool(torch.equal(answers[off], answers[on]))
+        result[f"ctx{ctx}_tokens_equal"] = bool(torch.equal(answers[separate], answers[merged]))
         for round_ in range(ROUNDS):
-            for value in (off, on) if round_ % 2 == 0 else (on, off):
+            for value in (separate, merged) if round_ % 2 == 0 else (merged, separate):
                 setting(model, variable, value)
-                row = {"ctx": ctx, "round": round_, "on": value == on, "step_ms": measure(model, inputs)}
+                row = {"ctx": ctx, "round": round_, "merge": value == merged, "step_ms": measure(model, inputs)}
                 result["rows"].append(row)
                 print(row, flush=True)
-        for state in (False, True):
-            result["medians"][f"ctx{ctx}_{'on' if state else 'off'}_ms"] = statistics.median(
-                r["step_ms"] for r in result["rows"] if r["ctx"] == ctx and r["on"] == state)
+        for merge in (False, True):
+            result["medians"][f"ctx{ctx}_{'merged' if merge else 'separate'}_ms"] = statistics.median(
+                r["step_ms"] for r in result["rows"] if r["ctx"] == ctx and r["merge"] == merge)
         print(result["medians"], flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

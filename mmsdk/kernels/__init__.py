@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "KV_EARLY_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms",
-           "kv_early_enabled", "kv_merge_enabled", "l2_spill_copies", "note_fallback", "pdl_preload_ready", "pdl_ready",
-           "timing_enabled", "triton_available", "triton_ready"]
+__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms",
+           "kv_merge_enabled", "l2_spill_copies", "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled",
+           "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -41,9 +41,6 @@ TUNE_ENV = "MMSDK_TUNE"
 # "0" has the packed cache's int4 MHA decode kernel leave its splits to a combine kernel instead of merging them itself
 # (kv_decode.decode_attention's merge_counters), to measure what the merge buys
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
-# "1" has the grouped-query ("generic") decode kernel load each split's first K / V tile before anything else
-# (kv_decode.decode_attention; _kv_grouped_triton.decode_partial's EARLY), to measure what that buys
-KV_EARLY_ENV = "MMSDK_KV_EARLY"
 
 
 @cache
@@ -71,14 +68,6 @@ def kv_merge_enabled() -> bool:
     mode = os.environ.get(KV_MERGE_ENV, "1")
     if mode not in ("0", "1"):
         raise ValueError(f"{KV_MERGE_ENV}={mode!r}: set it to 0 or 1 (or leave it unset)")
-    return mode == "1"
-
-
-def kv_early_enabled() -> bool:
-    """Whether the grouped-query decode kernel is to load each split's first tile first (see :data:`KV_EARLY_ENV`)."""
-    mode = os.environ.get(KV_EARLY_ENV, "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{KV_EARLY_ENV}={mode!r}: set it to 0 or 1 (or leave it unset)")
     return mode == "1"
 
 

@@ -18,9 +18,8 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_mma_triton import centred_nibbles
-from mmsdk.kernels._kv_triton import (code_values, decode_raw_codes, load_raw_codes, load_rotated, quantize_token,
-                                      softmax_step, softmax_total, split_pairs, split_program, store_codes, store_token,
-                                      token_tile)
+from mmsdk.kernels._kv_triton import (decode_raw_codes, load_raw_codes, load_rotated, softmax_step, softmax_total,
+                                      split_pairs, split_program, store_token, token_tile)
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 
@@ -66,34 +65,13 @@ def attend_tile(qe, qo, k_raw_even, k_raw_odd, v_raw_even, v_raw_odd, vc_ptr, ro
 
 
 @triton.jit
-def attend_new_token(qe, qo, k_even, k_odd, v_even, v_odd, keep, m_i, l_i, acc_e, acc_o, USE_DOT: tl.constexpr):
-    """The step's new token folded into the online softmax's state where ``keep`` (a scalar), from its K and V values
-    in registers (:func:`~mmsdk.kernels._kv_triton.code_values`, ``[BLOCK_HD]`` each, scale not applied) instead of
-    a tile read back from the cache. In fp32; with ``USE_DOT`` its weight meets V rounded to fp16, as the tiles'
-    weights do on the tensor cores."""
-    s = tl.sum(qe.to(tl.float32) * k_even[None, :], 1) + tl.sum(qo.to(tl.float32) * k_odd[None, :], 1)
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_safe)
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    if USE_DOT:
-        p = p.to(tl.float16).to(tl.float32)
-    acc_e = acc_e * alpha[:, None] + p[:, None] * v_even[None, :]
-    acc_o = acc_o * alpha[:, None] + p[:, None] * v_odd[None, :]
-    return m_new, l_i, acc_e, acc_o
-
-
-@triton.jit
 def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_ptr,
                    sq_b, sq_h, sm_b, mask_len, H_KV, G, TMAX, D, HDP, SPLIT_T, qk_scale,
                    kn_ptr, vn_ptr, vs_ptr, sk_b, sk_h, sv_b, sv_h, cos_ptr, sin_ptr, sc_b,
                    FMT: tl.constexpr, HAS_MASK: tl.constexpr, USE_DOT: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
                    APPEND: tl.constexpr = False, ROPE: tl.constexpr = False, V_AHEAD: tl.constexpr = False,
-                   ASM: tl.constexpr = False, PDL: tl.constexpr = False, PAIRS: tl.constexpr = False,
-                   EARLY: tl.constexpr = False):
+                   ASM: tl.constexpr = False, PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """One (batch, KV head, split of the sequence): softmax-weighted V of its query heads, and their log-sum-exp.
 
     ``APPEND``: the step's new token (``kn`` / ``vn``, ``[B, H_KV, 1, D]``) is written into the cache at
@@ -109,14 +87,6 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     ``PAIRS``: int8 / fp8 codes read as 16-bit channel pairs (``HDP`` = D / 2 words per token; see
     :func:`~mmsdk.kernels._kv_triton.load_raw_codes`) instead of two loads of every other byte.
 
-    ``EARLY``: the split's first tile of K and V codes is loaded first of all, before the token count, the query
-    and its scales, so that its memory round trip overlaps theirs and the query's preparation instead of following
-    them (the count bounds which rows are attended to, not where the tile is). The rows past the count are masked
-    out of the scores; their V codes meet zero weights (fp8 ones are zeroed first, as a stale byte may be a NaN).
-    With ``APPEND`` the new token is then not read back from the cache (the early tile may hold that row from
-    before it was written): every program quantizes it in registers as the holding program stores it, and the
-    holding program folds it in with :func:`attend_new_token`.
-
     ``PDL``: launched as a dependent of the kernel before it (programmatic dependent launch), so its programs are
     resident when that kernel ends; each waits for it before reading anything, then lets the combine kernel launch.
     """
@@ -125,24 +95,9 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     base = bh.to(tl.int64) * TMAX
     rd = tl.arange(0, BLOCK_HD)
     cos_row, sin_row = cos_ptr + b * sc_b, sin_ptr + b * sc_b
-    if EARLY:
-        rt_first = t_begin + tl.arange(0, BLOCK_T)
-        k_first_even, k_first_odd = load_raw_codes(kc_ptr, base + rt_first, rt_first < TMAX, rd, D, HDP, FMT, PAIRS)
-        v_first_even, v_first_odd = load_raw_codes(vc_ptr, base + rt_first, rt_first < TMAX, rd, D, HDP, FMT, PAIRS)
-        if APPEND:
-            k_new_even, k_new_odd = quantize_token(kn_ptr + b * sk_b + hk * sk_h, ks_ptr, hk, D, cos_row, sin_row,
-                                                   FMT, BLOCK_HD, ROPE)
-            v_new_even, v_new_odd = quantize_token(vn_ptr + b * sv_b + hk * sv_h, vs_ptr, hk, D, cos_row, sin_row,
-                                                   FMT, BLOCK_HD)
-    length = tl.load(len_ptr)
-    holds = (length >= t_begin) & (length < t_begin + SPLIT_T)  # this program's split holds a new token
-    if APPEND and EARLY:
-        if holds:
-            store_codes(kc_ptr, base + length, k_new_even, k_new_odd, D, HDP, FMT, BLOCK_HD)
-            store_codes(vc_ptr, base + length, v_new_even, v_new_odd, D, HDP, FMT, BLOCK_HD)
-        t_end = tl.minimum(t_begin + SPLIT_T, length)  # the new token is folded in apart from the tiles
-    elif APPEND:
-        if holds:
+    if APPEND:
+        length = tl.load(len_ptr)
+        if (length >= t_begin) & (length < t_begin + SPLIT_T):  # this program's split holds the new token
             row = base + length
             store_token(kn_ptr + b * sk_b + hk * sk_h, ks_ptr, kc_ptr, hk, row, D, HDP, cos_row, sin_row, FMT,
                         BLOCK_HD, ROPE)
@@ -151,7 +106,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
             tl.debug_barrier()  # the codes are read back below by other threads of this program
         t_end = tl.minimum(t_begin + SPLIT_T, length + 1)
     else:
-        t_end = tl.minimum(t_begin + SPLIT_T, length)
+        t_end = tl.minimum(t_begin + SPLIT_T, tl.load(len_ptr))
     rg = tl.arange(0, BLOCK_G)
     g_ok = rg < G
     heads = hk * G + rg
@@ -169,26 +124,7 @@ def decode_partial(q_ptr, kc_ptr, vc_ptr, ks_ptr, len_ptr, mask_ptr, po_ptr, pl_
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc_e = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
     acc_o = tl.zeros((BLOCK_G, BLOCK_HD), tl.float32)
-    t_next = t_begin
-    if EARLY:
-        if APPEND:
-            keep = holds
-            if HAS_MASK:  # the mask's entry at the new position, as a tile reads it
-                keep = keep & (tl.load(mask_ptr + b * sm_b + length, mask=holds & (length < mask_len), other=0) != 0)
-            k_even, k_odd = code_values(k_new_even, k_new_odd, FMT)
-            v_even, v_odd = code_values(v_new_even, v_new_odd, FMT)
-            m_i, l_i, acc_e, acc_o = attend_new_token(qe, qo, k_even, k_odd, v_even, v_odd, keep, m_i, l_i, acc_e,
-                                                      acc_o, USE_DOT)
-        # (names of their own: the tile loop below carries its own rt / t_ok, of another integer type)
-        _, first_ok = token_tile(t_begin, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
-        if FMT == 2:
-            v_first_even = tl.where(first_ok[:, None], v_first_even, tl.zeros_like(v_first_even))
-            v_first_odd = tl.where(first_ok[:, None], v_first_odd, tl.zeros_like(v_first_odd))
-        m_i, l_i, acc_e, acc_o = attend_tile(qe, qo, k_first_even, k_first_odd, v_first_even, v_first_odd, vc_ptr,
-                                             base + rt_first, first_ok, rd, D, HDP, m_i, l_i, acc_e, acc_o, FMT,
-                                             USE_DOT, True, ASM, PAIRS)
-        t_next = t_begin + BLOCK_T
-    for t0 in range(t_next, t_end, BLOCK_T):
+    for t0 in range(t_begin, t_end, BLOCK_T):
         rt, t_ok = token_tile(t0, t_end, mask_ptr, b, sm_b, mask_len, HAS_MASK, BLOCK_T)
         k_raw_even, k_raw_odd = load_raw_codes(kc_ptr, base + rt, t_ok, rd, D, HDP, FMT, PAIRS)
         v_raw_even, v_raw_odd = k_raw_even, k_raw_odd  # placeholders, ignored unless V_AHEAD

@@ -82,15 +82,6 @@ def store_token(src, scale_ptr, dst, h, row, D, HDP, cos_row, sin_row, FMT: tl.c
     """Quantize one head's token ``src`` [D] with head ``h``'s per-channel scales and store its codes at code
     row ``row`` (int4: channel ``2i`` in byte ``i``'s low nibble); with ``ROPE`` the token is rotated first
     (:func:`load_rotated`)."""
-    ce, co = quantize_token(src, scale_ptr, h, D, cos_row, sin_row, FMT, BLOCK_HD, ROPE)
-    store_codes(dst, row, ce, co, D, HDP, FMT, BLOCK_HD)
-
-
-@triton.jit
-def quantize_token(src, scale_ptr, h, D, cos_row, sin_row, FMT: tl.constexpr, BLOCK_HD: tl.constexpr,
-                   ROPE: tl.constexpr = False):
-    """The codes of one head's token ``src`` [D] as :func:`store_codes` stores them: even and odd channels
-    (``[BLOCK_HD]`` each; int4 as 0..15 in fp32, an odd head_dim's missing last channel 0)."""
     rd = tl.arange(0, BLOCK_HD)
     even, odd = 2 * rd, 2 * rd + 1
     me, mo = even < D, odd < D
@@ -98,31 +89,15 @@ def quantize_token(src, scale_ptr, h, D, cos_row, sin_row, FMT: tl.constexpr, BL
     xo = load_rotated(src, odd, mo, cos_row, sin_row, D // 2, ROPE)
     se = tl.load(scale_ptr + h * D + even, mask=me, other=1.0)
     so = tl.load(scale_ptr + h * D + odd, mask=mo, other=1.0)
+    ce = encode(xe, se, FMT)
     co = encode(xo, so, FMT)
     if FMT == 0:
         co = tl.where(mo, co, 0.0)  # an odd head_dim pads its last byte's high nibble with 0
-    return encode(xe, se, FMT), co
-
-
-@triton.jit
-def store_codes(dst, row, ce, co, D, HDP, FMT: tl.constexpr, BLOCK_HD: tl.constexpr):
-    """Store :func:`quantize_token`'s codes at code row ``row``."""
-    rd = tl.arange(0, BLOCK_HD)
-    if FMT == 0:
         byte = ce.to(tl.uint8) | (co.to(tl.uint8) << 4)
         tl.store(dst + row * HDP + rd, byte, mask=rd < HDP)
     else:
-        tl.store(dst + row * D + 2 * rd, ce, mask=2 * rd < D)
-        tl.store(dst + row * D + 2 * rd + 1, co, mask=2 * rd + 1 < D)
-
-
-@triton.jit
-def code_values(ce, co, FMT: tl.constexpr):
-    """:func:`quantize_token`'s codes as the values the decode kernels attend with (fp32, scale not applied),
-    the values :func:`decode_raw_codes` reads back from the cache."""
-    if FMT == 0:
-        return ce - 8.0, co - 8.0
-    return ce.to(tl.float32), co.to(tl.float32)
+        tl.store(dst + row * D + even, ce, mask=me)
+        tl.store(dst + row * D + odd, co, mask=mo)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import interpreting, kv_early_enabled, note_fallback, pdl_ready, triton_ready
+from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
 from mmsdk.kernels.kv_decode_choice import (VARIANTS, byte_pairs, ceil_div, generic_config, pick_variant, pow2, splits,
                                             words_ready)
 from mmsdk.kernels.kv_word_config import word_launch
@@ -157,8 +157,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
         new_value.stride(0), new_value.stride(1), *(rope_args or _no_rope(query)),
         FMT=FORMATS[fmt], HAS_MASK=mask is not None, USE_DOT=use_dot, BLOCK_G=block_g, BLOCK_T=block_t,
         BLOCK_HD=block_hd, APPEND=append is not None, ROPE=rope is not None, V_AHEAD=v_ahead, ASM=not interpreting(),
-        PDL=pdl, PAIRS=pairs, EARLY=kv_early_enabled(), launch_pdl=pdl, num_warps=warps, num_stages=stages,
-        enable_fp_fusion=True,
+        PDL=pdl, PAIRS=pairs, launch_pdl=pdl, num_warps=warps, num_stages=stages, enable_fp_fusion=True,
     )
     _split_merge_triton.decode_combine[(b * hq,)](
         partial, lse, value_scale, out, hq, group, d, n_splits, out.stride(0), out.stride(2), length,
