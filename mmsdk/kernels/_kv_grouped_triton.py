@@ -9,7 +9,10 @@ split of 7 query heads alone, and was removed: benchmarks/results/h200_suite_mer
 (Loading each split's first K/V tile before the wait for the kernel in front, as the batch-1 GEMVs load their first
 weights, took the kernel alone from 6.97 to 5.15 µs at 1280 tokens together with PDL, but made Qwen2-VL-7B's decode
 step 16 µs slower, where the kernel in front is the q/k/v GEMV, so that code was removed:
-benchmarks/results/h200_kernel_sweeps_gqa_pdl.json, h200_step_attention_qwen_pdl.json, made at commit 4e69d66.)
+benchmarks/results/h200_kernel_sweeps_gqa_pdl.json, h200_step_attention_qwen_pdl.json, made at commit 4e69d66.
+Loading it after that wait but before the token count, the query and its scales, with the appended token folded in
+from registers, made the call slower too: 5.76 / 7.35 / 11.10 µs at 1280 / 4k / 16k tokens against 5.47 / 6.87 /
+11.20; benchmarks/results/h200_gqa_parts_early_34.json, made at commit 51dccd8.)
 """
 
 from __future__ import annotations
