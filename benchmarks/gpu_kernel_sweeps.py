@@ -744,6 +744,17 @@ def gqa() -> list[dict[str, Any]]:
     return _kv_sweep(28, 4, GQA_SPACE, (1280, 4096, 16384))
 
 
+# more programs for more rows: ``target programs`` counts every (row, KV head, split) program
+GQA_BATCH_SPACE = {"generic": GQA_SPACE["generic"] + [(bt, w, t, 2, True) for bt, w, t in (
+    (64, 4, 2112), (128, 4, 1056), (128, 4, 2112), (128, 8, 1056), (256, 8, 528), (256, 8, 1056), (64, 2, 2112))]}
+
+
+def gqa_batch(batch: int) -> list[dict[str, Any]]:
+    """The grouped-query sweep at ``batch`` rows of 4k and 16k tokens, where the batch-1 defaults measured no faster
+    than SDPA on the bf16 cache at batch 4 and 8 (h200_suite_kv_batch_34.json)."""
+    return [{"batch": batch, **row} for row in _kv_sweep(28, 4, GQA_BATCH_SPACE, (4096, 16384), batch)]
+
+
 MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch, fold, kdot) of the subnormal kernel. Earlier
     # passes swept tiles of 16-64 tokens on 1-2 warps over 132-2112 programs, with and without the next tile loaded
     # ahead and V's sums folded (h200_kernel_sweeps_mha_fold.json): (32, 1, 1056, prefetch, fold) won from 4k tokens
@@ -766,7 +777,7 @@ def mha() -> list[dict[str, Any]]:
 
 
 def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
-              contexts: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
+              contexts: tuple[int, ...] = (4096, 16384), batch: int = 1) -> list[dict[str, Any]]:
     """Every (variant, config) of ``space`` at each context against SDPA on the bf16 cache, fastest first; the
     "subnormal" kernel's with its splits merged by a combine kernel and by the partial kernel itself
     (``merge_counters``), since the merge changes which tiles and how many splits pay. (The other kernels leave
@@ -780,14 +791,14 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
     rows = []
     for ctx in contexts:
         d = 128
-        scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
+        scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d, batch=batch)
         reference = reference_decode_attention(q, codec.decode(Packed(kc), torch.float32, d),
                                                codec.decode(Packed(vc), torch.float32, d), d**-0.5)
         sdpa = gtime(cold(lambda k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv),
                           kbf, vbf))
         codes = l2_spill_copies((kc, vc))  # each layer reads its own cache: a 4k-token int4 cache fits in L2
         results = []
-        counters = torch.zeros(hkv + 1, dtype=torch.int32, device="cuda")
+        counters = torch.zeros(batch * hkv + 1, dtype=torch.int32, device="cuda")
         for (variant, configs), merged in itertools.product(space.items(), (False, True)):
             if merged and variant != "subnormal":
                 continue
@@ -917,14 +928,16 @@ def main() -> None:
     parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the tiles and idot sections "
                         "(all by default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, mha, idot, gated, rope, gemv_floor")
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, gqa_batch4, gqa_batch8, mha, idot, gated, rope, "
+                        "gemv_floor")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
                                + (f" --shapes {args.shapes}" if args.shapes else "")}
     shapes = [s for s in args.shapes.split(",") if s] or None
     sections = {"tiles": lambda: tiles(shapes), "step_gemvs": step_gemvs, "step_norms": step_norms,
                 "step_folds": step_folds, "step_left_norm": step_left_norm,
-                "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "mha": mha,
+                "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "gqa_batch4": lambda: gqa_batch(4),
+                "gqa_batch8": lambda: gqa_batch(8), "mha": mha,
                 "idot": lambda: idot(shapes), "gated": gated, "rope": rope,
                 "gemv_floor": lambda: gemv_floor(shapes)}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)

@@ -143,52 +143,71 @@ def _tuned_gemv(n: int, k: int, m: int) -> Any:
     return tuning().chosen.get(("gemv", bucket, n, k // 128, 128, torch.bfloat16, False, False, False))
 
 
-def kv_problem(hq: int, hkv: int, ctx: int, d: int, device: str = "cuda", fmt: str = "int4") -> tuple[Any, ...]:
-    """Random batch-1 decode inputs: (scale, codec, q, bf16 K, bf16 V, K codes, V codes, length) in ``fmt``."""
+def kv_problem(hq: int, hkv: int, ctx: int, d: int, device: str = "cuda", fmt: str = "int4",
+               batch: int = 1) -> tuple[Any, ...]:
+    """Random decode inputs: (scale, codec, q, bf16 K, bf16 V, K codes, V codes, length) in ``fmt``, ``batch`` rows
+    of ``ctx`` cached tokens each."""
     from mmsdk.plugins.quantizers.quantized_cache import StaticCodec
 
     scale = torch.rand(hkv, d, device=device) * 0.05 + 0.02
     codec = StaticCodec(fmt, scale)
-    kbf = torch.randn(1, hkv, ctx, d, device=device, dtype=torch.bfloat16)
-    vbf = torch.randn(1, hkv, ctx, d, device=device, dtype=torch.bfloat16)
+    kbf = torch.randn(batch, hkv, ctx, d, device=device, dtype=torch.bfloat16)
+    vbf = torch.randn(batch, hkv, ctx, d, device=device, dtype=torch.bfloat16)
     kc, vc = codec.encode(kbf).data.contiguous(), codec.encode(vbf).data.contiguous()
     length = torch.tensor([ctx], device=device)
-    q = torch.randn(1, hq, 1, d, device=device, dtype=torch.bfloat16)
+    q = torch.randn(batch, hq, 1, d, device=device, dtype=torch.bfloat16)
     return scale, codec, q, kbf, vbf, kc, vc, length
 
 
-def section_kv(quick: bool) -> list[dict[str, Any]]:
+def kv_row(label: str, hq: int, hkv: int, ctx: int, batch: int = 1) -> dict[str, Any]:
+    """One INT4-KV decode attention call against SDPA on the bf16 cache, both read from HBM, with its error."""
     from mmsdk.kernels.kv_decode import decode_attention, reference_decode_attention
     from mmsdk.plugins.quantizers.quantized_cache import Packed
 
+    d = 128
+    scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d, batch=batch)
+    # as the packed cache calls it: MHA's kernel merges its own splits with the cache's counters
+    counters = torch.zeros(batch * hkv + 1, dtype=torch.int32, device="cuda") if hq == hkv else None
+
+    def ours(k_codes: torch.Tensor, v_codes: torch.Tensor) -> Any:
+        return decode_attention(q, k_codes, v_codes, scale, scale, length, "int4", d**-0.5, merge_counters=counters)
+
+    kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
+    err = rel(ours(kc, vc), reference_decode_attention(q, kd, vd, d**-0.5))
+    del kd, vd
+
+    def sdpa(k: torch.Tensor, v: torch.Tensor) -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv)
+
+    # both caches read from HBM (copies in turn, as each layer reads its own cache); mmsdk_l2_us repeats one copy,
+    # as the runs before the ninth pass did (a 4k-token int4 cache fits in L2)
+    t_ours, t_sdpa = gbench(cold(ours, kc, vc)), gbench(cold(sdpa, kbf, vbf))
+    t_l2 = gbench(lambda: ours(kc, vc))
+    bytes_int4 = kc.numel() * 2
+    row = {"heads": label, "ctx": ctx, "batch": batch, "merged": counters is not None, "rel_err": err,
+           "mmsdk_int4_us": t_ours * 1e3, "sdpa_bf16_us": t_sdpa * 1e3, "time_ratio": t_ours / t_sdpa,
+           "mmsdk_TBps": bytes_int4 / t_ours / 1e9, "sdpa_TBps": 2 * kbf.numel() * 2 / t_sdpa / 1e9,
+           "mmsdk_l2_us": t_l2 * 1e3}
+    print(row, flush=True)
+    return row
+
+
+KV_HEADS = (("llava MHA 32/32", 32, 32), ("qwen2-vl GQA 28/4", 28, 4))
+
+
+def section_kv(quick: bool) -> list[dict[str, Any]]:
+    return [kv_row(label, hq, hkv, ctx) for label, hq, hkv in KV_HEADS for ctx in (4096, 16384)]
+
+
+def section_kv_batch(quick: bool) -> list[dict[str, Any]]:
+    """The ``kv`` section's calls at batch 1, 4 and 8 (the memory waterfall's batch is 4): at batch 1 a grouped-query
+    call reads 2 MB at 4k tokens and is bound by its launches and round trips; with more rows it streams."""
     rows = []
-    for label, hq, hkv in (("llava MHA 32/32", 32, 32), ("qwen2-vl GQA 28/4", 28, 4)):
-        for ctx in (4096, 16384):
-            d = 128
-            scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
-            # as the packed cache calls it: MHA's kernel merges its own splits with the cache's counters
-            counters = torch.zeros(hkv + 1, dtype=torch.int32, device="cuda") if hq == hkv else None
-
-            def ours(k_codes: torch.Tensor, v_codes: torch.Tensor) -> Any:
-                return decode_attention(q, k_codes, v_codes, scale, scale, length, "int4", d**-0.5,
-                                        merge_counters=counters)
-
-            kd, vd = codec.decode(Packed(kc), torch.float32, d), codec.decode(Packed(vc), torch.float32, d)
-            err = rel(ours(kc, vc), reference_decode_attention(q, kd, vd, d**-0.5))
-
-            def sdpa(k: torch.Tensor, v: torch.Tensor) -> Any:
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv)
-
-            # both caches read from HBM (copies in turn, as each layer reads its own cache); mmsdk_l2_us repeats
-            # one copy, as the runs before the ninth pass did (a 4k-token int4 cache fits in L2)
-            t_ours, t_sdpa = gbench(cold(ours, kc, vc)), gbench(cold(sdpa, kbf, vbf))
-            t_l2 = gbench(lambda: ours(kc, vc))
-            bytes_int4 = kc.numel() * 2
-            rows.append({"heads": label, "ctx": ctx, "merged": counters is not None, "rel_err": err,
-                         "mmsdk_int4_us": t_ours * 1e3,
-                         "sdpa_bf16_us": t_sdpa * 1e3, "time_ratio": t_ours / t_sdpa,
-                         "mmsdk_TBps": bytes_int4 / t_ours / 1e9, "mmsdk_l2_us": t_l2 * 1e3})
-            print(rows[-1], flush=True)
+    for batch in (1, 4) if quick else (1, 4, 8):
+        for label, hq, hkv in KV_HEADS:
+            for ctx in (4096, 16384):
+                rows.append(kv_row(label, hq, hkv, ctx, batch))
+                release_memory()
     return rows
 
 
@@ -691,7 +710,7 @@ def main() -> None:
     RESULTS["command"] = ("python benchmarks/gpu_suite.py " + ("--quick " if args.quick else "")
                           + f"--sections {args.sections}")
     sections = {"env": lambda q: section_env(), "w4a16": section_w4a16, "kv": section_kv,
-                "kv_formats": section_kv_formats, "kv_merge": section_kv_merge,
+                "kv_batch": section_kv_batch, "kv_formats": section_kv_formats, "kv_merge": section_kv_merge,
                 "norm": section_norm,
                 "decode": section_decode,
                 "steady": section_steady, "qwen_decode": section_qwen_decode,
