@@ -197,6 +197,31 @@ def test_variant_choice_is_validated(device):
                          variant="magic")
 
 
+def test_generic_tiles_follow_batch_rows_times_kv_heads(monkeypatch):
+    """decode_attention sizes the generic kernel's tiles by its (batch row, KV head) pairs (generic_config's ``rows``),
+    whose count sets how many programs a call has."""
+    pytest.importorskip("triton")
+    from mmsdk.kernels import kv_decode
+
+    class Picked(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("rows"))
+        raise Picked
+
+    monkeypatch.setattr(kv_decode, "generic_config", spy)
+    for batch, hkv in ((1, 4), (2, 4), (3, 8)):
+        query = torch.randn(batch, 7 * hkv, 1, 32)
+        codes = [torch.zeros(batch, hkv, 64, 16, dtype=torch.uint8) for _ in range(2)]
+        scale = torch.ones(hkv, 32)
+        with pytest.raises(Picked):
+            kv_decode.decode_attention(query, *codes, scale, scale, torch.tensor([10]), "int4", 0.1)
+    assert seen == [4, 8, 24]
+
+
 def test_attention_appends_the_new_token_itself(device):
     """decode_attention(..., append=(k, v)) equals append_kv, a length increment and decode_attention: the same
     codes, length and output bitwise ("subnormal" and "generic" append in their own launches, "magic" first)."""
@@ -504,6 +529,15 @@ def test_word_launch_defaults_follow_the_cache_size():
     assert generic_config(None, True, False, 4096) == ((256, 8, 264, 2), True)
     assert generic_config(None, True, False, 16384) == ((128, 4, 264, 2), True)
     assert generic_config((64, 4, 8, None, False), True, False, 4096) == ((64, 4, 8, 2), False)
+    # many (batch row, KV head) pairs: 64-token tiles on 2 warps over twice the programs, from 8 rows at 2k-4k slots
+    # and from 16 beyond; short caches keep their tile, and a config still wins
+    assert generic_config(None, True, False, 4096, rows=4) == ((256, 8, 264, 2), True)
+    assert generic_config(None, True, False, 4096, rows=8) == ((64, 2, 528, 2), True)
+    assert generic_config(None, True, False, 16384, rows=8) == ((128, 4, 264, 2), True)
+    assert generic_config(None, True, False, 16384, rows=16) == ((64, 2, 528, 3), True)
+    assert generic_config(None, True, False, 1280, rows=32) == ((128, 8, 264, 2), True)
+    assert generic_config((256, 8, 264), True, False, 4096, rows=32) == ((256, 8, 264, 2), True)
+    assert generic_config(None, False, True, 4096, rows=32) == generic_config(None, False, True, 4096)
     # int8 / fp8 codes: half the tokens per tile on the tensor cores (the same code bytes as int4's tile), unless set
     assert generic_config(None, True, False, 1280, byte_codes=True) == ((64, 8, 264, 2), True)
     assert generic_config(None, True, False, 16384, byte_codes=True) == ((64, 4, 264, 2), True)
@@ -522,7 +556,7 @@ def test_kv_decode_under_the_interpreter():
 
     result = _interpreter.run_file(str(Path(__file__)), "not under_the_interpreter")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "16 passed" in result.stdout, result.stdout[-2000:]
+    assert "17 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])

@@ -9,8 +9,9 @@ import torch
 
 from mmsdk.kernels.kv_word_config import TARGET_PROGRAMS
 
-__all__ = ["GENERIC_MIDDLE_CACHE", "GENERIC_SHORT_CACHE", "VARIANTS", "byte_pairs", "ceil_div", "completed_config",
-           "generic_config", "pick_variant", "pow2", "splits", "words_ready"]
+__all__ = ["GENERIC_MIDDLE_CACHE", "GENERIC_SHORT_CACHE", "MANY_ROWS_LONG", "MANY_ROWS_MIDDLE", "VARIANTS",
+           "byte_pairs", "ceil_div", "completed_config", "generic_config", "pick_variant", "pow2", "splits",
+           "words_ready"]
 
 
 def pow2(n: int) -> int:
@@ -78,10 +79,13 @@ def pick_variant(variant: str | None, words: bool, group: int) -> str:
 # Caches of up to these many slots take the generic kernel's short- and middle-cache defaults (see generic_config).
 GENERIC_SHORT_CACHE = 2048
 GENERIC_MIDDLE_CACHE = 4096
+# From these many (batch row, KV head) pairs, middle and long caches take many small programs (see generic_config).
+MANY_ROWS_MIDDLE = 8
+MANY_ROWS_LONG = 16
 
 
 def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool,
-                    t_max: int, byte_codes: bool = False) -> tuple[tuple[int, int, int, int], bool]:
+                   t_max: int, byte_codes: bool = False, rows: int = 1) -> tuple[tuple[int, int, int, int], bool]:
     """((BLOCK_T, num_warps, target programs, num_stages), V loaded with K) of the generic kernel: ``config``, the rest
     from defaults. With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
     fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
@@ -96,13 +100,23 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     µs for the short-cache default at 4k (h200_kernel_sweeps_gqa_stages.json; 7.07 against 8.62 in _gqa_final), but
     6.76 against 5.80 at 1280 and 15.07 against 12.00 at 16k; between 2k and 4k not measured.
 
+    Those tiles were chosen at batch 1 on 4 KV heads, where a call has few programs. ``rows`` (batch x KV heads) from
+    :data:`MANY_ROWS_MIDDLE` on (middle caches) and :data:`MANY_ROWS_LONG` on (long caches) take 64-token tiles on 2
+    warps over twice as many programs, pipelined 2 / 3 tiles deep: with the batch-1 tiles, Qwen2-VL-7B's heads at
+    batch 4 and 8 ran no faster than SDPA on the bf16 cache at 4k (16.62 / 23.57 µs against 15.33 / 23.08), these
+    take 10.44 / 15.08; at 16k 22.77 / 40.15 against 27.24 / 60.06 (SDPA 38.76 / 71.34); at batch 2 (8 rows) and 4k
+    8.29 against 10.75, and on Mllama's 8 KV heads at batch 1 and 4k 7.89 against 10.61. Not taken: long caches at 8
+    rows (Qwen2-VL-7B batch 2 at 16k 15.36 against 16.37, but Mllama's 6404 image tokens 9.85 against 9.71), short
+    caches (batch 2 / 4 / 8 at 1280 slots: 6.44 / 7.74 / 10.72 against 6.13 / 7.73 / 11.17).
+    (benchmarks/results/h200_kernel_sweeps_gqa_batch*_34.json, _gqa_8kv_34.json.)
+
     Those defaults were measured on int4 codes. ``byte_codes`` (int8, fp8: a byte per channel) halves the default
     tile on the tensor cores. It was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported 600-930 bytes
     of spills per thread with int4's tiles; read as channel pairs (:func:`byte_pairs`) no tile tried spills on the
     H200's Triton 3.6, and the halved and int4's tiles measured within 1 µs of each other (halved: 5.2 / 13.4 / 8.6 µs
     at Mllama's 256 self slots, its 6404 image tokens and Qwen2-VL-7B's 4k; int4's: 5.6 / 12.7 / 8.7;
     benchmarks/results/h200_kv_formats_pairs.json), so the halved tiles, which Mllama's decode step was timed with,
-    stay.
+    stay (the many-row tiles halved for byte codes are not measured).
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
@@ -110,9 +124,11 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     if use_dot and t_max <= GENERIC_SHORT_CACHE:
         default, v_ahead = (128, 8, TARGET_PROGRAMS // 2, 2), True
     elif use_dot and t_max <= GENERIC_MIDDLE_CACHE:
-        default, v_ahead = (256, 8, TARGET_PROGRAMS // 2, 2), True
+        default, v_ahead = ((64, 2, TARGET_PROGRAMS, 2) if rows >= MANY_ROWS_MIDDLE
+                            else (256, 8, TARGET_PROGRAMS // 2, 2)), True
     elif use_dot:
-        default, v_ahead = (128, 4, TARGET_PROGRAMS // 2, 2), True
+        default, v_ahead = ((64, 2, TARGET_PROGRAMS, 3) if rows >= MANY_ROWS_LONG
+                            else (128, 4, TARGET_PROGRAMS // 2, 2)), True
     else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
         default, v_ahead = (64 if small_tile else 32, 4, TARGET_PROGRAMS, 2), False
     if use_dot and byte_codes:
