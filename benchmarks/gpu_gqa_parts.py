@@ -47,7 +47,7 @@ def parts(ctx: int, hq: int = 28, hkv: int = 4, d: int = 128) -> dict[str, Any]:
     scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d)
     reference = reference_decode_attention(q, codec.decode(Packed(kc), torch.float32, d),
                                            codec.decode(Packed(vc), torch.float32, d), d**-0.5)
-    (block_t, warps, target, stages), v_ahead = generic_config(None, True, False, ctx)
+    (block_t, warps, target, stages), v_ahead = generic_config(None, True, False, ctx, rows=hkv)  # batch 1
     n_splits, split_t = splits(hkv, ctx, block_t, target)
     codes = l2_spill_copies((kc, vc))
     calls = [lambda kv=kv: decode_attention(q, *kv, scale, scale, length, "int4", d**-0.5) for kv in codes]
