@@ -18,7 +18,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -568,6 +568,47 @@ def section_qwen_decode(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+@contextmanager
+def batch_one_kv_tiles() -> Iterator[None]:
+    """The grouped-query INT4-KV kernel with its batch-1 tiles whatever the batch (kv_decode_choice's many-row
+    thresholds out of reach), for an A/B in one run."""
+    from mmsdk.kernels import kv_decode_choice
+
+    before = kv_decode_choice.MANY_ROWS_MIDDLE, kv_decode_choice.MANY_ROWS_LONG
+    kv_decode_choice.MANY_ROWS_MIDDLE = kv_decode_choice.MANY_ROWS_LONG = 1 << 30
+    try:
+        yield
+    finally:
+        kv_decode_choice.MANY_ROWS_MIDDLE, kv_decode_choice.MANY_ROWS_LONG = before
+
+
+def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
+    """Batch-4 decode on Qwen2-VL-7B shapes with a 3k-token prompt per row (a cache of 2k-4k slots, 16 batch rows x
+    KV heads): mmsdk's stack with the grouped-query KV kernel's many-row tiles (the default) and with its batch-1
+    tiles, each on a fresh model, in alternating order."""
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    batch, ctx, new, reps = (4, 3072, 16, 1) if quick else (4, 3072, 64, 3)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1, 150000, (batch, ctx), device="cuda", generator=gen)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    kv_bytes = 28 * 2 * 4 * 128 * 0.5 * batch  # per token: layers x (K, V) x KV heads x head_dim, half a byte each
+    passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
+    rows: list[dict[str, Any]] = []
+    for round_, many_rows in enumerate((True, False, False, True)[: 2 if quick else 4]):
+        with nullcontext() if many_rows else batch_one_kv_tiles():
+            model = optimized(build_qwen2_vl(), passes, kv=True)
+            row = {"round": round_, "kv_tiles": "many-row" if many_rows else "batch-1", "batch": batch,
+                   **decode_rate(model, inputs, new, reps)}
+        row["floor_ms"] = lm_bytes(model, kv_bytes, ctx + new // 2) / COPY_BW * 1e3
+        row["x_floor"] = row["step_ms"] / row["floor_ms"]
+        rows.append(row)
+        print(row, flush=True)
+        del model
+        release_memory()
+    return rows
+
+
 def section_compiled(quick: bool) -> list[dict[str, Any]]:
     """The compiled peers next to mmsdk's full stack (64 new tokens, 2 reps: compilation takes minutes).
 
@@ -714,6 +755,7 @@ def main() -> None:
                 "norm": section_norm,
                 "decode": section_decode,
                 "steady": section_steady, "qwen_decode": section_qwen_decode,
+                "qwen_batch_decode": section_qwen_batch_decode,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
