@@ -381,6 +381,14 @@ def decode_rate(model: Any, inputs: dict[str, Any], new: int, reps: int, generat
     return {"step_ms": step * 1e3, "tokens_per_s": 1.0 / step, "ttft_ms": t1 * 1e3}
 
 
+def against_floor(row: dict[str, Any], model: Any, kv: float, tokens: int) -> dict[str, Any]:
+    """``row`` (with ``step_ms``) and its bandwidth floor: ``floor_ms`` for the model's weights plus ``kv`` bytes per
+    cached token at ``tokens`` tokens, and ``x_floor``, the step over it."""
+    row["floor_ms"] = lm_bytes(model, kv, tokens) / COPY_BW * 1e3
+    row["x_floor"] = row["step_ms"] / row["floor_ms"]
+    return row
+
+
 def decode_recorder(quick: bool, rows: list[dict[str, Any]], new: int = 128, reps: int = 3) -> Callable[..., None]:
     """``record(name, model, kv_bytes_per_token, generate=None)``: one decode row at 1k context into ``rows``."""
     ctx, new, reps = (1024, 32, 1) if quick else (1024, new, reps)
@@ -514,8 +522,7 @@ def section_batch_decode(quick: bool) -> list[dict[str, Any]]:
     def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
         row = {"variant": name, "batch": batch, **decode_rate(model, inputs, new, reps, generate)}
         row["tokens_per_s"] *= batch
-        row["floor_ms"] = lm_bytes(model, kv * batch, ctx + new // 2) / COPY_BW * 1e3
-        row["x_floor"] = row["step_ms"] / row["floor_ms"]
+        against_floor(row, model, kv * batch, ctx + new // 2)
         rows.append(row)
         print(row, flush=True)
 
@@ -553,8 +560,7 @@ def section_qwen_decode(quick: bool) -> list[dict[str, Any]]:
 
     def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
         row = {"variant": name, **decode_rate(model, inputs, new, reps, generate)}
-        row["floor_ms"] = lm_bytes(model, kv, ctx + new // 2) / COPY_BW * 1e3
-        row["x_floor"] = row["step_ms"] / row["floor_ms"]
+        against_floor(row, model, kv, ctx + new // 2)
         rows.append(row)
         print(row, flush=True)
 
@@ -600,8 +606,7 @@ def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
             model = optimized(build_qwen2_vl(), passes, kv=True)
             row = {"round": round_, "kv_tiles": "many-row" if many_rows else "batch-1", "batch": batch,
                    **decode_rate(model, inputs, new, reps)}
-        row["floor_ms"] = lm_bytes(model, kv_bytes, ctx + new // 2) / COPY_BW * 1e3
-        row["x_floor"] = row["step_ms"] / row["floor_ms"]
+        against_floor(row, model, kv_bytes, ctx + new // 2)
         rows.append(row)
         print(row, flush=True)
         del model
