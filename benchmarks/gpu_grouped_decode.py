@@ -5,7 +5,8 @@ the slots in use) and in fast generate (CUDA only, random bf16 weights).
 
 Part 1, the attention call alone (CUDA graph of calls over 4 copies of the inputs, so K/V come from HBM):
 Llama-3.2-11B-Vision's cross-attention (32 / 8 heads over one 4-tile image, 6404 tokens), its self-attention over a
-static cache of 256 slots, and Qwen2-VL-7B's (28 / 4 heads) over 1280 and 4352 slots, a quarter of them empty.
+static cache of 256 slots, and Qwen2-VL-7B's (28 / 4 heads) over 1280 and 4352 slots, a quarter of them empty; at
+batch 1, and the cross-attention and Qwen2-VL-7B's at batch 4 (and 8 at 4352 slots).
 Part 2, batch-1 decode steps of fast generate with the kernel and without it (the decode steps' attention left to
 SDPA): Mllama-11B in bf16 and with int4-weight (benchmarks/gpu_cross_attention_decode.py's prompt and image), and
 Qwen2-VL-7B in bf16 at a 1k-token text prompt. Each pair's first 32 new tokens are compared.
@@ -25,11 +26,16 @@ from typing import Any
 import torch
 
 CONFIGS = ((32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 2))  # (BLOCK_T, warps, stages) besides the default
-ATTENTION_CASES = {  # name -> (query heads, KV heads, K/V slots, slots in use)
-    "mllama cross-attention 32/8, 6404 image tokens": (32, 8, 6404, 6404),
-    "mllama self-attention 32/8, 256 slots (192 used)": (32, 8, 256, 192),
-    "qwen2-vl self-attention 28/4, 1280 slots (960 used)": (28, 4, 1280, 960),
-    "qwen2-vl self-attention 28/4, 4352 slots (3264 used)": (28, 4, 4352, 3264),
+ATTENTION_CASES = {  # name -> (query heads, KV heads, K/V slots, slots in use, batch)
+    "mllama cross-attention 32/8, 6404 image tokens": (32, 8, 6404, 6404, 1),
+    "mllama self-attention 32/8, 256 slots (192 used)": (32, 8, 256, 192, 1),
+    "qwen2-vl self-attention 28/4, 1280 slots (960 used)": (28, 4, 1280, 960, 1),
+    "qwen2-vl self-attention 28/4, 4352 slots (3264 used)": (28, 4, 4352, 3264, 1),
+    # more batch rows x KV heads: the packed-KV kernel's tiles had to follow them (kv_decode_choice.generic_config)
+    "mllama cross-attention 32/8, 6404 image tokens, batch 4": (32, 8, 6404, 6404, 4),
+    "qwen2-vl self-attention 28/4, 1280 slots (960 used), batch 4": (28, 4, 1280, 960, 4),
+    "qwen2-vl self-attention 28/4, 4352 slots (3264 used), batch 4": (28, 4, 4352, 3264, 4),
+    "qwen2-vl self-attention 28/4, 4352 slots (3264 used), batch 8": (28, 4, 4352, 3264, 8),
 }
 
 
@@ -43,16 +49,17 @@ def attention_rows() -> list[dict[str, Any]]:
 
     kernel = ALL_ATTENTION_FUNCTIONS[attention_implementation("sdpa")]
     rows = []
-    for name, (heads, kv_heads, slots, used) in ATTENTION_CASES.items():
+    for name, (heads, kv_heads, slots, used, batch) in ATTENTION_CASES.items():
         module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=False, training=False)
         copies = []
         for _ in range(4):
-            query = torch.randn(1, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
-            key, value = (torch.randn(1, kv_heads, slots, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            mask = torch.zeros(1, 1, 1, slots, dtype=torch.bool, device="cuda")
+            query = torch.randn(batch, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
+            key, value = (torch.randn(batch, kv_heads, slots, 128, device="cuda", dtype=torch.bfloat16)
+                          for _ in range(2))
+            mask = torch.zeros(batch, 1, 1, slots, dtype=torch.bool, device="cuda")
             mask[..., :used] = True
             copies.append((query, key, value, mask))
-        row: dict[str, Any] = {"case": name, "kv_bytes": 2 * kv_heads * slots * 128 * 2}
+        row: dict[str, Any] = {"case": name, "batch": batch, "kv_bytes": 2 * batch * kv_heads * slots * 128 * 2}
         for label, attention in (("sdpa", sdpa_attention_forward), ("kernel", kernel)):
             calls = [lambda c=c, a=attention: a(module, *c, scaling=128**-0.5) for c in copies]
             row[f"{label}_us"] = gbench(calls) * 1e3

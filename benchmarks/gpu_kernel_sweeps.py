@@ -755,6 +755,21 @@ def gqa_batch(batch: int) -> list[dict[str, Any]]:
     return [{"batch": batch, **row} for row in _kv_sweep(28, 4, GQA_BATCH_SPACE, (4096, 16384), batch)]
 
 
+# int8 / fp8 codes (a byte per channel, read as channel pairs) hold twice int4's bytes per token: the default
+# halves each tile (kv_decode_choice.generic_config's byte_codes); these set the halved many-row tiles against
+# int4's own, the batch-1 tiles and a few between
+GQA_BYTES_SPACE = {"generic": [None] + [(bt, w, t, stages, True) for bt, w, t, stages in (
+    (32, 2, 528, 2), (32, 2, 528, 3), (32, 2, 1056, 2), (64, 2, 528, 2), (64, 2, 528, 3), (64, 4, 528, 2),
+    (64, 4, 264, 2), (128, 4, 264, 2), (128, 8, 264, 2), (128, 4, 528, 2), (32, 4, 528, 2))]}
+
+
+def gqa_bytes_batch() -> list[dict[str, Any]]:
+    """int8 and fp8 codes on Qwen2-VL-7B heads at batch 1, 4 and 8, 4k and 16k tokens: the many-row tiles were
+    chosen on int4 codes only."""
+    return [{"batch": batch, "fmt": fmt, **row} for fmt in ("int8", "fp8") for batch in (1, 4, 8)
+            for row in _kv_sweep(28, 4, GQA_BYTES_SPACE, (4096, 16384), batch, fmt)]
+
+
 MHA_SPACE = {  # (BLOCK_T, warps, target programs, stages, prefetch, fold, kdot) of the subnormal kernel. Earlier
     # passes swept tiles of 16-64 tokens on 1-2 warps over 132-2112 programs, with and without the next tile loaded
     # ahead and V's sums folded (h200_kernel_sweeps_mha_fold.json): (32, 1, 1056, prefetch, fold) won from 4k tokens
@@ -777,7 +792,7 @@ def mha() -> list[dict[str, Any]]:
 
 
 def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
-              contexts: tuple[int, ...] = (4096, 16384), batch: int = 1) -> list[dict[str, Any]]:
+              contexts: tuple[int, ...] = (4096, 16384), batch: int = 1, fmt: str = "int4") -> list[dict[str, Any]]:
     """Every (variant, config) of ``space`` at each context against SDPA on the bf16 cache, fastest first; the
     "subnormal" kernel's with its splits merged by a combine kernel and by the partial kernel itself
     (``merge_counters``), since the merge changes which tiles and how many splits pay. (The other kernels leave
@@ -791,7 +806,7 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
     rows = []
     for ctx in contexts:
         d = 128
-        scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d, batch=batch)
+        scale, codec, q, kbf, vbf, kc, vc, length = kv_problem(hq, hkv, ctx, d, fmt=fmt, batch=batch)
         reference = reference_decode_attention(q, codec.decode(Packed(kc), torch.float32, d),
                                                codec.decode(Packed(vc), torch.float32, d), d**-0.5)
         sdpa = gtime(cold(lambda k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv),
@@ -805,7 +820,7 @@ def _kv_sweep(hq: int, hkv: int, space: dict[str, list[Any]],
             for cfg in configs:
                 def run(cfg: Any = cfg, variant: str = variant, k_codes: Any = kc, v_codes: Any = vc,
                         merged: bool = merged) -> torch.Tensor:
-                    return decode_attention(q, k_codes, v_codes, scale, scale, length, "int4", d**-0.5, config=cfg,
+                    return decode_attention(q, k_codes, v_codes, scale, scale, length, fmt, d**-0.5, config=cfg,
                                             variant=variant, merge_counters=counters if merged else None)
 
                 try:
@@ -928,7 +943,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the tiles and idot sections "
                         "(all by default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, gqa_batch4, gqa_batch8, mha, idot, "
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, gqa_batch4, gqa_batch8, gqa_bytes_batch, mha, idot, "
                         "gated, rope, gemv_floor")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
@@ -937,7 +952,7 @@ def main() -> None:
     sections = {"tiles": lambda: tiles(shapes), "step_gemvs": step_gemvs, "step_norms": step_norms,
                 "step_folds": step_folds, "step_left_norm": step_left_norm,
                 "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "gqa_batch4": lambda: gqa_batch(4),
-                "gqa_batch8": lambda: gqa_batch(8), "mha": mha,
+                "gqa_batch8": lambda: gqa_batch(8), "gqa_bytes_batch": gqa_bytes_batch, "mha": mha,
                 "idot": lambda: idot(shapes), "gated": gated, "rope": rope,
                 "gemv_floor": lambda: gemv_floor(shapes)}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
