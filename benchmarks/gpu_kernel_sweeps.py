@@ -943,8 +943,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="", help="comma-separated keys of SHAPES for the tiles and idot sections "
                         "(all by default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
-                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, gqa_batch4, gqa_batch8, gqa_bytes_batch, mha, idot, "
-                        "gated, rope, gemv_floor")
+                        "step_folds, step_left_norm, mma, many_rows, pdl, gqa, gqa_batch4, gqa_batch8, "
+                        "gqa_bytes_batch, mha, idot, gated, rope, gemv_floor")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
                                + (f" --shapes {args.shapes}" if args.shapes else "")}
