@@ -29,18 +29,23 @@ POINTERS = {"q_ptr": "*bf16", "kc_ptr": "*u8", "vc_ptr": "*u8", "ks_ptr": "*fp32
 DIVISIBLE = ("sq_b", "sq_h", "TMAX", "D", "HDP", "SPLIT_T", "sk_b", "sk_h", "sv_b", "sv_h", "sc_b")
 
 
-def build(block_t: int, warps: int, stages: int = 2) -> dict[str, object]:
-    """One build for head_dim 128 (64 code bytes per token for K and as many for V)."""
+def build(block_t: int, warps: int, stages: int = 2, fmt: str = "int4") -> dict[str, object]:
+    """One build for head_dim 128 (per token 64 code bytes for K and as many for V in int4; int8 / fp8 twice that,
+    read as channel pairs, as decode_attention launches them)."""
     from mmsdk.kernels import _kv_grouped_triton as kernels
+    from mmsdk.kernels.kv_decode import FORMATS
 
-    constants: dict[str, object] = dict(FMT=0, HAS_MASK=False, USE_DOT=True, BLOCK_G=16, BLOCK_T=block_t,
-                                        BLOCK_HD=64, V_AHEAD=True, ASM=True, PDL=True, PAIRS=False, APPEND=False,
+    byte_codes = fmt != "int4"
+    constants: dict[str, object] = dict(FMT=FORMATS[fmt], HAS_MASK=False, USE_DOT=True, BLOCK_G=16, BLOCK_T=block_t,
+                                        BLOCK_HD=64, V_AHEAD=True, ASM=True, PDL=True, PAIRS=byte_codes, APPEND=False,
                                         ROPE=False)
-    code_words = block_t * 64 * 2 / 4 / (32 * warps)  # K and V code words (4 bytes) per thread and tile
-    result = _compiled(kernels.decode_partial, constants, POINTERS, {"num_warps": warps, "num_stages": stages},
+    code_type = {"int4": "*u8", "int8": "*i8", "fp8": "*fp8e4nv"}[fmt]
+    pointers = {**POINTERS, "kc_ptr": code_type, "vc_ptr": code_type}
+    code_words = block_t * 64 * (4 if byte_codes else 2) / 4 / (32 * warps)  # K and V code words per thread and tile
+    result = _compiled(kernels.decode_partial, constants, pointers, {"num_warps": warps, "num_stages": stages},
                        code_words, DIVISIBLE, top=10)
     result["code_bytes_per_thread_and_tile"] = result.pop("weight_bytes_per_thread_and_step")
-    return {"config": dict(block_t=block_t, warps=warps, stages=stages), **result}
+    return {"config": dict(block_t=block_t, warps=warps, stages=stages, fmt=fmt), **result}
 
 
 def main() -> None:

@@ -199,7 +199,7 @@ def test_variant_choice_is_validated(device):
 
 def test_generic_tiles_follow_batch_rows_times_kv_heads(monkeypatch):
     """decode_attention sizes the generic kernel's tiles by its (batch row, KV head) pairs (generic_config's ``rows``),
-    whose count sets how many programs a call has."""
+    whose count sets how many programs a call has, and by the codes' format."""
     pytest.importorskip("triton")
     from mmsdk.kernels import kv_decode
 
@@ -209,17 +209,18 @@ def test_generic_tiles_follow_batch_rows_times_kv_heads(monkeypatch):
     seen = []
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("rows"))
+        seen.append((kwargs.get("rows"), kwargs.get("fmt")))
         raise Picked
 
     monkeypatch.setattr(kv_decode, "generic_config", spy)
-    for batch, hkv in ((1, 4), (2, 4), (3, 8)):
+    for batch, hkv, fmt in ((1, 4, "int4"), (2, 4, "int4"), (3, 8, "int4"), (2, 4, "int8")):
         query = torch.randn(batch, 7 * hkv, 1, 32)
-        codes = [torch.zeros(batch, hkv, 64, 16, dtype=torch.uint8) for _ in range(2)]
+        width, dtype = (16, torch.uint8) if fmt == "int4" else (32, torch.int8)
+        codes = [torch.zeros(batch, hkv, 64, width, dtype=dtype) for _ in range(2)]
         scale = torch.ones(hkv, 32)
         with pytest.raises(Picked):
-            kv_decode.decode_attention(query, *codes, scale, scale, torch.tensor([10]), "int4", 0.1)
-    assert seen == [4, 8, 24]
+            kv_decode.decode_attention(query, *codes, scale, scale, torch.tensor([10]), fmt, 0.1)
+    assert seen == [(4, "int4"), (8, "int4"), (24, "int4"), (8, "int8")]
 
 
 def test_attention_appends_the_new_token_itself(device):
@@ -539,10 +540,18 @@ def test_word_launch_defaults_follow_the_cache_size():
     assert generic_config((256, 8, 264), True, False, 4096, rows=32) == ((256, 8, 264, 2), True)
     assert generic_config(None, False, True, 4096, rows=32) == generic_config(None, False, True, 4096)
     # int8 / fp8 codes: half the tokens per tile on the tensor cores (the same code bytes as int4's tile), unless set
-    assert generic_config(None, True, False, 1280, byte_codes=True) == ((64, 8, 264, 2), True)
-    assert generic_config(None, True, False, 16384, byte_codes=True) == ((64, 4, 264, 2), True)
-    assert generic_config((128, 4, 264), True, False, 16384, byte_codes=True) == ((128, 4, 264, 2), True)
-    assert generic_config(None, False, True, 1280, byte_codes=True) == generic_config(None, False, True, 1280)
+    for fmt in ("int8", "fp8"):
+        assert generic_config(None, True, False, 1280, fmt=fmt) == ((64, 8, 264, 2), True)
+        assert generic_config(None, True, False, 16384, fmt=fmt) == ((64, 4, 264, 2), True)
+        assert generic_config((128, 4, 264), True, False, 16384, fmt=fmt) == ((128, 4, 264, 2), True)
+        assert generic_config(None, False, True, 1280, fmt=fmt) == generic_config(None, False, True, 1280)
+        # ... but many rows keep int4's 64-token tile, 3 deep, over long caches
+        assert generic_config(None, True, False, 16384, fmt=fmt, rows=16) == ((64, 2, 528, 3), True)
+        assert generic_config(None, True, False, 1280, fmt=fmt, rows=32) == ((64, 8, 264, 2), True)
+    # over middle caches int8 too; fp8, slower to decode, halves it
+    assert generic_config(None, True, False, 4096, fmt="int8", rows=8) == ((64, 2, 528, 3), True)
+    assert generic_config(None, True, False, 4096, fmt="fp8", rows=8) == ((32, 2, 528, 2), True)
+    assert generic_config(None, True, False, 4096, fmt="fp8", rows=4) == ((128, 8, 264, 2), True)
     too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
     for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):
         with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):

@@ -71,7 +71,7 @@ def test_grouped_query_kv_kernel_default_tiles_build_without_spills():
     tiles deep) spills nothing (but one register at 64 on 2, 3 deep, with Triton 3.9), runs both products on the tensor
     cores, and its tile loop reads the codes only through the pipelined copies into shared memory: no plain global
     loads, where a build that does not know the row width is a multiple of 16 issues one per code byte (64 per thread
-    and tile at 128 tokens on 8 warps)."""
+    and tile at 128 tokens on 8 warps). The int8 / fp8 many-row tiles build the same way, without any spill."""
     from benchmarks.sm90_gqa_builds import build
     from mmsdk.kernels.kv_decode_choice import GENERIC_MIDDLE_CACHE, GENERIC_SHORT_CACHE, generic_config
 
@@ -86,4 +86,15 @@ def test_grouped_query_kv_kernel_default_tiles_build_without_spills():
         # 64 on 2, 3 deep: no spills with Triton 3.6 (the H200 machine's, 195 registers), one 8-byte store with 3.9
         # (168 registers)
         assert built["spill_stores"] <= (1 if (block_t, warps, stages) == (64, 2, 3) else 0), built
+        assert "HMMA" in built["loop_top_opcodes"] and "LDG" not in built["loop_top_opcodes"], built
+    # int8 / fp8 codes with many rows (their batch-1 tiles halve int4's, which holds as many code bytes): no spills
+    byte_tiles = set()
+    for fmt in ("int8", "fp8"):
+        for slots in (GENERIC_MIDDLE_CACHE, 4 * GENERIC_MIDDLE_CACHE):
+            block_t, warps, _, stages = generic_config(None, True, False, slots, fmt=fmt, rows=32)[0]
+            byte_tiles.add((fmt, block_t, warps, stages))
+    assert byte_tiles == {("int8", 64, 2, 3), ("fp8", 32, 2, 2), ("fp8", 64, 2, 3)}
+    for fmt, block_t, warps, stages in sorted(byte_tiles):
+        built = build(block_t, warps, stages, fmt)
+        assert built["spill_stores"] == 0, built
         assert "HMMA" in built["loop_top_opcodes"] and "LDG" not in built["loop_top_opcodes"], built

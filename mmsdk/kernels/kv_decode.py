@@ -139,7 +139,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     use_dot = group >= 3 and block_hd >= 16
     block_g = max(16, pow2(group)) if use_dot else pow2(group)
     (block_t, warps, target, stages), v_ahead = generic_config(config, use_dot, block_g * block_hd <= 64, t_max,
-                                                                byte_codes=fmt != "int4", rows=b * h_kv)
+                                                                fmt=fmt, rows=b * h_kv)
     n_splits, split_t = splits(b * h_kv, t_max, block_t, target)
     partial = torch.empty(b * hq * n_splits * 2 * block_hd, device=query.device, dtype=torch.float32)
     lse = torch.empty(b * hq * n_splits, device=query.device, dtype=torch.float32)

@@ -85,7 +85,7 @@ MANY_ROWS_LONG = 16
 
 
 def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bool,
-                   t_max: int, byte_codes: bool = False, rows: int = 1) -> tuple[tuple[int, int, int, int], bool]:
+                   t_max: int, fmt: str = "int4", rows: int = 1) -> tuple[tuple[int, int, int, int], bool]:
     """((BLOCK_T, num_warps, target programs, num_stages), V loaded with K) of the generic kernel: ``config``, the rest
     from defaults. With the tensor cores (grouped-query heads) long token tiles over half as many programs measured
     fastest on an H200 (Qwen2-VL-7B heads: 8.3 / 14.0 µs at 4k / 16k tokens against 8.9 / 16.8 with
@@ -110,13 +110,17 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     caches (batch 2 / 4 / 8 at 1280 slots: 6.44 / 7.74 / 10.72 against 6.13 / 7.73 / 11.17).
     (benchmarks/results/h200_kernel_sweeps_gqa_batch*_34.json, _gqa_8kv_34.json.)
 
-    Those defaults were measured on int4 codes. ``byte_codes`` (int8, fp8: a byte per channel) halves the default
-    tile on the tensor cores. It was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported 600-930 bytes
-    of spills per thread with int4's tiles; read as channel pairs (:func:`byte_pairs`) no tile tried spills on the
-    H200's Triton 3.6, and the halved and int4's tiles measured within 1 µs of each other (halved: 5.2 / 13.4 / 8.6 µs
-    at Mllama's 256 self slots, its 6404 image tokens and Qwen2-VL-7B's 4k; int4's: 5.6 / 12.7 / 8.7;
+    Those defaults were measured on int4 codes. Byte codes (``fmt`` "int8" or "fp8": a byte per channel) halve the
+    batch-1 tiles on the tensor cores. That was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported
+    600-930 bytes of spills per thread with int4's tiles; read as channel pairs (:func:`byte_pairs`) no tile tried
+    spills on the H200's Triton 3.6, and the halved and int4's tiles measured within 1 µs of each other (halved: 5.2 /
+    13.4 / 8.6 µs at Mllama's 256 self slots, its 6404 image tokens and Qwen2-VL-7B's 4k; int4's: 5.6 / 12.7 / 8.7;
     benchmarks/results/h200_kv_formats_pairs.json), so the halved tiles, which Mllama's decode step was timed with,
-    stay (the many-row tiles halved for byte codes are not measured).
+    stay. The many-row tiles are not halved: on Qwen2-VL-7B's heads at batch 4 / 8, int4's long-cache tile (64
+    tokens, 2 warps, 3 deep) against the halved one took int8 at 16k from 37.6 / 66.2 to 27.5 / 45.9 µs and fp8
+    from 42.9 / 77.3 to 33.6 / 57.1 (SDPA on the bf16 cache: 38.0 / 70.6); at 4k the same tile took int8 from 14.1 /
+    20.6 to 12.2 / 17.4, while fp8, whose codes take more instructions to decode, was slower with it (16.6 / 23.9
+    against 15.6 / 21.5) and keeps the halved tile (benchmarks/results/h200_kernel_sweeps_gqa_bytes_batch_35.json).
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
@@ -131,11 +135,21 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
                             else (128, 4, TARGET_PROGRAMS // 2, 2)), True
     else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
         default, v_ahead = (64 if small_tile else 32, 4, TARGET_PROGRAMS, 2), False
-    if use_dot and byte_codes:
-        default = (default[0] // 2, *default[1:])
+    if use_dot and fmt != "int4":
+        default = _byte_code_tiles(default, fmt, t_max)
     block_t, warps, target, stages = completed_config(config, default)
     stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
     return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
+
+
+def _byte_code_tiles(default: tuple[int, int, int, int], fmt: str, t_max: int) -> tuple[int, int, int, int]:
+    """The int4 default ``default`` for int8 / fp8 codes (see :func:`generic_config`): halved, except the many-row
+    tiles (64 tokens on 2 warps), which int8 takes 3 deep at every cache length beyond the short ones and fp8 beyond
+    the middle ones."""
+    many_rows = default[:2] == (64, 2)
+    if many_rows and (fmt == "int8" or t_max > GENERIC_MIDDLE_CACHE):
+        return (64, 2, TARGET_PROGRAMS, 3)
+    return (default[0] // 2, *default[1:])
 
 
 def completed_config(config: tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
