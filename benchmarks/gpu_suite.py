@@ -591,8 +591,14 @@ def batch_one_kv_tiles() -> Iterator[None]:
 def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
     """Batch-4 decode on Qwen2-VL-7B shapes with a 3k-token prompt per row (a cache of 2k-4k slots, 16 batch rows x
     KV heads): mmsdk's stack with the grouped-query KV kernel's many-row tiles (the default) and with its batch-1
-    tiles, each on a fresh model, in alternating order (ABBAAB: the first model built in a process measured slower
-    in the first run, h200_suite_qwen_batch_decode_35.json)."""
+    tiles, each on a fresh model, in alternating order (ABBAAB).
+
+    ``step_ms`` (generate calls of 1 and ``new`` tokens, the difference per token) moved between 2.2 and 4.0 ms for
+    one stack in one process (h200_suite_qwen_batch_decode_35*.json): at batch 4 the prefill of 4 x 3k tokens
+    (~340 ms, its run-to-run spread tens of ms) leaves the difference mostly noise. ``step_replay_ms`` is the kept
+    decode step's CUDA graph replayed (gpu_decode_reuse.replay_step_ms, median of 3 x 64 replays): the step alone,
+    what the tiles change."""
+    from benchmarks.gpu_decode_reuse import call_ms, replay_step_ms
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     batch, ctx, new, reps = (4, 3072, 16, 1) if quick else (4, 3072, 64, 3)
@@ -607,7 +613,13 @@ def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
             model = optimized(build_qwen2_vl(), passes, kv=True)
             row = {"round": round_, "kv_tiles": "many-row" if many_rows else "batch-1", "batch": batch,
                    **decode_rate(model, inputs, new, reps)}
+            replays = []
+            for _ in range(3):  # each call refills the kept cache to ctx + new + 1 slots; 64 replays still fit
+                call_ms(model, inputs, new, 1)
+                replays.append(replay_step_ms(model))
+            row["step_replay_ms"] = statistics.median(replays)
         against_floor(row, model, kv_bytes, ctx + new // 2)
+        row["replay_x_floor"] = row["step_replay_ms"] / row["floor_ms"]
         rows.append(row)
         print(row, flush=True)
         del model
