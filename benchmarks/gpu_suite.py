@@ -599,6 +599,7 @@ def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
     decode step's CUDA graph replayed (gpu_decode_reuse.replay_step_ms, median of 3 x 64 replays): the step alone,
     what the tiles change."""
     from benchmarks.gpu_decode_reuse import call_ms, replay_step_ms
+    from benchmarks.gpu_tune import generate_kernels
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     batch, ctx, new, reps = (4, 3072, 16, 1) if quick else (4, 3072, 64, 3)
@@ -618,6 +619,8 @@ def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
                 call_ms(model, inputs, new, 1)
                 replays.append(replay_step_ms(model))
             row["step_replay_ms"] = statistics.median(replays)
+            if round_ < 2:  # where a call's GPU time goes, once per tile choice (prefill kernels included)
+                row["kernels"] = generate_kernels(model, inputs, 16, limit=25)
         against_floor(row, model, kv_bytes, ctx + new // 2)
         row["replay_x_floor"] = row["step_replay_ms"] / row["floor_ms"]
         rows.append(row)
