@@ -590,8 +590,19 @@ def batch_one_kv_tiles() -> Iterator[None]:
 
 def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
     """Batch-4 decode on Qwen2-VL-7B shapes with a 3k-token prompt per row (a cache of 2k-4k slots, 16 batch rows x
-    KV heads): mmsdk's stack with the grouped-query KV kernel's many-row tiles (the default) and with its batch-1
-    tiles, each on a fresh model, in alternating order (ABBAAB).
+    KV heads): :func:`qwen_batch_decode_rows`, six rounds."""
+    return qwen_batch_decode_rows(quick, 3072, (True, False, False, True, True, False))
+
+
+def section_qwen_batch_decode_long(quick: bool) -> list[dict[str, Any]]:
+    """The same with 12k-token prompts (a cache beyond 4k slots, where the many-row tiles go 3 deep), four rounds."""
+    return qwen_batch_decode_rows(quick, 12288, (True, False, False, True))
+
+
+def qwen_batch_decode_rows(quick: bool, ctx: int, order: tuple[bool, ...]) -> list[dict[str, Any]]:
+    """Batch-4 decode on Qwen2-VL-7B shapes with a ``ctx``-token prompt per row: mmsdk's stack with the grouped-query
+    KV kernel's many-row tiles (the default; ``order``'s True rounds) and with its batch-1 tiles, each on a fresh
+    model.
 
     ``step_ms`` (generate calls of 1 and ``new`` tokens, the difference per token) moved between 2.2 and 4.0 ms for
     one stack in one process (h200_suite_qwen_batch_decode_35*.json): at batch 4 the prefill of 4 x 3k tokens
@@ -602,14 +613,14 @@ def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
     from benchmarks.gpu_tune import generate_kernels
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
-    batch, ctx, new, reps = (4, 3072, 16, 1) if quick else (4, 3072, 64, 3)
+    batch, new, reps = (4, 16, 1) if quick else (4, 64, 3)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(1, 150000, (batch, ctx), device="cuda", generator=gen)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     kv_bytes = 28 * 2 * 4 * 128 * 0.5 * batch  # per token: layers x (K, V) x KV heads x head_dim, half a byte each
     passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
     rows: list[dict[str, Any]] = []
-    for round_, many_rows in enumerate((True, False, False, True, True, False)[: 2 if quick else 6]):
+    for round_, many_rows in enumerate(order[:2] if quick else order):
         with nullcontext() if many_rows else batch_one_kv_tiles():
             model = optimized(build_qwen2_vl(), passes, kv=True)
             row = {"round": round_, "kv_tiles": "many-row" if many_rows else "batch-1", "batch": batch,
@@ -777,6 +788,7 @@ def main() -> None:
                 "decode": section_decode,
                 "steady": section_steady, "qwen_decode": section_qwen_decode,
                 "qwen_batch_decode": section_qwen_batch_decode,
+                "qwen_batch_decode_long": section_qwen_batch_decode_long,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
