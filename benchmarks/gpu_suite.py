@@ -599,6 +599,41 @@ def section_qwen_batch_decode_long(quick: bool) -> list[dict[str, Any]]:
     return qwen_batch_decode_rows(quick, 12288, (True, False, False, True))
 
 
+# (BLOCK_T, warps, target programs, stages, V with K) of the grouped-query KV kernel forced in the batch-4 step: the
+# many-row tiles (2 and 3 deep), and the batch-1 middle- and long-cache tiles
+BATCH_STEP_ATTENTION = ((64, 2, 528, 2, True), (64, 2, 528, 3, True), (256, 8, 264, 2, True), (128, 4, 264, 2, True))
+
+
+def section_qwen_batch_step_attention(quick: bool) -> list[dict[str, Any]]:
+    """The batch-4 decode step of Qwen2-VL-7B shapes (3k- and 12k-token prompts per row) with each of
+    ``BATCH_STEP_ATTENTION`` forced as the KV kernel's config, in one model per prompt length (kept graph captured
+    again per trial, median of three replays after a call), with programmatic dependent launch and without: whether
+    the tiles that run the attention call alone 1.2-1.6x faster at batch 4 (gpu_kernel_sweeps.py gqa_batch4) change
+    the step, where qwen_batch_decode measured no difference."""
+    from benchmarks.gpu_decode_reuse import attention_config, step_ms_recaptured
+    from benchmarks.gpu_tune import pdl_setting
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
+    rows: list[dict[str, Any]] = []
+    for ctx in (3072,) if quick else (3072, 12288):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        ids = torch.randint(1, 150000, (4, ctx), device="cuda", generator=gen)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        model = optimized(build_qwen2_vl(), passes, kv=True)
+        model.generate(**inputs, max_new_tokens=128, do_sample=False)  # tune, compile, capture; sizes the cache
+        for pdl in (True, False):
+            with pdl_setting(pdl):
+                for config in (None, *BATCH_STEP_ATTENTION, None):
+                    with attention_config(config):
+                        row = {"ctx": ctx, "pdl": pdl, "cfg": config, "step_ms": step_ms_recaptured(model, inputs)}
+                    rows.append(row)
+                    print(row, flush=True)
+        del model
+        release_memory()
+    return rows
+
+
 def qwen_batch_decode_rows(quick: bool, ctx: int, order: tuple[bool, ...]) -> list[dict[str, Any]]:
     """Batch-4 decode on Qwen2-VL-7B shapes with a ``ctx``-token prompt per row: mmsdk's stack with the grouped-query
     KV kernel's many-row tiles (the default; ``order``'s True rounds) and with its batch-1 tiles, each on a fresh
@@ -789,6 +824,7 @@ def main() -> None:
                 "steady": section_steady, "qwen_decode": section_qwen_decode,
                 "qwen_batch_decode": section_qwen_batch_decode,
                 "qwen_batch_decode_long": section_qwen_batch_decode_long,
+                "qwen_batch_step_attention": section_qwen_batch_step_attention,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
