@@ -610,23 +610,39 @@ def section_qwen_batch_step_attention(quick: bool) -> list[dict[str, Any]]:
     again per trial, median of three replays after a call), with programmatic dependent launch and without: whether
     the tiles that run the attention call alone 1.2-1.6x faster at batch 4 (gpu_kernel_sweeps.py gqa_batch4) change
     the step, where qwen_batch_decode measured no difference."""
+    return qwen_batch_step_rows(((4, 3072),) if quick else ((4, 3072), (4, 12288)), BATCH_STEP_ATTENTION,
+                                (True,) if quick else (True, False))
+
+
+def section_qwen_batch_step_attention_check(quick: bool) -> list[dict[str, Any]]:
+    """The same with the default chosen from it against the many-row tiles it replaced, at batch 4 (3k / 12k-token
+    prompts) and batch 8 (3k), with programmatic dependent launch."""
+    return qwen_batch_step_rows(((4, 3072),) if quick else ((4, 3072), (8, 3072), (4, 12288)),
+                                ((64, 2, 528, 2, True), (64, 2, 528, 3, True), (128, 4, 264, 2, True)), (True,))
+
+
+def qwen_batch_step_rows(shapes: tuple[tuple[int, int], ...], configs: tuple[tuple[Any, ...], ...],
+                         pdl_settings: tuple[bool, ...]) -> list[dict[str, Any]]:
+    """Per (batch, prompt tokens) of ``shapes`` one model; its step timed with the default KV config, each of
+    ``configs`` forced, and the default again, under each of ``pdl_settings``."""
     from benchmarks.gpu_decode_reuse import attention_config, step_ms_recaptured
     from benchmarks.gpu_tune import pdl_setting
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
     rows: list[dict[str, Any]] = []
-    for ctx in (3072,) if quick else (3072, 12288):
+    for batch, ctx in shapes:
         gen = torch.Generator(device="cuda").manual_seed(1)
-        ids = torch.randint(1, 150000, (4, ctx), device="cuda", generator=gen)
+        ids = torch.randint(1, 150000, (batch, ctx), device="cuda", generator=gen)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         model = optimized(build_qwen2_vl(), passes, kv=True)
         model.generate(**inputs, max_new_tokens=128, do_sample=False)  # tune, compile, capture; sizes the cache
-        for pdl in (True, False):
+        for pdl in pdl_settings:
             with pdl_setting(pdl):
-                for config in (None, *BATCH_STEP_ATTENTION, None):
+                for config in (None, *configs, None):
                     with attention_config(config):
-                        row = {"ctx": ctx, "pdl": pdl, "cfg": config, "step_ms": step_ms_recaptured(model, inputs)}
+                        row = {"batch": batch, "ctx": ctx, "pdl": pdl, "cfg": config,
+                               "step_ms": step_ms_recaptured(model, inputs)}
                     rows.append(row)
                     print(row, flush=True)
         del model
@@ -825,6 +841,7 @@ def main() -> None:
                 "qwen_batch_decode": section_qwen_batch_decode,
                 "qwen_batch_decode_long": section_qwen_batch_decode_long,
                 "qwen_batch_step_attention": section_qwen_batch_step_attention,
+                "qwen_batch_step_attention_check": section_qwen_batch_step_attention_check,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):

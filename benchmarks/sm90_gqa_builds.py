@@ -4,8 +4,8 @@ with the loop's most frequent opcodes, as benchmarks/sm90_kv_builds.py does for 
 
 Qwen2-VL-7B's heads: groups of 7 query heads padded to the tensor cores' 16 rows, head_dim 128, V loaded with K, PDL,
 no mask, append or RoPE. The tiles are mmsdk.kernels.kv_decode_choice.generic_config's defaults (128 tokens on 8
-warps up to 2k cache slots, 256 on 8 up to 4k, 128 on 4 beyond, at batch 1), the 64-token tile on 2 warps that the
-sweeps found as fast at 4k (the default with many batch rows, there 2 tiles deep and 3 beyond 4k), and 128 tokens on 4
+warps up to 2k cache slots, 256 on 8 up to 4k, 128 on 4 beyond and with many batch rows), the 64-token tile on 2 warps
+that the sweeps found as fast at 4k (int8 / fp8 codes' default with many batch rows, 3 tiles deep), and 128 tokens on 4
 warps' twin on 8. A thread's instructions per tile say how long one program's
 arithmetic is for its warps; compare builds with each other, not with a clock.
 

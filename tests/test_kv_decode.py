@@ -530,12 +530,12 @@ def test_word_launch_defaults_follow_the_cache_size():
     assert generic_config(None, True, False, 4096) == ((256, 8, 264, 2), True)
     assert generic_config(None, True, False, 16384) == ((128, 4, 264, 2), True)
     assert generic_config((64, 4, 8, None, False), True, False, 4096) == ((64, 4, 8, 2), False)
-    # many (batch row, KV head) pairs: 64-token tiles on 2 warps over twice the programs, from 8 rows at 2k-4k slots
-    # and from 16 beyond; short caches keep their tile, and a config still wins
+    # many (batch row, KV head) pairs: from 8 rows middle caches take the long-cache tile; long caches keep it and short
+    # caches theirs, and a config still wins
     assert generic_config(None, True, False, 4096, rows=4) == ((256, 8, 264, 2), True)
-    assert generic_config(None, True, False, 4096, rows=8) == ((64, 2, 528, 2), True)
+    assert generic_config(None, True, False, 4096, rows=8) == ((128, 4, 264, 2), True)
     assert generic_config(None, True, False, 16384, rows=8) == ((128, 4, 264, 2), True)
-    assert generic_config(None, True, False, 16384, rows=16) == ((64, 2, 528, 3), True)
+    assert generic_config(None, True, False, 16384, rows=32) == ((128, 4, 264, 2), True)
     assert generic_config(None, True, False, 1280, rows=32) == ((128, 8, 264, 2), True)
     assert generic_config((256, 8, 264), True, False, 4096, rows=32) == ((256, 8, 264, 2), True)
     assert generic_config(None, False, True, 4096, rows=32) == generic_config(None, False, True, 4096)
@@ -545,12 +545,13 @@ def test_word_launch_defaults_follow_the_cache_size():
         assert generic_config(None, True, False, 16384, fmt=fmt) == ((64, 4, 264, 2), True)
         assert generic_config((128, 4, 264), True, False, 16384, fmt=fmt) == ((128, 4, 264, 2), True)
         assert generic_config(None, False, True, 1280, fmt=fmt) == generic_config(None, False, True, 1280)
-        # ... but many rows keep int4's 64-token tile, 3 deep, over long caches
+        # ... but many rows take 64-token tiles on 2 warps, 3 deep, over long caches (from 16 rows there)
         assert generic_config(None, True, False, 16384, fmt=fmt, rows=16) == ((64, 2, 528, 3), True)
+        assert generic_config(None, True, False, 16384, fmt=fmt, rows=8) == ((64, 4, 264, 2), True)
         assert generic_config(None, True, False, 1280, fmt=fmt, rows=32) == ((64, 8, 264, 2), True)
-    # over middle caches int8 too; fp8, slower to decode, halves it
+    # over middle caches int8 too; fp8, slower to decode, halves int4's tile
     assert generic_config(None, True, False, 4096, fmt="int8", rows=8) == ((64, 2, 528, 3), True)
-    assert generic_config(None, True, False, 4096, fmt="fp8", rows=8) == ((32, 2, 528, 2), True)
+    assert generic_config(None, True, False, 4096, fmt="fp8", rows=8) == ((64, 4, 264, 2), True)
     assert generic_config(None, True, False, 4096, fmt="fp8", rows=4) == ((128, 8, 264, 2), True)
     too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
     for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):

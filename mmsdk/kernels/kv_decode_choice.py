@@ -79,7 +79,8 @@ def pick_variant(variant: str | None, words: bool, group: int) -> str:
 # Caches of up to these many slots take the generic kernel's short- and middle-cache defaults (see generic_config).
 GENERIC_SHORT_CACHE = 2048
 GENERIC_MIDDLE_CACHE = 4096
-# From these many (batch row, KV head) pairs, middle and long caches take many small programs (see generic_config).
+# From these many (batch row, KV head) pairs, middle caches take the long-cache tile, and int8 / fp8 codes many small
+# programs in middle and long caches (see generic_config).
 MANY_ROWS_MIDDLE = 8
 MANY_ROWS_LONG = 16
 
@@ -100,54 +101,55 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     µs for the short-cache default at 4k (h200_kernel_sweeps_gqa_stages.json; 7.07 against 8.62 in _gqa_final), but
     6.76 against 5.80 at 1280 and 15.07 against 12.00 at 16k; between 2k and 4k not measured.
 
-    Those tiles were chosen at batch 1 on 4 KV heads, where a call has few programs. ``rows`` (batch x KV heads) from
-    :data:`MANY_ROWS_MIDDLE` on (middle caches) and :data:`MANY_ROWS_LONG` on (long caches) take 64-token tiles on 2
-    warps over twice as many programs, pipelined 2 / 3 tiles deep: with the batch-1 tiles, Qwen2-VL-7B's heads at
-    batch 4 and 8 ran no faster than SDPA on the bf16 cache at 4k (16.62 / 23.57 µs against 15.33 / 23.08), these
-    take 10.44 / 15.08; at 16k 22.77 / 40.15 against 27.24 / 60.06 (SDPA 38.76 / 71.34); at batch 2 (8 rows) and 4k
-    8.29 against 10.75, and on Mllama's 8 KV heads at batch 1 and 4k 7.89 against 10.61. Not taken: long caches at 8
-    rows (Qwen2-VL-7B batch 2 at 16k 15.36 against 16.37, but Mllama's 6404 image tokens 9.85 against 9.71), short
-    caches (batch 2 / 4 / 8 at 1280 slots: 6.44 / 7.74 / 10.72 against 6.13 / 7.73 / 11.17).
-    (benchmarks/results/h200_kernel_sweeps_gqa_batch*_34.json, _gqa_8kv_34.json.)
+    Those tiles were chosen at batch 1 on 4 KV heads, where a call has few programs. Alone, with 8 and more ``rows``
+    (batch x KV heads), 64-token tiles on 2 warps over twice as many programs ran fastest (Qwen2-VL-7B's heads at
+    batch 4 / 8 and 4k: 10.44 / 15.08 µs against 16.62 / 23.57 with the 256-token tile, SDPA on the bf16 cache 15.33
+    / 23.08; at 16k 22.77 / 40.15 against 27.24 / 60.06; benchmarks/results/h200_kernel_sweeps_gqa_batch*_34.json),
+    but not in the decode step. Qwen2-VL-7B's batch-4 step (int4 stack, kept graph replayed, each tile forced) took
+    2.937 ms with them at a 3k-token prompt, 2.942 with the 256-token tile and 2.877 with the long-cache tile (128
+    tokens on 4 warps over 264 programs; alone 12.10 µs at 4k); at a 12k prompt 3.162 with them (3 deep), 3.105 with
+    that tile (h200_suite_qwen_batch_step_attention_35.json). So from :data:`MANY_ROWS_MIDDLE` rows on, middle
+    caches take the long-cache tile too. Short caches keep theirs (alone, batch 2 / 4 / 8 at 1280 slots: 6.13 / 7.73
+    / 11.17 µs against 6.44 / 7.74 / 10.72 for the 64-token tiles).
 
     Those defaults were measured on int4 codes. Byte codes (``fmt`` "int8" or "fp8": a byte per channel) halve the
-    batch-1 tiles on the tensor cores. That was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported
-    600-930 bytes of spills per thread with int4's tiles; read as channel pairs (:func:`byte_pairs`) no tile tried
-    spills on the H200's Triton 3.6, and the halved and int4's tiles measured within 1 µs of each other (halved: 5.2 /
-    13.4 / 8.6 µs at Mllama's 256 self slots, its 6404 image tokens and Qwen2-VL-7B's 4k; int4's: 5.6 / 12.7 / 8.7;
+    tiles on the tensor cores. That was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported 600-930
+    bytes of spills per thread with int4's tiles; read as channel pairs (:func:`byte_pairs`) no tile tried spills on
+    the H200's Triton 3.6, and the halved and int4's tiles measured within 1 µs of each other at batch 1 (halved: 5.2
+    / 13.4 / 8.6 µs at Mllama's 256 self slots, its 6404 image tokens and Qwen2-VL-7B's 4k; int4's: 5.6 / 12.7 / 8.7;
     benchmarks/results/h200_kv_formats_pairs.json), so the halved tiles, which Mllama's decode step was timed with,
-    stay. The many-row tiles are not halved: on Qwen2-VL-7B's heads at batch 4 / 8, int4's long-cache tile (64
-    tokens, 2 warps, 3 deep) against the halved one took int8 at 16k from 37.6 / 66.2 to 27.5 / 45.9 µs and fp8
-    from 42.9 / 77.3 to 33.6 / 57.1 (SDPA on the bf16 cache: 38.0 / 70.6); at 4k the same tile took int8 from 14.1 /
-    20.6 to 12.2 / 17.4, while fp8, whose codes take more instructions to decode, was slower with it (16.6 / 23.9
-    against 15.6 / 21.5) and keeps the halved tile (benchmarks/results/h200_kernel_sweeps_gqa_bytes_batch_35.json).
+    stay. With many rows (:data:`MANY_ROWS_MIDDLE` in middle caches, :data:`MANY_ROWS_LONG` in long ones) byte codes
+    take 64-token tiles on 2 warps, 3 deep, over 528 programs instead, chosen from the call alone (their decode step
+    not measured): on Qwen2-VL-7B's heads at batch 4 / 8 and 16k they took int8 from 36.1 / 69.8 µs (the halved
+    tile) to 27.5 / 45.9 and fp8 from 38.8 / 80.0 to 33.6 / 57.1 (SDPA on the bf16 cache: 38.0 / 70.6); at 4k int8
+    from 12.9 / 21.2 to 12.2 / 17.4, while fp8, whose codes take more instructions to decode, was faster with the
+    halved tile at batch 4 (13.8 against 16.6) and keeps it there (22.7 against 23.9 at batch 8)
+    (benchmarks/results/h200_kernel_sweeps_gqa_bytes_batch_35.json).
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
         config, ahead = config[:4], bool(config[4])
+    many_rows = rows >= (MANY_ROWS_MIDDLE if t_max <= GENERIC_MIDDLE_CACHE else MANY_ROWS_LONG)
     if use_dot and t_max <= GENERIC_SHORT_CACHE:
         default, v_ahead = (128, 8, TARGET_PROGRAMS // 2, 2), True
-    elif use_dot and t_max <= GENERIC_MIDDLE_CACHE:
-        default, v_ahead = ((64, 2, TARGET_PROGRAMS, 2) if rows >= MANY_ROWS_MIDDLE
-                            else (256, 8, TARGET_PROGRAMS // 2, 2)), True
+    elif use_dot and t_max <= GENERIC_MIDDLE_CACHE and not many_rows:
+        default, v_ahead = (256, 8, TARGET_PROGRAMS // 2, 2), True
     elif use_dot:
-        default, v_ahead = ((64, 2, TARGET_PROGRAMS, 3) if rows >= MANY_ROWS_LONG
-                            else (128, 4, TARGET_PROGRAMS // 2, 2)), True
+        default, v_ahead = (128, 4, TARGET_PROGRAMS // 2, 2), True
     else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
         default, v_ahead = (64 if small_tile else 32, 4, TARGET_PROGRAMS, 2), False
     if use_dot and fmt != "int4":
-        default = _byte_code_tiles(default, fmt, t_max)
+        default = _byte_code_tiles(default, fmt, t_max, many_rows)
     block_t, warps, target, stages = completed_config(config, default)
     stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
     return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
 
 
-def _byte_code_tiles(default: tuple[int, int, int, int], fmt: str, t_max: int) -> tuple[int, int, int, int]:
-    """The int4 default ``default`` for int8 / fp8 codes (see :func:`generic_config`): halved, except the many-row
-    tiles (64 tokens on 2 warps), which int8 takes 3 deep at every cache length beyond the short ones and fp8 beyond
-    the middle ones."""
-    many_rows = default[:2] == (64, 2)
-    if many_rows and (fmt == "int8" or t_max > GENERIC_MIDDLE_CACHE):
+def _byte_code_tiles(default: tuple[int, int, int, int], fmt: str, t_max: int,
+                     many_rows: bool) -> tuple[int, int, int, int]:
+    """The int4 default ``default`` for int8 / fp8 codes (see :func:`generic_config`): halved, except with many rows
+    beyond the short caches, where int8 (and fp8 beyond the middle ones) take 64-token tiles on 2 warps, 3 deep."""
+    if many_rows and t_max > GENERIC_SHORT_CACHE and (fmt == "int8" or t_max > GENERIC_MIDDLE_CACHE):
         return (64, 2, TARGET_PROGRAMS, 3)
     return (default[0] // 2, *default[1:])
 
