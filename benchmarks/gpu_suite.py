@@ -621,6 +621,12 @@ def section_qwen_batch_step_attention_check(quick: bool) -> list[dict[str, Any]]
                                 ((64, 2, 528, 2, True), (64, 2, 528, 3, True), (128, 4, 264, 2, True)), (True,))
 
 
+def section_qwen_batch8_long_step(quick: bool) -> list[dict[str, Any]]:
+    """The same at batch 8 with 12k-token prompts (32 rows over a long cache)."""
+    return qwen_batch_step_rows(((8, 3072),) if quick else ((8, 12288),),
+                                ((64, 2, 528, 2, True), (64, 2, 528, 3, True), (128, 4, 264, 2, True)), (True,))
+
+
 def qwen_batch_step_rows(shapes: tuple[tuple[int, int], ...], configs: tuple[tuple[Any, ...], ...],
                          pdl_settings: tuple[bool, ...]) -> list[dict[str, Any]]:
     """Per (batch, prompt tokens) of ``shapes`` one model; its step timed with the default KV config, each of
@@ -842,6 +848,7 @@ def main() -> None:
                 "qwen_batch_decode_long": section_qwen_batch_decode_long,
                 "qwen_batch_step_attention": section_qwen_batch_step_attention,
                 "qwen_batch_step_attention_check": section_qwen_batch_step_attention_check,
+                "qwen_batch8_long_step": section_qwen_batch8_long_step,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
