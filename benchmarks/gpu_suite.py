@@ -580,12 +580,15 @@ def batch_one_kv_tiles() -> Iterator[None]:
     thresholds out of reach), for an A/B in one run."""
     from mmsdk.kernels import kv_decode_choice
 
-    before = kv_decode_choice.MANY_ROWS_MIDDLE, kv_decode_choice.MANY_ROWS_LONG
-    kv_decode_choice.MANY_ROWS_MIDDLE = kv_decode_choice.MANY_ROWS_LONG = 1 << 30
+    names = ("MANY_ROWS_MIDDLE", "MANY_ROWS_WIDE", "MANY_ROWS_LONG")
+    before = {name: getattr(kv_decode_choice, name) for name in names}
+    for name in names:
+        setattr(kv_decode_choice, name, 1 << 30)
     try:
         yield
     finally:
-        kv_decode_choice.MANY_ROWS_MIDDLE, kv_decode_choice.MANY_ROWS_LONG = before
+        for name, value in before.items():
+            setattr(kv_decode_choice, name, value)
 
 
 def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:

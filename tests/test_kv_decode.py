@@ -530,14 +530,16 @@ def test_word_launch_defaults_follow_the_cache_size():
     assert generic_config(None, True, False, 4096) == ((256, 8, 264, 2), True)
     assert generic_config(None, True, False, 16384) == ((128, 4, 264, 2), True)
     assert generic_config((64, 4, 8, None, False), True, False, 4096) == ((64, 4, 8, 2), False)
-    # many (batch row, KV head) pairs: from 8 rows middle caches take the long-cache tile; long caches keep it and short
-    # caches theirs, and a config still wins
+    # many (batch row, KV head) pairs: from 8 rows middle caches take the long-cache tile; from 32 rows middle and long
+    # caches 64-token tiles on 2 warps, 3 deep, over twice the programs; short caches keep theirs; a config still wins
     assert generic_config(None, True, False, 4096, rows=4) == ((256, 8, 264, 2), True)
     assert generic_config(None, True, False, 4096, rows=8) == ((128, 4, 264, 2), True)
-    assert generic_config(None, True, False, 16384, rows=8) == ((128, 4, 264, 2), True)
-    assert generic_config(None, True, False, 16384, rows=32) == ((128, 4, 264, 2), True)
+    assert generic_config(None, True, False, 4096, rows=16) == ((128, 4, 264, 2), True)
+    assert generic_config(None, True, False, 16384, rows=16) == ((128, 4, 264, 2), True)
+    assert generic_config(None, True, False, 4096, rows=32) == ((64, 2, 528, 3), True)
+    assert generic_config(None, True, False, 16384, rows=32) == ((64, 2, 528, 3), True)
     assert generic_config(None, True, False, 1280, rows=32) == ((128, 8, 264, 2), True)
-    assert generic_config((256, 8, 264), True, False, 4096, rows=32) == ((256, 8, 264, 2), True)
+    assert generic_config((256, 8, 264), True, False, 4096, rows=32) == ((256, 8, 264, 3), True)  # stages: default's
     assert generic_config(None, False, True, 4096, rows=32) == generic_config(None, False, True, 4096)
     # int8 / fp8 codes: half the tokens per tile on the tensor cores (the same code bytes as int4's tile), unless set
     for fmt in ("int8", "fp8"):
@@ -552,6 +554,7 @@ def test_word_launch_defaults_follow_the_cache_size():
     # over middle caches int8 too; fp8, slower to decode, halves int4's tile
     assert generic_config(None, True, False, 4096, fmt="int8", rows=8) == ((64, 2, 528, 3), True)
     assert generic_config(None, True, False, 4096, fmt="fp8", rows=8) == ((64, 4, 264, 2), True)
+    assert generic_config(None, True, False, 4096, fmt="fp8", rows=32) == ((32, 2, 528, 3), True)
     assert generic_config(None, True, False, 4096, fmt="fp8", rows=4) == ((128, 8, 264, 2), True)
     too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
     for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):

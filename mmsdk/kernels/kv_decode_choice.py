@@ -79,9 +79,10 @@ def pick_variant(variant: str | None, words: bool, group: int) -> str:
 # Caches of up to these many slots take the generic kernel's short- and middle-cache defaults (see generic_config).
 GENERIC_SHORT_CACHE = 2048
 GENERIC_MIDDLE_CACHE = 4096
-# From these many (batch row, KV head) pairs, middle caches take the long-cache tile, and int8 / fp8 codes many small
-# programs in middle and long caches (see generic_config).
+# (batch row, KV head) pairs from which middle caches take the long-cache tile; from which caches beyond the short
+# ones take 64-token tiles on 2 warps, 3 deep; and from which int8 / fp8 codes in long caches do (see generic_config).
 MANY_ROWS_MIDDLE = 8
+MANY_ROWS_WIDE = 32
 MANY_ROWS_LONG = 16
 
 
@@ -103,14 +104,18 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
 
     Those tiles were chosen at batch 1 on 4 KV heads, where a call has few programs. Alone, with 8 and more ``rows``
     (batch x KV heads), 64-token tiles on 2 warps over twice as many programs ran fastest (Qwen2-VL-7B's heads at
-    batch 4 / 8 and 4k: 10.44 / 15.08 µs against 16.62 / 23.57 with the 256-token tile, SDPA on the bf16 cache 15.33
-    / 23.08; at 16k 22.77 / 40.15 against 27.24 / 60.06; benchmarks/results/h200_kernel_sweeps_gqa_batch*_34.json),
-    but not in the decode step. Qwen2-VL-7B's batch-4 step (int4 stack, kept graph replayed, each tile forced) took
-    2.937 ms with them at a 3k-token prompt, 2.942 with the 256-token tile and 2.877 with the long-cache tile (128
-    tokens on 4 warps over 264 programs; alone 12.10 µs at 4k); at a 12k prompt 3.162 with them (3 deep), 3.105 with
-    that tile (h200_suite_qwen_batch_step_attention_35.json). So from :data:`MANY_ROWS_MIDDLE` rows on, middle
-    caches take the long-cache tile too. Short caches keep theirs (alone, batch 2 / 4 / 8 at 1280 slots: 6.13 / 7.73
-    / 11.17 µs against 6.44 / 7.74 / 10.72 for the 64-token tiles).
+    batch 4 / 8 and 4k: 10.44 / 15.08 µs against 16.62 / 23.57 with the 256-token tile, 12.10 / 17.62 with the
+    long-cache tile (128 tokens on 4 warps over 264 programs), SDPA on the bf16 cache 15.33 / 23.08; at 16k 22.77 /
+    40.15 against 27.12 / 59.91 for the long-cache tile; benchmarks/results/h200_kernel_sweeps_gqa_batch*_34.json).
+    In the decode step (Qwen2-VL-7B shapes, int4 stack, kept graph replayed, each tile forced;
+    h200_suite_qwen_batch_step_attention*_35.json, h200_suite_qwen_batch8_long_step_35.json) that held at batch 8
+    (:data:`MANY_ROWS_WIDE` rows): 3.180 ms with them, 3 deep, against 3.225 with the long-cache tile at 3k-token
+    prompts, 3.643 against 4.328 at 12k; but at batch 4 the long-cache tile won: 2.918 against 2.982 / 2.986 (2 / 3
+    deep) at 3k, 3.143 against 3.196 at 12k (the 256-token tile: 2.942 at 3k, 3.402 at 12k). So from
+    :data:`MANY_ROWS_MIDDLE` rows middle caches take the long-cache tile, and from :data:`MANY_ROWS_WIDE` rows
+    middle and long caches the 64-token tile, 3 deep (rows between 16 and 32 not measured). Short caches keep theirs
+    (alone, batch 2 / 4 / 8 at 1280 slots: 6.13 / 7.73 / 11.17 µs against 6.44 / 7.74 / 10.72 for the 64-token
+    tiles).
 
     Those defaults were measured on int4 codes. Byte codes (``fmt`` "int8" or "fp8": a byte per channel) halve the
     tiles on the tensor cores. That was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported 600-930
@@ -122,23 +127,26 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     take 64-token tiles on 2 warps, 3 deep, over 528 programs instead, chosen from the call alone (their decode step
     not measured): on Qwen2-VL-7B's heads at batch 4 / 8 and 16k they took int8 from 36.1 / 69.8 µs (the halved
     tile) to 27.5 / 45.9 and fp8 from 38.8 / 80.0 to 33.6 / 57.1 (SDPA on the bf16 cache: 38.0 / 70.6); at 4k int8
-    from 12.9 / 21.2 to 12.2 / 17.4, while fp8, whose codes take more instructions to decode, was faster with the
-    halved tile at batch 4 (13.8 against 16.6) and keeps it there (22.7 against 23.9 at batch 8)
-    (benchmarks/results/h200_kernel_sweeps_gqa_bytes_batch_35.json).
+    from 12.9 / 21.2 to 12.2 / 17.4, while fp8, whose codes take more instructions to decode, keeps int4's tiles
+    halved there: at batch 4 the long-cache tile's (64 tokens on 4 warps: 13.8 against 16.6), at batch 8 the 64-token
+    tile's (32 tokens on 2 warps, 3 deep: 20.0 against 23.9;
+    benchmarks/results/h200_kernel_sweeps_gqa_bytes_batch_35.json).
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
         config, ahead = config[:4], bool(config[4])
-    many_rows = rows >= (MANY_ROWS_MIDDLE if t_max <= GENERIC_MIDDLE_CACHE else MANY_ROWS_LONG)
     if use_dot and t_max <= GENERIC_SHORT_CACHE:
         default, v_ahead = (128, 8, TARGET_PROGRAMS // 2, 2), True
-    elif use_dot and t_max <= GENERIC_MIDDLE_CACHE and not many_rows:
+    elif use_dot and rows >= MANY_ROWS_WIDE:
+        default, v_ahead = (64, 2, TARGET_PROGRAMS, 3), True
+    elif use_dot and t_max <= GENERIC_MIDDLE_CACHE and rows < MANY_ROWS_MIDDLE:
         default, v_ahead = (256, 8, TARGET_PROGRAMS // 2, 2), True
     elif use_dot:
         default, v_ahead = (128, 4, TARGET_PROGRAMS // 2, 2), True
     else:  # no tensor cores (groups of up to 2): V after the softmax, V ahead not measured there
         default, v_ahead = (64 if small_tile else 32, 4, TARGET_PROGRAMS, 2), False
     if use_dot and fmt != "int4":
+        many_rows = rows >= (MANY_ROWS_MIDDLE if t_max <= GENERIC_MIDDLE_CACHE else MANY_ROWS_LONG)
         default = _byte_code_tiles(default, fmt, t_max, many_rows)
     block_t, warps, target, stages = completed_config(config, default)
     stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
