@@ -630,6 +630,45 @@ def section_qwen_batch8_long_step(quick: bool) -> list[dict[str, Any]]:
                                 ((64, 2, 528, 2, True), (64, 2, 528, 3, True), (128, 4, 264, 2, True)), (True,))
 
 
+def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
+    """Batched decode steps of Qwen2-VL-7B shapes (int4 stack, 3k-token prompts, batch 4 and 8) with the gated MLP's
+    gate and up as one paired tensor-core GEMV (``MMSDK_PAIRED_ROWS=1``) and as two GEMVs, their K-slice sums, a
+    SiLU and a multiply (the default), alternating in one model per batch (kept graph captured again per trial,
+    median of three replays after a call), and whether the two settings' first 32 greedy tokens agree."""
+    import os
+
+    from benchmarks.gpu_decode_reuse import step_ms_recaptured
+    from mmsdk.kernels import PAIRED_ROWS_ENV
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
+    rows: list[dict[str, Any]] = []
+    before = os.environ.get(PAIRED_ROWS_ENV)
+    try:
+        for batch in (4,) if quick else (4, 8):
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            ids = torch.randint(1, 150000, (batch, 3072), device="cuda", generator=gen)
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            model = optimized(build_qwen2_vl(), passes, kv=True)
+            tokens = {}
+            for setting in ("0", "1", "1", "0") if not quick else ("0", "1"):
+                os.environ[PAIRED_ROWS_ENV] = setting
+                row = {"batch": batch, "ctx": 3072, "paired_rows": setting == "1",
+                       "step_ms": step_ms_recaptured(model, inputs)}
+                tokens[setting] = model.generate(**inputs, max_new_tokens=32, do_sample=False)[:, 3072:]
+                rows.append(row)
+                print(row, flush=True)
+            rows[-1]["new_tokens_agree"] = float((tokens["0"] == tokens["1"]).float().mean())
+            del model
+            release_memory()
+    finally:
+        if before is None:
+            os.environ.pop(PAIRED_ROWS_ENV, None)
+        else:
+            os.environ[PAIRED_ROWS_ENV] = before
+    return rows
+
+
 def qwen_batch_step_rows(shapes: tuple[tuple[int, int], ...], configs: tuple[tuple[Any, ...], ...],
                          pdl_settings: tuple[bool, ...]) -> list[dict[str, Any]]:
     """Per (batch, prompt tokens) of ``shapes`` one model; its step timed with the default KV config, each of
@@ -852,6 +891,7 @@ def main() -> None:
                 "qwen_batch_step_attention": section_qwen_batch_step_attention,
                 "qwen_batch_step_attention_check": section_qwen_batch_step_attention_check,
                 "qwen_batch8_long_step": section_qwen_batch8_long_step,
+                "qwen_batch_paired_mlp": section_qwen_batch_paired_mlp,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):

@@ -15,7 +15,7 @@ a captured decode step launches it; ``gemv_idot_gated`` (its gated-MLP twin) per
 slice, scaled by a norm's statistics. ``--norm`` builds the quad
 kernels with an RMSNorm folded in (``NORM``: the GEMV reads the norm's input, mmsdk/kernels/norm_fold.py).
 
-    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma,idot,idot_gated] [--norm]
+    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma,mma_paired,idot,idot_gated] [--norm]
 """
 
 from __future__ import annotations
@@ -80,16 +80,20 @@ def build_idot(rows: int, quads: int, warps: int, gated: bool = False) -> dict[s
             **_compiled(kernel, constants, pointers, {"num_warps": warps}, words)}
 
 
-def build_mma(block_n: int, step_k: int, warps: int, block_m: int, group: int, stages: int) -> dict[str, object]:
-    """One tile of the tensor-core GEMV (kind "mma") for ``block_m`` activation rows, bf16, no zero points."""
+def build_mma(block_n: int, step_k: int, warps: int, block_m: int, group: int, stages: int,
+              paired: bool = False) -> dict[str, object]:
+    """One tile of the tensor-core GEMV (kind "mma") for ``block_m`` activation rows, bf16, no zero points; with
+    ``paired`` a gated MLP's gate and up rows in each program (one K slice, storing ``silu(gate) * up``; words per
+    thread count both weights)."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     step_g = max(1, step_k // group)
-    constants: dict[str, object] = dict(GROUP=group, HAS_ZP=False, HAS_BIAS=False, DIRECT=False, BLOCK_N=block_n,
-                                        BLOCK_M=block_m, STEP_G=step_g, ASM=True, PDL=False, HAS_RESIDUAL=False)
-    pointers = {**POINTERS, "w_ptr": "*u8"}
-    words = block_n * group * step_g / 8 / (32 * warps)
-    return {"kernel": "gemv_mma", "tile": (block_n, step_k, warps, block_m, stages), "group": group,
+    constants: dict[str, object] = dict(GROUP=group, HAS_ZP=False, HAS_BIAS=False, DIRECT=paired, BLOCK_N=block_n,
+                                        BLOCK_M=block_m, STEP_G=step_g, ASM=True, PDL=False, HAS_RESIDUAL=False,
+                                        PAIRED=paired)
+    pointers = {**POINTERS, "w_ptr": "*u8", "w2_ptr": "*u8", "out_ptr": "*bf16" if paired else "*fp32"}
+    words = block_n * group * step_g / 8 / (32 * warps) * (2 if paired else 1)
+    return {"kernel": "gemv_mma", "paired": paired, "tile": (block_n, step_k, warps, block_m, stages), "group": group,
             **_compiled(kernels.gemv_mma, constants, pointers, {"num_warps": warps, "num_stages": stages}, words)}
 
 
@@ -157,7 +161,7 @@ def _opcode(line: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", default="quad,gated,mma,idot,idot_gated",
-                        help="comma-separated: quad, gated, mma, idot, idot_gated")
+                        help="comma-separated: quad, gated, mma, mma_paired, idot, idot_gated")
     parser.add_argument("--norm", action="store_true", help="quad kernels with an RMSNorm folded in")
     args = parser.parse_args()
     chosen = args.kernels.split(",")
@@ -180,6 +184,13 @@ def main() -> None:
             for block_m in (1, 8, 16):
                 for cfg in _MMA_CANDIDATES:
                     print(build_mma(cfg[0], cfg[1], cfg[2], block_m, group, cfg[6]), flush=True)
+    if "mma_paired" in chosen:  # the gated MLP's gate and up for 2-16 rows (MMSDK_PAIRED_ROWS=1)
+        from mmsdk.kernels.w4a16 import _MMA_CANDIDATES
+
+        for group in (128, 32):
+            for block_m in (4, 8, 16):
+                for cfg in _MMA_CANDIDATES:
+                    print(build_mma(cfg[0], cfg[1], cfg[2], block_m, group, cfg[6], paired=True), flush=True)
 
 
 if __name__ == "__main__":

@@ -426,6 +426,59 @@ def test_w4a16_gated_kind_stores_silu_itself_with_one_k_slice(target, symmetric,
         assert _rel(out, expected) < tol  # interpreter fp16 1.0-3.1e-4 measured
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_paired_rows_gemv_matches_two_matmuls(target, symmetric, monkeypatch):
+    """With MMSDK_PAIRED_ROWS=1 the gated MLP's gate and up GEMVs of 2-16 rows run as one tensor-core launch (kind
+    "mma", each program the same rows of both weights): one K slice stores silu(gate) * up itself, several store both
+    partials for the gated epilogue; a norm to fold runs first as its own kernel. Off (the default) or above 16 rows
+    the caller falls back."""
+    from mmsdk.kernels import w4a16_gated
+    from mmsdk.kernels.norm_fold import InputNorm, quad_factors
+
+    device, dtype, tol = target
+    epilogues = []
+    finish = w4a16_gated.finish_splits
+    monkeypatch.setattr("mmsdk.kernels.gemv_launch.finish_splits", lambda *a: (epilogues.append(a[3]), finish(*a)))
+    monkeypatch.setenv("MMSDK_PAIRED_ROWS", "1")
+    # (rows, n, k, group, config, K splits, epilogue's slices or None): N not a multiple of BLOCK_N, K padded past
+    # in_features, slices given or derived from the target programs (33 rows in 16-row blocks, 10 groups of 32 two
+    # per step: 5 slices for a 64-program target); None: the tuner's first candidate (untimed under the interpreter)
+    for m, n, k, group, config, splits, sliced in ((3, 40, 512, 64, (16, 64, 2, 16, "mma", 64, 2), 1, None),
+                                                   (5, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None, 5),
+                                                   (4, 24, 256, 128, (16, 128, 4, 16, "mma"), 2, 2),
+                                                   (16, 40, 256, 128, None, None, None)):
+        gate, up = (quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+                    for _ in range(2))
+        x = torch.randn(m, 1, k, device=device).to(dtype)
+        expected = (torch.nn.functional.silu(x.float() @ dequantize_int4(gate, torch.float32).T)
+                    * (x.float() @ dequantize_int4(up, torch.float32).T))
+        parts = [(p.qweight, p.scales, p.zero_points) for p in (gate, up)]
+        epilogues.clear()
+        out = w4a16_gated.w4a16_gated_silu(x, parts[0], parts[1], k, group, config=config, splits=splits)
+        assert out.shape == (m, 1, n) and out.dtype == dtype
+        assert _rel(out, expected) < tol, (m, config)  # interpreter fp16 ~3e-4
+        if config is not None:
+            assert epilogues == ([] if sliced is None else [sliced])
+    # an RMSNorm to fold: normalized by its own kernel first
+    eps, weight = 1e-5, (torch.rand(k, device=device) + 0.5).to(dtype)
+    x = (torch.randn(3, k, device=device) * 3 + 1).to(dtype)
+    normed = _rms_normalized(x, weight, eps)
+    expected = (torch.nn.functional.silu(normed @ dequantize_int4(gate, torch.float32).T)
+                * (normed @ dequantize_int4(up, torch.float32).T))
+    norm = InputNorm(weight, eps, quad_factors(weight))
+    assert _rel(w4a16_gated.w4a16_gated_silu(x, parts[0], parts[1], k, group, norm=norm), expected) < tol
+    # what falls back: more than 16 rows; 2-16 with the switch off; a one-row kind for several rows and "mma" for one
+    assert w4a16_gated.w4a16_gated_silu(x[:1].expand(17, k), parts[0], parts[1], k, group) is None
+    monkeypatch.setenv("MMSDK_PAIRED_ROWS", "0")
+    assert "MMSDK_PAIRED_ROWS=1" in w4a16_gated.gated_silu_reason(x, parts[0], parts[1], group)
+    assert w4a16_gated.w4a16_gated_silu(x, parts[0], parts[1], k, group) is None
+    out = torch.empty(3, n, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="kind 'mma' runs 2-16 rows"):
+        w4a16_gated._launch_paired(x, parts[0], parts[1], out, group, (16, 4, 4, 1, "gated"), None)
+    with pytest.raises(ValueError, match="kind 'mma' runs 2-16 rows"):
+        w4a16_gated._launch_paired(x[:1], parts[0], parts[1], out[:1], group, (16, 128, 4, 16, "mma"), None)
+
+
 def test_paired_gemv_configs_the_tuner_times_and_bad_ones():
     from mmsdk.kernels.w4a16 import w4a16_gemv
     from mmsdk.kernels.w4a16_gated import PAIRED_KINDS, _launch_paired, _paired_candidates
@@ -433,7 +486,7 @@ def test_paired_gemv_configs_the_tuner_times_and_bad_ones():
     for group in (32, 128):
         kinds = [c[4] for c in _paired_candidates(group)]
         # an "idot" tile leads (taken untimed under a capture or the interpreter); the per-weight kinds stay candidates
-        assert kinds[:2] == ["idot", "gated"] and set(kinds) == set(PAIRED_KINDS)
+        assert kinds[:2] == ["idot", "gated"] and set(kinds) == set(PAIRED_KINDS) - {"mma"}
     gate = quantize_int4(torch.randn(16, 64), 32)
     parts = (gate.qweight, gate.scales, gate.zero_points)
     x, out = torch.randn(1, 64).half(), torch.empty(1, 16).half()
@@ -749,7 +802,7 @@ _NORM_STORE, _NORM_FOLD = "gemv_store_leaves_rmsnorm_statistics", "gemvs_fold_an
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 @pytest.mark.parametrize("select,expected", [(f"interpreter and {_NORM_STORE}", 2),
                                              (f"interpreter and {_NORM_FOLD}", 2),
-                                             (f"interpreter and not ({_NORM_STORE} or {_NORM_FOLD})", 19)],
+                                             (f"interpreter and not ({_NORM_STORE} or {_NORM_FOLD})", 21)],
                          ids=["norm_store", "norm_fold", "other_kernels"])
 def test_kernels_under_the_interpreter(select, expected):
     """Runs this file's kernel checks (those ``select`` picks) in a process where TRITON_INTERPRET=1 is set from the

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls", "graph_time_ms",
-           "kv_merge_enabled", "l2_spill_copies", "note_fallback", "pdl_preload_ready", "pdl_ready", "timing_enabled",
-           "triton_available", "triton_ready"]
+__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PAIRED_ROWS_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls",
+           "graph_time_ms", "kv_merge_enabled", "l2_spill_copies", "note_fallback", "paired_rows_enabled",
+           "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -41,6 +41,10 @@ TUNE_ENV = "MMSDK_TUNE"
 # "0" has the packed cache's int4 MHA decode kernel leave its splits to a combine kernel instead of merging them itself
 # (kv_decode.decode_attention's merge_counters), to measure what the merge buys
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
+# "1" lets a gated MLP's gate and up projections of 2-16 activation rows (batched decode) run as one paired tensor-core
+# GEMV (mmsdk.kernels.w4a16_gated, kind "mma") instead of two GEMVs, their K-slice sums, a SiLU and a multiply. Off
+# until measured in a batched decode step on a GPU.
+PAIRED_ROWS_ENV = "MMSDK_PAIRED_ROWS"
 
 
 @cache
@@ -68,6 +72,14 @@ def kv_merge_enabled() -> bool:
     mode = os.environ.get(KV_MERGE_ENV, "1")
     if mode not in ("0", "1"):
         raise ValueError(f"{KV_MERGE_ENV}={mode!r}: set it to 0 or 1 (or leave it unset)")
+    return mode == "1"
+
+
+def paired_rows_enabled() -> bool:
+    """Whether gated MLPs pair their gate and up GEMVs for 2-16 rows too (see :data:`PAIRED_ROWS_ENV`)."""
+    mode = os.environ.get(PAIRED_ROWS_ENV, "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{PAIRED_ROWS_ENV}={mode!r}: set it to 0 or 1 (or leave it unset)")
     return mode == "1"
 
 

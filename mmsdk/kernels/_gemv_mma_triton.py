@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmsdk.kernels._gemv_gated_triton import silu_times
 from mmsdk.kernels._gemv_store_triton import add_residual
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
@@ -96,10 +97,26 @@ def group_product(x_ptr, w_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm, K_in, K
 
 
 @triton.jit
+def scaled_group(x_ptr, w_ptr, s_ptr, z_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm, stride_zn, K_in, KB, k_blocks,
+                 GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr):
+    """One group's contribution ``scale * sum_k (c_k - zero) x_k``, ``[BLOCK_N, BLOCK_M]`` fp32 (a group from ``g_end``
+    on contributes zeros)."""
+    product, x = group_product(x_ptr, w_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm, K_in, KB, GROUP, ASM)
+    ok = n_ok & (rn * 0 + g < g_end)
+    s = tl.load(s_ptr + rn * k_blocks + g, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZP:  # the codes were centred on 8: add (8 - z) * sum x
+        zb = tl.load(z_ptr + rn * stride_zn + g // 2, mask=ok, other=0)
+        shift = 8.0 - ((zb >> ((g % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+        product += shift[:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
+    return product * s[:, None]
+
+
+@triton.jit
 def gemv_mma(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_per_split, stride_xm, stride_zn,
              r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEP_G: tl.constexpr, ASM: tl.constexpr,
-             PDL: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False):
+             PDL: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, w2_ptr=None, s2_ptr=None, z2_ptr=None,
+             PAIRED: tl.constexpr = False):
     """``x @ W.T`` for ``BLOCK_M`` activation rows over one K slice of ``groups_per_split`` groups, on the tensor cores.
 
     Grid: (output row blocks of ``BLOCK_N``, K slices, blocks of ``BLOCK_M`` activation rows). A step covers ``STEP_G``
@@ -108,6 +125,10 @@ def gemv_mma(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_
     and, with ``HAS_RESIDUAL``, plus ``r`` (:func:`~mmsdk.kernels._gemv_store_triton.add_residual`). The codes become
     the activations' dtype (bf16 or fp16) and the tensor cores accumulate in fp32.
     ``PDL``: the program waits for the kernel before it (``wait_for_inputs``) before it reads the activations.
+
+    ``PAIRED`` (a gated MLP's gate ``W`` and up ``W2``, same shape and layout; no bias or residual): each program the
+    same rows of both weights, storing ``silu(x W.T) * (x W2.T)`` with ``DIRECT``, else both fp32 partials at
+    ``out[split]`` (rows ``2N`` wide, up at columns ``N ..``) for the split epilogue.
     """
     pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     k_blocks = KW * 8 // GROUP
@@ -118,24 +139,28 @@ def gemv_mma(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K_in, KW, groups_
     g_end = tl.minimum(g_begin + groups_per_split, k_blocks)
     wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g0 in range(g_begin, g_end, STEP_G):
         for i in tl.static_range(STEP_G):  # whole groups, each with its own loads, dot pair and scaling
             g = g0 + i
-            product, x = group_product(x_ptr, w_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm, K_in, KW * 4, GROUP,
-                                       ASM)
-            ok = n_ok & (rn * 0 + g < g_end)
-            s = tl.load(s_ptr + rn * k_blocks + g, mask=ok, other=0.0).to(tl.float32)
-            if HAS_ZP:  # the codes were centred on 8: add (8 - z) * sum x
-                zb = tl.load(z_ptr + rn * stride_zn + g // 2, mask=ok, other=0)
-                shift = 8.0 - ((zb >> ((g % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
-                product += shift[:, None] * tl.sum(x.to(tl.float32), 1)[None, :]
-            acc += product * s[:, None]
-    dst = out_ptr + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None]
+            acc += scaled_group(x_ptr, w_ptr, s_ptr, z_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm, stride_zn, K_in,
+                                KW * 4, k_blocks, GROUP, HAS_ZP, ASM)
+            if PAIRED:
+                acc2 += scaled_group(x_ptr, w2_ptr, s2_ptr, z2_ptr, rm, m_ok, rn, n_ok, g, g_end, stride_xm,
+                                     stride_zn, K_in, KW * 4, k_blocks, GROUP, HAS_ZP, ASM)
     ok = n_ok[:, None] & m_ok[None, :]
-    if DIRECT:
+    if PAIRED and DIRECT:
+        dst = out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
+        tl.store(dst, silu_times(acc, acc2).to(out_ptr.dtype.element_ty), mask=ok)
+    elif PAIRED:
+        dst = out_ptr + (split * M + rm[None, :]).to(tl.int64) * (2 * N) + rn[:, None]
+        tl.store(dst, acc, mask=ok)
+        tl.store(dst + N, acc2, mask=ok)
+    elif DIRECT:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         residual = r_ptr + rm[None, :].to(tl.int64) * N + rn[:, None]
-        tl.store(dst, add_residual(acc, residual, ok, out_ptr.dtype.element_ty, HAS_RESIDUAL), mask=ok)
+        out = add_residual(acc, residual, ok, out_ptr.dtype.element_ty, HAS_RESIDUAL)
+        tl.store(out_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], out, mask=ok)
     else:
-        tl.store(dst, acc, mask=ok)
+        tl.store(out_ptr + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=ok)

@@ -17,7 +17,8 @@ from mmsdk.kernels.gemv_idot import launch_idot
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
 from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, k_slices
 
-__all__ = ["GEMV_KINDS", "QUAD_KINDS", "GemvConfig", "PackedWeight", "launch_gemv", "triton_kernels"]
+__all__ = ["GEMV_KINDS", "QUAD_KINDS", "GemvConfig", "PackedWeight", "launch_gemv", "launch_paired_mma",
+           "triton_kernels"]
 
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
@@ -100,14 +101,19 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: GemvConfig, splits: int | None,
-                residual: torch.Tensor | None) -> None:
+                residual: torch.Tensor | None, second: PackedWeight | None = None) -> None:
     """Launch a kind "mma" configuration, ``(BLOCK_N, K channels per step, warps, BLOCK_M, "mma"[, target programs[,
-    num_stages]])``, into ``out`` (``residual`` as :func:`launch_gemv` takes it)."""
+    num_stages]])``, into ``out`` (``residual`` as :func:`launch_gemv` takes it). With ``second`` (the up weight of a
+    gated MLP whose gate is the first; no bias or residual) ``out = silu(x W.T) * (x W2.T)``: each program the same
+    rows of both weights, K slices counted from N rows, several slices finished by the gated epilogue."""
     import triton
 
     if group < 32:
         raise ValueError(f"GEMV kind 'mma' multiplies half groups of at least 16 channels: group size {group} < 32; "
                          "use kind 'fma'.")
+    paired = second is not None
+    if paired and (bias is not None or residual is not None):
+        raise ValueError("a paired (gated) 'mma' GEMV takes no bias or residual: add them after the launch.")
     block_n, step_k, warps, block_m = cfg[:4]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     options = {"num_stages": cfg[6]} if len(cfg) > 6 else {}
@@ -116,18 +122,28 @@ def _launch_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     n, k_blocks, _ = qweight.shape
     per_split, n_splits = k_slices(n, k_blocks, block_n, step_g, target_programs, splits)
     direct = n_splits == 1
-    target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
+    width = 2 * n if paired else n
+    target = out if direct else torch.empty(n_splits, m, width, device=x.device, dtype=torch.float32)
     pdl = pdl_ready(x)  # the kernel waits before its first load
     block_m = min(block_m, triton.next_power_of_2(m))
+    w2, s2, z2 = second if paired else (None, None, None)
     triton_kernels().gemv_mma[(triton.cdiv(n, block_n), n_splits, triton.cdiv(m, block_m))](
         x, qweight, scales, zero_points if zero_points is not None else scales, bias if bias is not None else scales,
         target, m, n, k_in, k_blocks * group // 8, per_split, x.stride(0),
         zero_points.stride(0) if zero_points is not None else 0, residual if residual is not None else scales,
         GROUP=group, HAS_ZP=zero_points is not None, HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_N=block_n,
         BLOCK_M=block_m, STEP_G=step_g, ASM=not interpreting(), PDL=pdl, HAS_RESIDUAL=residual is not None and direct,
+        w2_ptr=w2, s2_ptr=s2, z2_ptr=z2 if z2 is not None else s2, PAIRED=paired,
         launch_pdl=pdl, num_warps=warps, **options, enable_fp_fusion=True)
     if not direct:
-        finish_splits(target, out, bias, n_splits, False, residual)
+        finish_splits(target, out, bias, n_splits, paired, residual)
+
+
+def launch_paired_mma(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
+                      cfg: GemvConfig, splits: int | None) -> None:
+    """``out = silu(x @ Wg.T) * (x @ Wu.T)`` for a few activation rows from one kind "mma" configuration (see
+    :func:`_launch_mma`)."""
+    _launch_mma(x, *gate, None, out, group, cfg, splits, None, second=up)
 
 
 def _check_kind(kind: str, paired: bool) -> None:

@@ -56,8 +56,8 @@ from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, gemv_splits, k
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
 __all__ = ["FUSED_MAX_M", "GEMV_MAX_M", "QUAD_KINDS", "TARGET_PROGRAMS", "GemvConfig", "PackedWeight",
-           "check_columns", "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_splits",
-           "int4_linear", "k_slices", "launch_gemv", "triton_kernels", "tuned_config",
+           "check_columns", "dequantize_packed", "finish_splits", "gemv_candidates", "gemv_ready", "gemv_row_bucket",
+           "gemv_splits", "int4_linear", "k_slices", "launch_gemv", "triton_kernels", "tuned_config",
            "unsupported_reason", "w4a16_gemv", "w4a16_matmul"]
 
 FUSED_MAX_M = 32
@@ -249,7 +249,7 @@ def w4a16_gemv(
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     check_columns(k_in, k_blocks * block_size)
-    bucket = 1 if m == 1 else (4 if m <= 4 else 16)
+    bucket = gemv_row_bucket(m)
     key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None,
            norm is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -272,6 +272,11 @@ def w4a16_gemv(
 
 
 @cache
+def gemv_row_bucket(rows: int) -> int:
+    """The candidate list (and tuning key) a GEMV of ``rows`` activation rows (at most ``GEMV_MAX_M``) uses."""
+    return 1 if rows == 1 else (4 if rows <= 4 else 16)
+
+
 def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" and "idot" read whole 4-word quads, "mma" needs 16
     channels per half group: groups >= 32)."""

@@ -1,5 +1,8 @@
 """A gated MLP's INT4 gate and up projections for one token: ``silu(x @ Wg.T) * (x @ Wu.T)`` in one GEMV launch.
 
+(With ``MMSDK_PAIRED_ROWS=1``, for 2-16 tokens too: kind ``"mma"``, the tensor-core GEMV of few rows with each
+program the same rows of both weights; off until measured in a batched decode step on a GPU.)
+
 Three kinds of configuration (GEMV configs as in mmsdk.kernels.w4a16, ``(BLOCK_N, BLOCK_C quads, warps, 1,
 KIND[, target programs])``); the tuner times every kind per shape (key ``("gated", ...)``) and keeps the first, in
 candidate order, within ``GATED_WITHIN`` of the fastest (on a GPU with step-measured configs,
@@ -38,10 +41,12 @@ from functools import cache
 
 import torch
 
-from mmsdk.kernels import note_fallback, pdl_preload_ready
+from mmsdk.kernels import note_fallback, paired_rows_enabled, pdl_preload_ready
 from mmsdk.kernels.gemv_idot import launch_idot_gated
+from mmsdk.kernels.gemv_launch import launch_paired_mma
 from mmsdk.kernels.norm_fold import InputNorm, NormStatistics, norm_arguments, row_scale_arguments
 from mmsdk.kernels.w4a16 import (
+    GEMV_MAX_M,
     QUAD_KINDS,
     TARGET_PROGRAMS,
     GemvConfig,
@@ -49,6 +54,7 @@ from mmsdk.kernels.w4a16 import (
     check_columns,
     finish_splits,
     gemv_candidates,
+    gemv_row_bucket,
     gemv_ready,
     k_slices,
     launch_gemv,
@@ -59,7 +65,7 @@ from mmsdk.kernels.w4a16 import (
 
 __all__ = ["PAIRED_KINDS", "gated_silu_reason", "w4a16_gated_silu"]
 
-PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS)
+PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS, "mma")
 # "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 and a one-warp tile, here
 # with twice their weight bytes per thread and step, in the order they measured on the 7B MLPs (H200: 8x64x2 within
 # 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
@@ -96,8 +102,11 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
     reason = unsupported_reason(x, gate[0], gate[1], block_size) or unsupported_reason(x, up[0], up[1], block_size)
     if reason is not None:
         return reason
-    if x.reshape(-1, x.shape[-1]).shape[0] != 1:
-        return "more than one activation row (the paired GEMV is the batch-1 decode kernel)"
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    if rows > GEMV_MAX_M or (rows > 1 and not paired_rows_enabled()):
+        # one message for every row count: the fallback log says each reason once
+        return (f"more than one activation row (the paired GEMV is the batch-1 decode kernel; it runs 2-{GEMV_MAX_M} "
+                "rows with MMSDK_PAIRED_ROWS=1)")
     if block_size < 32:
         return f"group size {block_size} (the paired GEMV reads 4-word quads: groups >= 32)"
     if gate[0].shape != up[0].shape or gate[1].shape != up[1].shape or gate[1].dtype != up[1].dtype:
@@ -112,7 +121,8 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
 def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
                      config: GemvConfig | None = None, splits: int | None = None,
                      norm: InputNorm | None = None, statistics: NormStatistics | None = None) -> torch.Tensor | None:
-    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row, or None (the caller falls back).
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row (2-16 with ``MMSDK_PAIRED_ROWS=1``), or None (the
+    caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
     MLP). One launch when the chosen configuration needs no K split (kind "gated"; kind "idot" adds its rounding
@@ -127,24 +137,30 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
         raise ValueError("pass an RMSNorm to fold (norm=) or the statistics a store left for it (statistics=), "
                          "not both.")
     reason = gated_silu_reason(x, gate, up, block_size)
+    if reason is None and statistics is not None and x.reshape(-1, x.shape[-1]).shape[0] > 1:
+        reason = "norm statistics for more than one row (a store leaves them for one row only)"
     if reason is not None:
         note_fallback("w4a16 gated silu", reason)
         return None
-    flat = x.reshape(1, in_features)
+    flat = x.reshape(-1, in_features)
     if not flat.is_contiguous():
         flat = flat.contiguous()
+    rows = flat.shape[0]
+    if rows > 1 and norm is not None:  # kind "mma" does not fold a norm: one norm kernel first
+        flat, norm = norm.normalize(flat), None
     n, k_blocks, _ = gate[0].shape
     check_columns(in_features, k_blocks * block_size)
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None, norm is not None)
+    out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    bucket = gemv_row_bucket(rows)
+    key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None, norm is not None, bucket)
+    candidates = _paired_candidates(block_size) if bucket == 1 else _paired_row_candidates(block_size)
 
     def launch(cfg: GemvConfig, weights: tuple[torch.Tensor | None, ...]) -> None:
         _launch_paired(flat, weights[:3], weights[3:], out, block_size, cfg, splits,  # type: ignore[arg-type]
                        norm, statistics)
 
     weights = (*gate, *up)
-    launch(config or tuned_config(key, launch, _paired_candidates(block_size), block_size, weights, GATED_WITHIN),
-           weights)
+    launch(config or tuned_config(key, launch, candidates, block_size, weights, GATED_WITHIN), weights)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -159,6 +175,12 @@ def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
     return idot[:1] + tuple((*tile, 1, "gated", 528) for tile in tiles) + idot[1:] + per_weight
 
 
+@cache
+def _paired_row_candidates(group: int) -> tuple[GemvConfig, ...]:
+    """What the tuner times for a paired GEMV of 2-16 rows: the plain GEMV's "mma" candidates for that many rows."""
+    return tuple(c for c in gemv_candidates(16, group) if len(c) > 4 and c[4] == "mma")
+
+
 def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: torch.Tensor, group: int,
                    cfg: GemvConfig, splits: int | None, norm: InputNorm | None = None,
                    statistics: NormStatistics | None = None) -> None:
@@ -167,6 +189,14 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     if len(cfg) < 5 or cfg[4] not in PAIRED_KINDS:
         raise ValueError(f"paired GEMV config {cfg!r}: use (BLOCK_N, BLOCK_C, warps, 1, KIND[, target programs]) "
                          f"with KIND one of {PAIRED_KINDS}.")
+    if (cfg[4] == "mma") != (x.shape[0] > 1):
+        raise ValueError(f"paired GEMV config {cfg!r} for {x.shape[0]} activation rows: kind 'mma' runs 2-{GEMV_MAX_M} "
+                         "rows, the other kinds one.")
+    if cfg[4] == "mma":
+        if norm is not None or statistics is not None:
+            raise ValueError("a paired 'mma' GEMV folds no norm: normalize its input first.")
+        launch_paired_mma(x, gate, up, out, group, cfg, splits)
+        return
     if cfg[4] in QUAD_KINDS:
         launch_gemv(x, *gate, None, out, group, cfg, splits, second=up, norm=norm, row_scale=statistics)
         return
