@@ -637,6 +637,12 @@ def test_step_measured_configs_answer_for_their_gpu_untimed(monkeypatch):
         assert launched == [] and w4a16_tuning.tuning().chosen[key] == measured
     finally:
         w4a16_tuning.tuning().chosen.pop(key, None)
+    # the paired GEMV builds its one-row keys as the table has them (a changed key would silently retire an entry)
+    from mmsdk.kernels.w4a16_gated import gated_key
+
+    for table_key in (k for k in step_configs._measured()["NVIDIA H200"] if k[0] == "gated"):
+        assert gated_key(*table_key[1:], rows=1) == table_key
+        assert gated_key(*table_key[1:], rows=4) != table_key
     # every entry is a candidate of the kernels it names (a changed candidate list would silently retire it)
     from mmsdk.kernels.w4a16_gated import _paired_candidates
 

@@ -271,12 +271,12 @@ def w4a16_gemv(
     return out
 
 
-@cache
 def gemv_row_bucket(rows: int) -> int:
     """The candidate list (and tuning key) a GEMV of ``rows`` activation rows (at most ``GEMV_MAX_M``) uses."""
     return 1 if rows == 1 else (4 if rows <= 4 else 16)
 
 
+@cache
 def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" and "idot" read whole 4-word quads, "mma" needs 16
     channels per half group: groups >= 32)."""

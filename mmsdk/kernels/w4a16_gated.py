@@ -63,7 +63,7 @@ from mmsdk.kernels.w4a16 import (
     unsupported_reason,
 )
 
-__all__ = ["PAIRED_KINDS", "gated_silu_reason", "w4a16_gated_silu"]
+__all__ = ["PAIRED_KINDS", "gated_key", "gated_silu_reason", "w4a16_gated_silu"]
 
 PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS, "mma")
 # "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 and a one-warp tile, here
@@ -151,9 +151,8 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     n, k_blocks, _ = gate[0].shape
     check_columns(in_features, k_blocks * block_size)
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    bucket = gemv_row_bucket(rows)
-    key = ("gated", n, k_blocks, block_size, x.dtype, gate[2] is not None, norm is not None, bucket)
-    candidates = _paired_candidates(block_size) if bucket == 1 else _paired_row_candidates(block_size)
+    key = gated_key(n, k_blocks, block_size, x.dtype, gate[2] is not None, norm is not None, rows)
+    candidates = _paired_candidates(block_size) if rows == 1 else _paired_row_candidates(block_size)
 
     def launch(cfg: GemvConfig, weights: tuple[torch.Tensor | None, ...]) -> None:
         _launch_paired(flat, weights[:3], weights[3:], out, block_size, cfg, splits,  # type: ignore[arg-type]
@@ -173,6 +172,14 @@ def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
     tiles = _GATED_TILES[128 if group >= 128 else 32]  # groups of 64 (not measured in the step) take g32's order
     idot = tuple((*tile, 1, "idot", 528) for tile in _IDOT_GATED_TILES)
     return idot[:1] + tuple((*tile, 1, "gated", 528) for tile in tiles) + idot[1:] + per_weight
+
+
+def gated_key(n: int, k_blocks: int, group: int, dtype: torch.dtype, zero_points: bool, norm: bool,
+              rows: int) -> tuple[object, ...]:
+    """The tuner's key for a paired GEMV: ``("gated", N, K groups, group, dtype, zero points, norm folded)`` for one
+    row (the keys of mmsdk.kernels.step_configs' table), with the rows bucket appended for 2-16 rows."""
+    key: tuple[object, ...] = ("gated", n, k_blocks, group, dtype, zero_points, norm)
+    return key if rows == 1 else (*key, gemv_row_bucket(rows))
 
 
 @cache
