@@ -756,7 +756,7 @@ def gqa_batch(batch: int) -> list[dict[str, Any]]:
 
 
 # int8 / fp8 codes (a byte per channel, read as channel pairs) hold twice int4's bytes per token: the default
-# halves each tile (kv_decode_choice.generic_config's byte_codes); these set the halved many-row tiles against
+# halves each tile (kv_decode_choice.generic_config, fmt int8 / fp8); these set the halved many-row tiles against
 # int4's own, the batch-1 tiles and a few between
 GQA_BYTES_SPACE = {"generic": [None] + [(bt, w, t, stages, True) for bt, w, t, stages in (
     (32, 2, 528, 2), (32, 2, 528, 3), (32, 2, 1056, 2), (64, 2, 528, 2), (64, 2, 528, 3), (64, 4, 528, 2),
