@@ -669,12 +669,23 @@ def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def section_qwen_batch_step_attention_bytes(quick: bool) -> list[dict[str, Any]]:
+    """The same for int8 and fp8 K/V (their many-row tiles were chosen from the call alone): batch 4 with 12k-token
+    prompts and batch 8 with 3k, the default against int4's many-row tile, the halved long-cache tile and the halved
+    many-row tile."""
+    configs = ((64, 2, 528, 3, True), (64, 4, 264, 2, True), (32, 2, 528, 3, True))
+    shapes = ((4, 3072),) if quick else ((4, 12288), (8, 3072))
+    return [row for kv in ("int8-kv", "fp8-kv") for row in qwen_batch_step_rows(shapes, configs, (True,), kv)]
+
+
 def qwen_batch_step_rows(shapes: tuple[tuple[int, int], ...], configs: tuple[tuple[Any, ...], ...],
-                         pdl_settings: tuple[bool, ...]) -> list[dict[str, Any]]:
-    """Per (batch, prompt tokens) of ``shapes`` one model; its step timed with the default KV config, each of
-    ``configs`` forced, and the default again, under each of ``pdl_settings``."""
+                         pdl_settings: tuple[bool, ...], kv: str = "int4-kv") -> list[dict[str, Any]]:
+    """Per (batch, prompt tokens) of ``shapes`` one model (K/V packed by pass ``kv``); its step timed with the default
+    KV config, each of ``configs`` forced, and the default again, under each of ``pdl_settings``."""
     from benchmarks.gpu_decode_reuse import attention_config, step_ms_recaptured
+    from benchmarks.gpu_models import attach_kv
     from benchmarks.gpu_tune import pdl_setting
+    from mmsdk import Optimizer
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
@@ -683,13 +694,17 @@ def qwen_batch_step_rows(shapes: tuple[tuple[int, int], ...], configs: tuple[tup
         gen = torch.Generator(device="cuda").manual_seed(1)
         ids = torch.randint(1, 150000, (batch, ctx), device="cuda", generator=gen)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        model = optimized(build_qwen2_vl(), passes, kv=True)
+        opt = Optimizer(build_qwen2_vl(), None)
+        opt.apply(*passes)
+        model = opt.model
+        attach_kv(model, opt.adapter, kv)
+        del opt
         model.generate(**inputs, max_new_tokens=128, do_sample=False)  # tune, compile, capture; sizes the cache
         for pdl in pdl_settings:
             with pdl_setting(pdl):
                 for config in (None, *configs, None):
                     with attention_config(config):
-                        row = {"batch": batch, "ctx": ctx, "pdl": pdl, "cfg": config,
+                        row = {"kv": kv, "batch": batch, "ctx": ctx, "pdl": pdl, "cfg": config,
                                "step_ms": step_ms_recaptured(model, inputs)}
                     rows.append(row)
                     print(row, flush=True)
@@ -892,6 +907,7 @@ def main() -> None:
                 "qwen_batch_step_attention_check": section_qwen_batch_step_attention_check,
                 "qwen_batch8_long_step": section_qwen_batch8_long_step,
                 "qwen_batch_paired_mlp": section_qwen_batch_paired_mlp,
+                "qwen_batch_step_attention_bytes": section_qwen_batch_step_attention_bytes,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):
