@@ -442,7 +442,7 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
-    model = optimized(build_llava(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+    model = optimized(build_llava(), int4_g128_stack(), kv=True)
     record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model,
            kv_int4)
     del model
@@ -467,7 +467,7 @@ def section_steady(quick: bool) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     stacks = (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv",
                ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
-              ("same with int4-weight g128", ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")),
+              ("same with int4-weight g128", int4_g128_stack()),
               ("same (g32) without plain-norm and gated-MLP kernels",
                ("qkv-fuse", Int4WeightConfig(gated_mlp_kernel=False), RMSNormRoPEFusionConfig(plain_norms=False))))
     for name, passes in stacks:
@@ -549,12 +549,9 @@ def section_batch_decode(quick: bool) -> list[dict[str, Any]]:
 
 def section_qwen_decode(quick: bool) -> list[dict[str, Any]]:
     """Batch-1 decode on Qwen2-VL-7B shapes (GQA 28/4, M-RoPE), 1k text context: HF eager vs mmsdk's stack."""
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     ctx, new, reps = (1024, 32, 1) if quick else (1024, 128, 3)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(1, 150000, (1, ctx), device="cuda", generator=gen)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = qwen_text_inputs(1, ctx)
     kv_bytes = 28 * 2 * 4 * 128  # per token and byte of element: layers x (K, V) x KV heads x head_dim
     rows: list[dict[str, Any]] = []
 
@@ -568,8 +565,7 @@ def section_qwen_decode(quick: bool) -> list[dict[str, Any]]:
     record("HF bf16 eager generate", model, kv_bytes * 2, type(model).generate.__get__(model))
     del model
     release_memory()
-    model = optimized(build_qwen2_vl(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"),
-                      kv=True)
+    model = optimized(build_qwen2_vl(), int4_g128_stack(), kv=True)
     record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, kv_bytes * 0.5)
     return rows
 
@@ -589,6 +585,20 @@ def batch_one_kv_tiles() -> Iterator[None]:
     finally:
         for name, value in before.items():
             setattr(kv_decode_choice, name, value)
+
+
+def int4_g128_stack() -> tuple[Any, ...]:
+    """mmsdk's decode stack before int4-kv, as the sections run it: qkv-fuse, int4-weight g128, rmsnorm-rope-fusion."""
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    return ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
+
+
+def qwen_text_inputs(batch: int, ctx: int) -> dict[str, torch.Tensor]:
+    """``batch`` rows of ``ctx`` random text tokens for Qwen2-VL shapes, the same in every run (seed 1)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1, 150000, (batch, ctx), device="cuda", generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def section_qwen_batch_decode(quick: bool) -> list[dict[str, Any]]:
@@ -639,16 +649,13 @@ def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
 
     from benchmarks.gpu_decode_reuse import step_ms_recaptured
     from mmsdk.kernels import PAIRED_ROWS_ENV
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
-    passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
+    passes = int4_g128_stack()
     rows: list[dict[str, Any]] = []
     before = os.environ.get(PAIRED_ROWS_ENV)
     try:
         for batch in (4,) if quick else (4, 8):
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            ids = torch.randint(1, 150000, (batch, 3072), device="cuda", generator=gen)
-            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            inputs = qwen_text_inputs(batch, 3072)
             model = optimized(build_qwen2_vl(), passes, kv=True)
             tokens = {}
             for setting in ("0", "1", "1", "0") if not quick else ("0", "1"):
@@ -686,14 +693,11 @@ def qwen_batch_step_rows(shapes: tuple[tuple[int, int], ...], configs: tuple[tup
     from benchmarks.gpu_models import attach_kv
     from benchmarks.gpu_tune import pdl_setting
     from mmsdk import Optimizer
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
-    passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
+    passes = int4_g128_stack()
     rows: list[dict[str, Any]] = []
     for batch, ctx in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        ids = torch.randint(1, 150000, (batch, ctx), device="cuda", generator=gen)
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        inputs = qwen_text_inputs(batch, ctx)
         opt = Optimizer(build_qwen2_vl(), None)
         opt.apply(*passes)
         model = opt.model
@@ -725,14 +729,11 @@ def qwen_batch_decode_rows(quick: bool, ctx: int, order: tuple[bool, ...]) -> li
     what the tiles change."""
     from benchmarks.gpu_decode_reuse import call_ms, replay_step_ms
     from benchmarks.gpu_tune import generate_kernels
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     batch, new, reps = (4, 16, 1) if quick else (4, 64, 3)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(1, 150000, (batch, ctx), device="cuda", generator=gen)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = qwen_text_inputs(batch, ctx)
     kv_bytes = 28 * 2 * 4 * 128 * 0.5 * batch  # per token: layers x (K, V) x KV heads x head_dim, half a byte each
-    passes = ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion")
+    passes = int4_g128_stack()
     rows: list[dict[str, Any]] = []
     for round_, many_rows in enumerate(order[:2] if quick else order):
         with nullcontext() if many_rows else batch_one_kv_tiles():
@@ -766,9 +767,8 @@ def section_compiled(quick: bool) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     RESULTS["compiled"] = rows  # saved after each row: a row that runs out of time keeps the others
     record = decode_recorder(quick, rows, new=64, reps=2)
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
-    model = optimized(build_llava(), ("qkv-fuse", Int4WeightConfig(group_size=128), "rmsnorm-rope-fusion"), kv=True)
+    model = optimized(build_llava(), int4_g128_stack(), kv=True)
     record("mmsdk qkv-fuse + int4-weight g128 + rmsnorm-rope-fusion + int4-kv (fast generate)", model, KV_INT4)
     del model
     release_memory()
