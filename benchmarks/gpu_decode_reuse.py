@@ -224,15 +224,48 @@ def step_ms_recaptured(model: Any, inputs: dict[str, Any]) -> float:
 
 def search_step(model: Any, inputs: dict[str, Any], model_name: str, projections: tuple[str, ...] | None = None,
                 kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """The step's GEMV configs chosen by timing the replayed step itself (one round of coordinate descent).
+    """The step's GEMV configs chosen by timing the replayed step itself (one round of coordinate descent,
+    :func:`descend_step`).
 
     Per projection (qkv, o_proj, down, gated), each of its candidates (:func:`search_candidates`) is pinned in the
-    tuner's table in turn, the others as chosen so far; the graph is captured again and the step timed (median of
-    three replays after a call); the fastest stays. The tuner times each GEMV alone (followed by a norm launch), which
-    does not rank its configs as the step does: this measures what the step reaches with step-ranked configs. The
-    candidates were compiled when the first call tuned them (others compile on first use). ``projections`` limits
-    the search to those keys of ``_SHAPE_KEYS``, ``kinds`` the candidates to those kinds (all by default).
+    tuner's table in turn, the others as chosen so far. The tuner times each GEMV alone (followed by a norm launch),
+    which does not rank its configs as the step does: this measures what the step reaches with step-ranked configs.
+    ``projections`` limits the search to those keys of ``_SHAPE_KEYS``, ``kinds`` the candidates to those kinds (all
+    by default).
     """
+    unknown = set(projections or ()) - set(_SHAPE_KEYS[model_name])
+    if unknown:
+        raise ValueError(f"--projections {sorted(unknown)}: the step's projections are {list(_SHAPE_KEYS[model_name])}")
+    trials = {projection: (_tuner_key(shape), search_candidates(shape, kinds))
+              for projection, shape in _SHAPE_KEYS[model_name].items()
+              if projections is None or projection in projections}
+    return descend_step(model, inputs, trials)
+
+
+def search_step_rows(model: Any, inputs: dict[str, Any], bucket: int) -> dict[str, Any]:
+    """:func:`search_step` for a batched decode step: every GEMV the step ran for a rows ``bucket`` (the tuner's keys
+    of that bucket after a call: the plain GEMVs and the paired gate / up), each over the tensor-core ("mma")
+    candidates of that bucket."""
+    from mmsdk.kernels.w4a16 import gemv_candidates
+    from mmsdk.kernels.w4a16_gated import _paired_row_candidates
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    trials = {}
+    for key in list(tuning().chosen):
+        if key[0] == "gemv" and key[1] == bucket:  # ("gemv", bucket, N, K groups, group, dtype, ...)
+            candidates = tuple(c for c in gemv_candidates(bucket, key[4]) if len(c) > 4 and c[4] == "mma")
+            trials[f"gemv {key[2]}x{key[3] * key[4]}"] = (key, candidates)
+        elif key[0] == "gated" and len(key) == 8 and key[-1] == bucket:  # ("gated", N, K groups, group, ..., bucket)
+            trials[f"gated {key[1]}x{key[2] * key[3]}"] = (key, _paired_row_candidates(key[3]))
+    return descend_step(model, inputs, trials)
+
+
+def descend_step(model: Any, inputs: dict[str, Any],
+                 trials: dict[str, tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...]]]) -> dict[str, Any]:
+    """One round of coordinate descent over the tuner's table: per label of ``trials`` (tuner key, candidates), each
+    candidate is pinned for that key in turn, the others as chosen so far; the graph is captured again and the step
+    timed (median of three replays after a call); the fastest stays. The candidates were compiled when the first call
+    tuned them (others compile on first use)."""
     from mmsdk.kernels.fast_generate import release
     from mmsdk.kernels.w4a16_tuning import tuning
 
@@ -241,36 +274,31 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str, projections
     def step_ms() -> float:
         return step_ms_recaptured(model, inputs)  # with the table as it is now
 
-    unknown = set(projections or ()) - set(_SHAPE_KEYS[model_name])
-    if unknown:
-        raise ValueError(f"--projections {sorted(unknown)}: the step's projections are {list(_SHAPE_KEYS[model_name])}")
     out: dict[str, Any] = {"start_ms": step_ms(), "trials": [], "kept": {}}
     best_ms = out["start_ms"]
-    for projection, shape in _SHAPE_KEYS[model_name].items():
-        if projections is not None and projection not in projections:
-            continue
-        key = _tuner_key(shape)
+    for label, (key, candidates) in trials.items():
         if key not in table:
-            out["kept"][projection] = "not run by this step (no such tuner key)"
+            out["kept"][label] = "not run by this step (no such tuner key)"
             continue
         best_cfg = table[key]
-        for cfg in search_candidates(shape, kinds):
+        out.setdefault("started_with", {})[label] = best_cfg
+        for cfg in candidates:
             if cfg == best_cfg:
                 continue
             table[key] = cfg
             try:
                 ms = step_ms()
             except Exception as error:  # a config that cannot run here is no candidate
-                out["trials"].append({"projection": projection, "cfg": cfg, "error": repr(error)[:200]})
+                out["trials"].append({"projection": label, "cfg": cfg, "error": repr(error)[:200]})
                 continue
             finally:
                 table[key] = best_cfg
-            out["trials"].append({"projection": projection, "cfg": cfg, "step_ms": ms})
-            print(projection, cfg, f"{ms:.4f} ms (best {best_ms:.4f})", flush=True)
+            out["trials"].append({"projection": label, "cfg": cfg, "step_ms": ms})
+            print(label, cfg, f"{ms:.4f} ms (best {best_ms:.4f})", flush=True)
             if ms < best_ms:
                 best_ms, best_cfg = ms, cfg
         table[key] = best_cfg
-        out["kept"][projection] = best_cfg
+        out["kept"][label] = best_cfg
     out["final_ms"] = step_ms()
     release(model)
     return out

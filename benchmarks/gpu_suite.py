@@ -643,8 +643,10 @@ def section_qwen_batch8_long_step(quick: bool) -> list[dict[str, Any]]:
 def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
     """Batched decode steps of Qwen2-VL-7B shapes (int4 stack, 3k-token prompts, batch 4 and 8) with the gated MLP's
     gate and up as one paired tensor-core GEMV (``MMSDK_PAIRED_ROWS=1``) and as two GEMVs, their K-slice sums, a
-    SiLU and a multiply (the default), alternating in one model per batch (kept graph captured again per trial,
-    median of three replays after a call), and whether the two settings' first 32 greedy tokens agree."""
+    SiLU and a multiply (``MMSDK_PAIRED_ROWS=0``), alternating in one model per batch (kept graph captured again per
+    trial, median of three replays after a call); whether the two settings' first 32 greedy tokens agree (fast
+    generate), and through transformers' loop (which the scores request takes) each step's logits' relative
+    difference while the two answers agree (random weights leave near-ties, so answers part after a few tokens)."""
     import os
 
     from benchmarks.gpu_decode_reuse import step_ms_recaptured
@@ -666,6 +668,7 @@ def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
                 rows.append(row)
                 print(row, flush=True)
             rows[-1]["new_tokens_agree"] = float((tokens["0"] == tokens["1"]).float().mean())
+            rows[-1].update(logits_while_agreeing(model, inputs, PAIRED_ROWS_ENV, 16))
             del model
             release_memory()
     finally:
@@ -673,6 +676,126 @@ def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
             os.environ.pop(PAIRED_ROWS_ENV, None)
         else:
             os.environ[PAIRED_ROWS_ENV] = before
+    return rows
+
+
+def section_qwen_batch6_step(quick: bool) -> list[dict[str, Any]]:
+    """The batch-6 step (24 rows x KV heads, between the measured 16 and 32) over 3k- and 12k-token prompts: the default
+    (the long-cache tile below kv_decode_choice.MANY_ROWS_WIDE rows) against the wide 64-token tile, 3 deep."""
+    return qwen_batch_step_rows(((6, 3072),) if quick else ((6, 3072), (6, 12288)),
+                                ((64, 2, 528, 3, True), (128, 4, 264, 2, True)), (True,))
+
+
+def section_qwen_batch8_int8_step(quick: bool) -> list[dict[str, Any]]:
+    """int8 K/V at batch 8 over 3k- and 12k-token prompts: the wide tile halved (the default over middle caches from
+    this pass) against the wide tile (the default beyond them)."""
+    return qwen_batch_step_rows(((8, 3072),) if quick else ((8, 3072), (8, 12288)),
+                                ((64, 2, 528, 3, True), (32, 2, 528, 3, True)), (True,), "int8-kv")
+
+
+def section_qwen_batch_pdl(quick: bool) -> list[dict[str, Any]]:
+    """The batched decode step with its defaults (paired gate / up GEMV on) with programmatic dependent launch and
+    without (``MMSDK_PDL=0``), each twice, at batch 4 x 3k / 12k-token prompts and batch 8 x 3k."""
+    return qwen_batch_step_rows(((4, 3072),) if quick else ((4, 3072), (8, 3072), (4, 12288)), (), (True, False, True, False))
+
+
+def section_qwen_batch_step_gemvs(quick: bool) -> list[dict[str, Any]]:
+    """The batch-4 and batch-8 decode steps of Qwen2-VL-7B shapes (int4 stack, int4-kv, 3k-token prompts) with each
+    GEMV's config chosen by timing the replayed step (gpu_decode_reuse.search_step_rows: every "mma" candidate of the
+    rows bucket pinned in turn for q/k/v, o_proj, down and the paired gate / up), where the tuner times them alone."""
+    from benchmarks.gpu_decode_reuse import search_step_rows
+    from mmsdk.kernels.w4a16 import gemv_row_bucket
+
+    rows: list[dict[str, Any]] = []
+    for batch in (4,) if quick else (4, 8):
+        inputs = qwen_text_inputs(batch, 3072)
+        model = optimized(build_qwen2_vl(), int4_g128_stack(), kv=True)
+        model.generate(**inputs, max_new_tokens=128, do_sample=False)  # tune, compile, capture; sizes the cache
+        row = {"batch": batch, "ctx": 3072, **search_step_rows(model, inputs, gemv_row_bucket(batch))}
+        rows.append(row)
+        print({k: row[k] for k in ("batch", "start_ms", "final_ms", "kept")}, flush=True)
+        del model
+        release_memory()
+    return rows
+
+
+def logits_while_agreeing(model: Any, inputs: dict[str, torch.Tensor], env: str, new: int) -> dict[str, Any]:
+    """Greedy answers of ``new`` tokens with ``env`` at "0" and at "1": :func:`answers_compared`."""
+    import os
+
+    runs = []
+    for setting in ("0", "1"):
+        os.environ[env] = setting
+        runs.append(scored_answer(model, inputs, new))
+    return answers_compared(*runs, inputs["input_ids"].shape[1])
+
+
+def scored_answer(model: Any, inputs: dict[str, torch.Tensor], new: int) -> Any:
+    """A greedy answer of ``new`` tokens with each step's logits (the scores request takes transformers' loop)."""
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=new, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True)
+
+
+def answers_compared(first: Any, second: Any, prompt: int) -> dict[str, Any]:
+    """Each step's logits' relative difference (norm over the batch) while two scored answers agree, and the first
+    step where they part (None: they never do)."""
+    differences, parted = [], None
+    for step, (a, b) in enumerate(zip(first.scores, second.scores)):
+        if not torch.equal(first.sequences[:, : prompt + step], second.sequences[:, : prompt + step]):
+            parted = step
+            break
+        differences.append(float((a.double() - b.double()).norm() / a.double().norm()))
+    return {"logits_rel_diff_while_agreeing": differences, "answers_part_at_step": parted}
+
+
+def section_qwen_batch_rounding(quick: bool) -> list[dict[str, Any]]:
+    """How far a batched decode's logits move under a change that only rounds differently, next to the paired gate /
+    up GEMV's change (Qwen2-VL-7B shapes, int4 stack, int4-kv, batch 4 x 3k-token prompts, transformers' loop):
+    ``MMSDK_PAIRED_ROWS=0`` with the tuner's picks against the same with each 4-row plain GEMV pinned to another
+    tensor-core tile (other K slices: the fp32 partials summed in another order, so some bf16 outputs round the
+    other way), and against ``MMSDK_PAIRED_ROWS=1`` (silu(gate) * up from fp32, one rounding where the two GEMVs round
+    gate, up, the SiLU and the product)."""
+    import os
+
+    from mmsdk.kernels import PAIRED_ROWS_ENV
+    from mmsdk.kernels.w4a16 import gemv_candidates
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    inputs = qwen_text_inputs(4, 3072)
+    model = optimized(build_qwen2_vl(), int4_g128_stack(), kv=True)
+    new = 4 if quick else 12
+    before = os.environ.get(PAIRED_ROWS_ENV)
+    table = tuning().chosen
+    try:
+        os.environ[PAIRED_ROWS_ENV] = "0"
+        reference = scored_answer(model, inputs, new)  # tunes the 4-row keys
+        pins = {}
+        for key, cfg in list(table.items()):
+            if key[0] == "gemv" and key[1] == 4:
+                target = cfg[5] if len(cfg) > 5 else None
+                other = [c for c in gemv_candidates(4, key[4]) if len(c) > 5 and c[4] == "mma" and c[5] != target]
+                if other:
+                    pins[key] = (cfg, other[0])
+                    table[key] = other[0]
+        retiled = scored_answer(model, inputs, new)
+        for key, (cfg, _) in pins.items():
+            table[key] = cfg
+        os.environ[PAIRED_ROWS_ENV] = "1"
+        paired = scored_answer(model, inputs, new)
+    finally:
+        if before is None:
+            os.environ.pop(PAIRED_ROWS_ENV, None)
+        else:
+            os.environ[PAIRED_ROWS_ENV] = before
+    prompt = inputs["input_ids"].shape[1]
+    rows = [{"change": "4-row GEMVs on other tiles", "pins": {str(k): v for k, v in pins.items()},
+             **answers_compared(reference, retiled, prompt)},
+            {"change": "paired gate / up GEMV", **answers_compared(reference, paired, prompt)}]
+    for row in rows:
+        print(row, flush=True)
+    del model
+    release_memory()
     return rows
 
 
@@ -908,6 +1031,11 @@ def main() -> None:
                 "qwen_batch8_long_step": section_qwen_batch8_long_step,
                 "qwen_batch_paired_mlp": section_qwen_batch_paired_mlp,
                 "qwen_batch_step_attention_bytes": section_qwen_batch_step_attention_bytes,
+                "qwen_batch6_step": section_qwen_batch6_step,
+                "qwen_batch_step_gemvs": section_qwen_batch_step_gemvs,
+                "qwen_batch_rounding": section_qwen_batch_rounding,
+                "qwen_batch_pdl": section_qwen_batch_pdl,
+                "qwen_batch8_int8_step": section_qwen_batch8_int8_step,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}
     for name in args.sections.split(","):

@@ -184,7 +184,7 @@ def main() -> None:
             for block_m in (1, 8, 16):
                 for cfg in _MMA_CANDIDATES:
                     print(build_mma(cfg[0], cfg[1], cfg[2], block_m, group, cfg[6]), flush=True)
-    if "mma_paired" in chosen:  # the gated MLP's gate and up for 2-16 rows (MMSDK_PAIRED_ROWS=1)
+    if "mma_paired" in chosen:  # the gated MLP's gate and up for 2-16 rows (the default; MMSDK_PAIRED_ROWS=0: off)
         from mmsdk.kernels.w4a16 import _MMA_CANDIDATES
 
         for group in (128, 32):

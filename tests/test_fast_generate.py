@@ -721,6 +721,32 @@ def test_integer_dot_gemvs_in_the_decode_step_keep_the_answers(name, session, ti
     _assert_same_logits_while_answers_agree(*runs)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_paired_gate_up_in_the_batched_decode_step_keeps_the_answers(name, session, tiny, monkeypatch):
+    """Batch-2 decode steps with each gated MLP's gate and up as one tensor-core GEMV (kind "mma", the default for
+    2-16 rows) give the logits of two GEMVs, their K-slice sums, a SiLU and a multiply (``MMSDK_PAIRED_ROWS=0``),
+    compared at every step while the answers agree; the paired launch ran for two rows in the first run only."""
+    from mmsdk.kernels import w4a16_gated
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+
+    rows_launched = []
+    original = w4a16_gated.launch_paired_mma
+    monkeypatch.setattr(w4a16_gated, "launch_paired_mma",
+                        lambda x, *a, **k: rows_launched.append(x.shape[0]) or original(x, *a, **k))
+    runs = []
+    for paired in ("1", "0"):
+        monkeypatch.setenv("MMSDK_PAIRED_ROWS", paired)
+        rows_launched.clear()
+        opt, inputs = _bf16_decode_stack(tiny, session, name, RMSNormRoPEFusionConfig(), QUESTIONS)
+        with torch.no_grad():
+            runs.append(opt.model.generate(**inputs, max_new_tokens=8, do_sample=False, output_scores=True,
+                                           return_dict_in_generate=True))
+        assert (2 in rows_launched) == (paired == "1"), rows_launched
+    _assert_same_logits_while_answers_agree(*runs)
+
+
 def _assert_same_logits_while_answers_agree(first, second) -> None:
     """Two greedy generate() results (with scores): each step's logits within 2e-2 of each other (relative norm),
     compared while the two answers agree (a tiny random model has near-ties), for at least two steps."""

@@ -391,7 +391,8 @@ def test_w4a16_gated_silu_matches_two_matmuls(target, symmetric):
     parts = {name: (p.qweight, p.scales, p.zero_points) for name, p in (("gate", gate), ("other", other),
                                                                        ("small", small))}
     assert "differ" in gated_silu_reason(x, parts["gate"], parts["other"], 32)
-    assert "more than one activation row" in gated_silu_reason(x.expand(2, 64), parts["gate"], parts["gate"], 32)
+    assert "more than 16 activation rows" in gated_silu_reason(x.expand(17, 64), parts["gate"], parts["gate"], 32)
+    assert gated_silu_reason(x.expand(2, 64), parts["gate"], parts["gate"], 32) is None  # 2-16 rows: kind "mma"
     assert "group size 16" in gated_silu_reason(x, parts["small"], parts["small"], 16)
     assert w4a16_gated_silu(x, parts["gate"], parts["other"], 64, 32) is None
 
@@ -428,9 +429,9 @@ def test_w4a16_gated_kind_stores_silu_itself_with_one_k_slice(target, symmetric,
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_w4a16_paired_rows_gemv_matches_two_matmuls(target, symmetric, monkeypatch):
-    """With MMSDK_PAIRED_ROWS=1 the gated MLP's gate and up GEMVs of 2-16 rows run as one tensor-core launch (kind
-    "mma", each program the same rows of both weights): one K slice stores silu(gate) * up itself, several store both
-    partials for the gated epilogue; a norm to fold runs first as its own kernel. Off (the default) or above 16 rows
+    """By default (MMSDK_PAIRED_ROWS=1) the gated MLP's gate and up GEMVs of 2-16 rows run as one tensor-core launch
+    (kind "mma", each program the same rows of both weights): one K slice stores silu(gate) * up itself, several store
+    both partials for the gated epilogue; a norm to fold runs first as its own kernel. Switched off or above 16 rows
     the caller falls back."""
     from mmsdk.kernels import w4a16_gated
     from mmsdk.kernels.norm_fold import InputNorm, quad_factors
@@ -470,7 +471,7 @@ def test_w4a16_paired_rows_gemv_matches_two_matmuls(target, symmetric, monkeypat
     # what falls back: more than 16 rows; 2-16 with the switch off; a one-row kind for several rows and "mma" for one
     assert w4a16_gated.w4a16_gated_silu(x[:1].expand(17, k), parts[0], parts[1], k, group) is None
     monkeypatch.setenv("MMSDK_PAIRED_ROWS", "0")
-    assert "MMSDK_PAIRED_ROWS=1" in w4a16_gated.gated_silu_reason(x, parts[0], parts[1], group)
+    assert "MMSDK_PAIRED_ROWS=0" in w4a16_gated.gated_silu_reason(x, parts[0], parts[1], group)
     assert w4a16_gated.w4a16_gated_silu(x, parts[0], parts[1], k, group) is None
     out = torch.empty(3, n, device=device, dtype=dtype)
     with pytest.raises(ValueError, match="kind 'mma' runs 2-16 rows"):

@@ -551,8 +551,12 @@ def test_word_launch_defaults_follow_the_cache_size():
         assert generic_config(None, True, False, 16384, fmt=fmt, rows=16) == ((64, 2, 528, 3), True)
         assert generic_config(None, True, False, 16384, fmt=fmt, rows=8) == ((64, 4, 264, 2), True)
         assert generic_config(None, True, False, 1280, fmt=fmt, rows=32) == ((64, 8, 264, 2), True)
-    # over middle caches int8 too; fp8, slower to decode, halves int4's tile
+    # over middle caches int8 too (up to 32 rows, from where both halve int4's wide tile); fp8, slower to decode,
+    # halves int4's tile
     assert generic_config(None, True, False, 4096, fmt="int8", rows=8) == ((64, 2, 528, 3), True)
+    assert generic_config(None, True, False, 4096, fmt="int8", rows=16) == ((64, 2, 528, 3), True)
+    assert generic_config(None, True, False, 4096, fmt="int8", rows=32) == ((32, 2, 528, 3), True)
+    assert generic_config(None, True, False, 16384, fmt="int8", rows=32) == ((64, 2, 528, 3), True)
     assert generic_config(None, True, False, 4096, fmt="fp8", rows=8) == ((64, 4, 264, 2), True)
     assert generic_config(None, True, False, 4096, fmt="fp8", rows=32) == ((32, 2, 528, 3), True)
     assert generic_config(None, True, False, 4096, fmt="fp8", rows=4) == ((128, 8, 264, 2), True)

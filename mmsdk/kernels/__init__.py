@@ -41,9 +41,10 @@ TUNE_ENV = "MMSDK_TUNE"
 # "0" has the packed cache's int4 MHA decode kernel leave its splits to a combine kernel instead of merging them itself
 # (kv_decode.decode_attention's merge_counters), to measure what the merge buys
 KV_MERGE_ENV = "MMSDK_KV_MERGE"
-# "1" lets a gated MLP's gate and up projections of 2-16 activation rows (batched decode) run as one paired tensor-core
-# GEMV (mmsdk.kernels.w4a16_gated, kind "mma") instead of two GEMVs, their K-slice sums, a SiLU and a multiply. Off
-# until measured in a batched decode step on a GPU.
+# "0" has a gated MLP's gate and up projections of 2-16 activation rows (batched decode) run as two GEMVs, their K-slice
+# sums, a SiLU and a multiply instead of one paired tensor-core GEMV (mmsdk.kernels.w4a16_gated, kind "mma"; the
+# default: on the H200 it took Qwen2-VL-7B's batch-4 / batch-8 decode step from 2.909 to 2.845 ms and from 3.197 to
+# 3.137, docs/benchmarks.md, thirty-sixth pass)
 PAIRED_ROWS_ENV = "MMSDK_PAIRED_ROWS"
 
 
@@ -77,7 +78,7 @@ def kv_merge_enabled() -> bool:
 
 def paired_rows_enabled() -> bool:
     """Whether gated MLPs pair their gate and up GEMVs for 2-16 rows too (see :data:`PAIRED_ROWS_ENV`)."""
-    mode = os.environ.get(PAIRED_ROWS_ENV, "0")
+    mode = os.environ.get(PAIRED_ROWS_ENV, "1")
     if mode not in ("0", "1"):
         raise ValueError(f"{PAIRED_ROWS_ENV}={mode!r}: set it to 0 or 1 (or leave it unset)")
     return mode == "1"

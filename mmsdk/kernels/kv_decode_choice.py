@@ -130,7 +130,11 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     from 12.9 / 21.2 to 12.2 / 17.4, while fp8, whose codes take more instructions to decode, keeps int4's tiles
     halved there: at batch 4 the long-cache tile's (64 tokens on 4 warps: 13.8 against 16.6), at batch 8 the 64-token
     tile's (32 tokens on 2 warps, 3 deep: 20.0 against 23.9;
-    benchmarks/results/h200_kernel_sweeps_gqa_bytes_batch_35.json).
+    benchmarks/results/h200_kernel_sweeps_gqa_bytes_batch_35.json). In the decode step (Qwen2-VL-7B shapes, int4
+    stack; h200_suite_qwen_batch_step_attention_bytes_36.json) those held at batch 4 and 12k (int8 3.276 ms against
+    3.418 for the long-cache tile halved, 3.370 for 32 tokens on 2 warps; fp8 within 0.02 ms of each other), but at
+    batch 8 and 3k (:data:`MANY_ROWS_WIDE` rows over a middle cache) int8 too ran fastest with the wide tile halved:
+    3.228 against 3.282, so there both halve it.
     """
     ahead = None
     if config is not None and len(config) == 5:  # (..., num_stages, V ahead)
@@ -147,17 +151,19 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
         default, v_ahead = (64 if small_tile else 32, 4, TARGET_PROGRAMS, 2), False
     if use_dot and fmt != "int4":
         many_rows = rows >= (MANY_ROWS_MIDDLE if t_max <= GENERIC_MIDDLE_CACHE else MANY_ROWS_LONG)
-        default = _byte_code_tiles(default, fmt, t_max, many_rows)
+        default = _byte_code_tiles(default, fmt, t_max, many_rows, rows >= MANY_ROWS_WIDE)
     block_t, warps, target, stages = completed_config(config, default)
     stages = default[3] if stages is None else stages  # None: the default, as the word kernels read it
     return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
 
 
-def _byte_code_tiles(default: tuple[int, int, int, int], fmt: str, t_max: int,
-                     many_rows: bool) -> tuple[int, int, int, int]:
+def _byte_code_tiles(default: tuple[int, int, int, int], fmt: str, t_max: int, many_rows: bool,
+                     wide: bool) -> tuple[int, int, int, int]:
     """The int4 default ``default`` for int8 / fp8 codes (see :func:`generic_config`): halved, except with many rows
-    beyond the short caches, where int8 (and fp8 beyond the middle ones) take 64-token tiles on 2 warps, 3 deep."""
-    if many_rows and t_max > GENERIC_SHORT_CACHE and (fmt == "int8" or t_max > GENERIC_MIDDLE_CACHE):
+    beyond the short caches, where int8 (and fp8 beyond the middle ones) take 64-token tiles on 2 warps, 3 deep;
+    middle caches with ``wide`` rows (int4's default there is that tile already) halve it for both."""
+    middle = t_max <= GENERIC_MIDDLE_CACHE
+    if many_rows and t_max > GENERIC_SHORT_CACHE and not (middle and wide) and (fmt == "int8" or not middle):
         return (64, 2, TARGET_PROGRAMS, 3)
     return (default[0] // 2, *default[1:])
 

@@ -1,7 +1,7 @@
 """A gated MLP's INT4 gate and up projections for one token: ``silu(x @ Wg.T) * (x @ Wu.T)`` in one GEMV launch.
 
-(With ``MMSDK_PAIRED_ROWS=1``, for 2-16 tokens too: kind ``"mma"``, the tensor-core GEMV of few rows with each
-program the same rows of both weights; off until measured in a batched decode step on a GPU.)
+For 2-16 tokens too (batched decode): kind ``"mma"``, the tensor-core GEMV of few rows with each program the same
+rows of both weights (``MMSDK_PAIRED_ROWS=0`` turns that off: two GEMVs, their K-slice sums, a SiLU and a multiply).
 
 Three kinds of configuration (GEMV configs as in mmsdk.kernels.w4a16, ``(BLOCK_N, BLOCK_C quads, warps, 1,
 KIND[, target programs])``); the tuner times every kind per shape (key ``("gated", ...)``) and keeps the first, in
@@ -105,8 +105,8 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
     rows = x.reshape(-1, x.shape[-1]).shape[0]
     if rows > GEMV_MAX_M or (rows > 1 and not paired_rows_enabled()):
         # one message for every row count: the fallback log says each reason once
-        return (f"more than one activation row (the paired GEMV is the batch-1 decode kernel; it runs 2-{GEMV_MAX_M} "
-                "rows with MMSDK_PAIRED_ROWS=1)")
+        return (f"more than {GEMV_MAX_M} activation rows, or 2-{GEMV_MAX_M} with MMSDK_PAIRED_ROWS=0 (the paired "
+                f"GEMV is the decode kernel; unset MMSDK_PAIRED_ROWS to pair 2-{GEMV_MAX_M} rows)")
     if block_size < 32:
         return f"group size {block_size} (the paired GEMV reads 4-word quads: groups >= 32)"
     if gate[0].shape != up[0].shape or gate[1].shape != up[1].shape or gate[1].dtype != up[1].dtype:
@@ -121,7 +121,7 @@ def gated_silu_reason(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, blo
 def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_features: int, block_size: int,
                      config: GemvConfig | None = None, splits: int | None = None,
                      norm: InputNorm | None = None, statistics: NormStatistics | None = None) -> torch.Tensor | None:
-    """``silu(x @ Wg.T) * (x @ Wu.T)`` for one activation row (2-16 with ``MMSDK_PAIRED_ROWS=1``), or None (the
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for 1-16 activation rows (one with ``MMSDK_PAIRED_ROWS=0``), or None (the
     caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
