@@ -696,7 +696,22 @@ def section_qwen_batch8_int8_step(quick: bool) -> list[dict[str, Any]]:
 def section_qwen_batch_pdl(quick: bool) -> list[dict[str, Any]]:
     """The batched decode step with its defaults (paired gate / up GEMV on) with programmatic dependent launch and
     without (``MMSDK_PDL=0``), each twice, at batch 4 x 3k / 12k-token prompts and batch 8 x 3k."""
-    return qwen_batch_step_rows(((4, 3072),) if quick else ((4, 3072), (8, 3072), (4, 12288)), (), (True, False, True, False))
+    return qwen_batch_step_rows(((4, 3072),) if quick else ((4, 3072), (8, 3072), (4, 12288)), (),
+                                (True, False, True, False))
+
+
+def section_qwen_batch_attention_pdl(quick: bool) -> list[dict[str, Any]]:
+    """Where the batch-8 step's PDL cost sits (qwen_batch_pdl: 1.8% at 8 x 3k, while 4 x 12k gained 2.0%): the
+    defaults against the KV decode kernels alone launched without PDL (gpu_decode_reuse's "no_pdl" trial), twice."""
+    return qwen_batch_step_rows(((8, 3072),) if quick else ((8, 3072), (4, 12288)), ("no_pdl", "no_pdl"), (True,))
+
+
+def section_qwen_batch_attention_pdl_check(quick: bool) -> list[dict[str, Any]]:
+    """The batch-8 step after the KV kernels lost PDL at 32 rows over middle caches (kv_decode_choice.
+    launched_without_pdl): at 8 x 3k the default against the same tile forced (a forced config keeps PDL); at 8 x 12k
+    (a long cache, PDL kept) the default against the KV kernels without it."""
+    return [*qwen_batch_step_rows(((8, 3072),), ((64, 2, 528, 3, True),), (True,)),
+            *([] if quick else qwen_batch_step_rows(((8, 12288),), ("no_pdl",), (True,)))]
 
 
 def section_qwen_batch_step_gemvs(quick: bool) -> list[dict[str, Any]]:
@@ -1035,6 +1050,8 @@ def main() -> None:
                 "qwen_batch_step_gemvs": section_qwen_batch_step_gemvs,
                 "qwen_batch_rounding": section_qwen_batch_rounding,
                 "qwen_batch_pdl": section_qwen_batch_pdl,
+                "qwen_batch_attention_pdl": section_qwen_batch_attention_pdl,
+                "qwen_batch_attention_pdl_check": section_qwen_batch_attention_pdl_check,
                 "qwen_batch8_int8_step": section_qwen_batch8_int8_step,
                 "batch_decode": section_batch_decode,
                 "compiled": section_compiled, "memory": section_memory, "ttft": section_ttft}

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, note_fallback, pdl_ready, triton_ready
-from mmsdk.kernels.kv_decode_choice import (VARIANTS, byte_pairs, ceil_div, generic_config, pick_variant, pow2, splits,
-                                            words_ready)
+from mmsdk.kernels.kv_decode_choice import (VARIANTS, byte_pairs, ceil_div, generic_config, launched_without_pdl,
+                                            pick_variant, pow2, splits, words_ready)
 from mmsdk.kernels.kv_word_config import word_launch
 
 __all__ = ["FORMATS", "VARIANTS", "append_kv", "attention_implementation", "decode_attention", "dequantize_codes",
@@ -146,7 +146,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
     mask_arg = mask if mask is not None else lse
     new_key, new_value = _new_token(append, query)
-    pdl = pdl_ready(query)
+    pdl = pdl_ready(query) and not launched_without_pdl(config, fmt, t_max, b * h_kv)
     pairs = byte_pairs(key_codes, value_codes, fmt, d)
     row_width = key_codes.shape[-1] if fmt == "int4" else d // 2 if pairs else d  # in loaded elements
     _kv_grouped_triton.decode_partial[(b * h_kv, n_splits)](
