@@ -422,7 +422,8 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
 
         model = build_llava()
-        quantize_(model.model.language_model, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+        quantize_(model.model.language_model,
+                  Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
         record("torchao int4 weight-only (HF eager generate)", model, kv_bf16, type(model).generate.__get__(model))
         del model
     except Exception as error:
@@ -431,8 +432,7 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
     release_memory()
     model = optimized(build_llava(), ("int4-weight",), kv=True)
     record("mmsdk int4-weight + int4-kv (fast generate)", model, kv_int4)
-    record("mmsdk int4-weight + int4-kv (HF generate, no graphs)", model, kv_int4,
-           lambda **kw: model._mmsdk_fast_generate(**kw))
+    record("mmsdk int4-weight + int4-kv (HF generate, no graphs)", model, kv_int4, model._mmsdk_fast_generate)
     del model
     release_memory()
     model = optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
