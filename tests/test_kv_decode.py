@@ -563,10 +563,12 @@ def test_word_launch_defaults_follow_the_cache_size():
     # the generic kernel drops programmatic dependent launch only with its default wide tile over a middle cache (int4)
     from mmsdk.kernels.kv_decode_choice import launched_without_pdl
 
-    assert launched_without_pdl(None, "int4", 3328, 32) and launched_without_pdl(None, "int4", 4096, 64)
-    for config, fmt, slots, rows in ((None, "int4", 3328, 16), (None, "int4", 12544, 32), (None, "int4", 1280, 32),
-                                     (None, "int8", 3328, 32), ((64, 2, 528, 3), "int4", 3328, 32)):
-        assert not launched_without_pdl(config, fmt, slots, rows), (config, fmt, slots, rows)
+    assert launched_without_pdl(None, True, "int4", 3328, 32) and launched_without_pdl(None, True, "int4", 4096, 64)
+    for config, use_dot, fmt, slots, rows in ((None, True, "int4", 3328, 16), (None, True, "int4", 12544, 32),
+                                              (None, True, "int4", 1280, 32), (None, True, "int8", 3328, 32),
+                                              ((64, 2, 528, 3), True, "int4", 3328, 32),
+                                              (None, False, "int4", 3328, 32)):
+        assert not launched_without_pdl(config, use_dot, fmt, slots, rows), (config, use_dot, fmt, slots, rows)
     too_short, too_long = (32, 1), (32, 1, 8, 2, 1, 1, 1, 1)
     for config, variant in ((too_short, "subnormal"), (too_long, "subnormal"), ((32, 1, 8, 2, 1), "magic")):
         with pytest.raises(ValueError, match="BLOCK_T, num_warps, target programs"):

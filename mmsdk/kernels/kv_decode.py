@@ -146,7 +146,7 @@ def decode_attention(query: torch.Tensor, key_codes: torch.Tensor, value_codes: 
     out = torch.empty(b, 1, hq, d, device=query.device, dtype=query.dtype)
     mask_arg = mask if mask is not None else lse
     new_key, new_value = _new_token(append, query)
-    pdl = pdl_ready(query) and not launched_without_pdl(config, fmt, t_max, b * h_kv)
+    pdl = pdl_ready(query) and not launched_without_pdl(config, use_dot, fmt, t_max, b * h_kv)
     pairs = byte_pairs(key_codes, value_codes, fmt, d)
     row_width = key_codes.shape[-1] if fmt == "int4" else d // 2 if pairs else d  # in loaded elements
     _kv_grouped_triton.decode_partial[(b * h_kv, n_splits)](

@@ -157,16 +157,17 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     return (block_t, warps, target, stages), v_ahead if ahead is None else ahead
 
 
-def launched_without_pdl(config: tuple[int, ...] | None, fmt: str, t_max: int, rows: int) -> bool:
-    """Whether the generic kernel and its combine launch without programmatic dependent launch: int4 codes over a
-    middle cache with :data:`MANY_ROWS_WIDE` rows (batch x KV heads) and the default tiles (the wide 64-token tile,
-    3 deep, over 528 programs). There, early-launched, its programs slowed the step: Qwen2-VL-7B's batch-8 decode
-    step (3k-token prompts, int4 stack) took 3.039 / 3.040 ms with the KV kernels launched without PDL against 3.146 /
-    3.147 with it (docs/benchmarks.md, thirty-sixth pass; the whole step without PDL 3.079-3.083 against 3.135-3.139
-    in another process). Everywhere else PDL stays: at batch 4 x 12k (16 rows, a long cache) the KV kernels without it
-    took 3.106 / 3.115 ms against 3.090 / 3.091; other formats and long caches at 32 rows were not measured."""
-    return config is None and fmt == "int4" and GENERIC_SHORT_CACHE < t_max <= GENERIC_MIDDLE_CACHE and \
-        rows >= MANY_ROWS_WIDE
+def launched_without_pdl(config: tuple[int, ...] | None, use_dot: bool, fmt: str, t_max: int, rows: int) -> bool:
+    """Whether the generic kernel and its combine launch without programmatic dependent launch: int4 codes on the
+    tensor cores (``use_dot``, as :func:`generic_config` takes it) over a middle cache with :data:`MANY_ROWS_WIDE`
+    rows (batch x KV heads) and the default tiles (the wide 64-token tile, 3 deep, over 528 programs). There,
+    early-launched, its programs slowed the step: Qwen2-VL-7B's batch-8 decode step (3k-token prompts, int4 stack)
+    took 3.039 / 3.040 ms with the KV kernels launched without PDL against 3.146 / 3.147 with it (docs/benchmarks.md,
+    thirty-sixth pass; the whole step without PDL 3.079-3.083 against 3.135-3.139 in another process). Everywhere else
+    PDL stays: at batch 4 x 12k (16 rows, a long cache) the KV kernels without it took 3.106 / 3.115 ms against 3.090
+    / 3.091; other formats and long caches at 32 rows were not measured."""
+    return (config is None and use_dot and fmt == "int4" and GENERIC_SHORT_CACHE < t_max <= GENERIC_MIDDLE_CACHE
+            and rows >= MANY_ROWS_WIDE)
 
 
 def _byte_code_tiles(default: tuple[int, int, int, int], fmt: str, t_max: int, many_rows: bool,
