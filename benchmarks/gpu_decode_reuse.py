@@ -246,6 +246,13 @@ def search_step_rows(model: Any, inputs: dict[str, Any], bucket: int) -> dict[st
     """:func:`search_step` for a batched decode step: every GEMV the step ran for a rows ``bucket`` (the tuner's keys
     of that bucket after a call: the plain GEMVs and the paired gate / up), each over the tensor-core ("mma")
     candidates of that bucket."""
+    return descend_step(model, inputs, row_bucket_trials(bucket))
+
+
+def row_bucket_trials(bucket: int,
+                      gated: bool = True) -> dict[str, tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...]]]:
+    """Label -> (tuner key, its tensor-core "mma" candidates) for every GEMV this process has tuned for a rows
+    ``bucket``: the plain GEMVs and (with ``gated``) the paired gate / up."""
     from mmsdk.kernels.w4a16 import gemv_candidates
     from mmsdk.kernels.w4a16_gated import _paired_row_candidates
     from mmsdk.kernels.w4a16_tuning import tuning
@@ -253,11 +260,11 @@ def search_step_rows(model: Any, inputs: dict[str, Any], bucket: int) -> dict[st
     trials = {}
     for key in list(tuning().chosen):
         if key[0] == "gemv" and key[1] == bucket:  # ("gemv", bucket, N, K groups, group, dtype, ...)
-            candidates = tuple(c for c in gemv_candidates(bucket, key[4]) if len(c) > 4 and c[4] == "mma")
+            candidates = tuple(c for c in gemv_candidates(bucket, key[4]) if len(c) > 5 and c[4] == "mma")
             trials[f"gemv {key[2]}x{key[3] * key[4]}"] = (key, candidates)
-        elif key[0] == "gated" and len(key) == 8 and key[-1] == bucket:  # ("gated", N, K groups, group, ..., bucket)
+        elif gated and key[0] == "gated" and len(key) == 8 and key[-1] == bucket:  # (..., group, ..., bucket)
             trials[f"gated {key[1]}x{key[2] * key[3]}"] = (key, _paired_row_candidates(key[3]))
-    return descend_step(model, inputs, trials)
+    return trials
 
 
 def descend_step(model: Any, inputs: dict[str, Any],

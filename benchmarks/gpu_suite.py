@@ -647,35 +647,27 @@ def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
     trial, median of three replays after a call); whether the two settings' first 32 greedy tokens agree (fast
     generate), and through transformers' loop (which the scores request takes) each step's logits' relative
     difference while the two answers agree (random weights leave near-ties, so answers part after a few tokens)."""
-    import os
-
     from benchmarks.gpu_decode_reuse import step_ms_recaptured
+    from benchmarks.gpu_tune import env_setting
     from mmsdk.kernels import PAIRED_ROWS_ENV
 
     passes = int4_g128_stack()
     rows: list[dict[str, Any]] = []
-    before = os.environ.get(PAIRED_ROWS_ENV)
-    try:
-        for batch in (4,) if quick else (4, 8):
-            inputs = qwen_text_inputs(batch, 3072)
-            model = optimized(build_qwen2_vl(), passes, kv=True)
-            tokens = {}
-            for setting in ("0", "1", "1", "0") if not quick else ("0", "1"):
-                os.environ[PAIRED_ROWS_ENV] = setting
+    for batch in (4,) if quick else (4, 8):
+        inputs = qwen_text_inputs(batch, 3072)
+        model = optimized(build_qwen2_vl(), passes, kv=True)
+        tokens = {}
+        for setting in ("0", "1", "1", "0") if not quick else ("0", "1"):
+            with env_setting(PAIRED_ROWS_ENV, setting):
                 row = {"batch": batch, "ctx": 3072, "paired_rows": setting == "1",
                        "step_ms": step_ms_recaptured(model, inputs)}
                 tokens[setting] = model.generate(**inputs, max_new_tokens=32, do_sample=False)[:, 3072:]
-                rows.append(row)
-                print(row, flush=True)
-            rows[-1]["new_tokens_agree"] = float((tokens["0"] == tokens["1"]).float().mean())
-            rows[-1].update(logits_while_agreeing(model, inputs, PAIRED_ROWS_ENV, 16))
-            del model
-            release_memory()
-    finally:
-        if before is None:
-            os.environ.pop(PAIRED_ROWS_ENV, None)
-        else:
-            os.environ[PAIRED_ROWS_ENV] = before
+            rows.append(row)
+            print(row, flush=True)
+        rows[-1]["new_tokens_agree"] = float((tokens["0"] == tokens["1"]).float().mean())
+        rows[-1].update(logits_while_agreeing(model, inputs, PAIRED_ROWS_ENV, 16))
+        del model
+        release_memory()
     return rows
 
 
@@ -736,12 +728,12 @@ def section_qwen_batch_step_gemvs(quick: bool) -> list[dict[str, Any]]:
 
 def logits_while_agreeing(model: Any, inputs: dict[str, torch.Tensor], env: str, new: int) -> dict[str, Any]:
     """Greedy answers of ``new`` tokens with ``env`` at "0" and at "1": :func:`answers_compared`."""
-    import os
+    from benchmarks.gpu_tune import env_setting
 
     runs = []
     for setting in ("0", "1"):
-        os.environ[env] = setting
-        runs.append(scored_answer(model, inputs, new))
+        with env_setting(env, setting):
+            runs.append(scored_answer(model, inputs, new))
     return answers_compared(*runs, inputs["input_ids"].shape[1])
 
 
@@ -771,38 +763,29 @@ def section_qwen_batch_rounding(quick: bool) -> list[dict[str, Any]]:
     tensor-core tile (other K slices: the fp32 partials summed in another order, so some bf16 outputs round the
     other way), and against ``MMSDK_PAIRED_ROWS=1`` (silu(gate) * up from fp32, one rounding where the two GEMVs round
     gate, up, the SiLU and the product)."""
-    import os
-
+    from benchmarks.gpu_decode_reuse import row_bucket_trials
+    from benchmarks.gpu_tune import env_setting
     from mmsdk.kernels import PAIRED_ROWS_ENV
-    from mmsdk.kernels.w4a16 import gemv_candidates
     from mmsdk.kernels.w4a16_tuning import tuning
 
     inputs = qwen_text_inputs(4, 3072)
     model = optimized(build_qwen2_vl(), int4_g128_stack(), kv=True)
     new = 4 if quick else 12
-    before = os.environ.get(PAIRED_ROWS_ENV)
     table = tuning().chosen
-    try:
-        os.environ[PAIRED_ROWS_ENV] = "0"
+    with env_setting(PAIRED_ROWS_ENV, "0"):
         reference = scored_answer(model, inputs, new)  # tunes the 4-row keys
-        pins = {}
-        for key, cfg in list(table.items()):
-            if key[0] == "gemv" and key[1] == 4:
-                target = cfg[5] if len(cfg) > 5 else None
-                other = [c for c in gemv_candidates(4, key[4]) if len(c) > 5 and c[4] == "mma" and c[5] != target]
-                if other:
-                    pins[key] = (cfg, other[0])
-                    table[key] = other[0]
+        pins = {}  # key -> (the tuner's pick, a tile over another program target: other K slices)
+        for key, candidates in row_bucket_trials(4, gated=False).values():
+            target = table[key][5] if len(table[key]) > 5 else None
+            other = [c for c in candidates if c[5] != target]
+            if other:
+                pins[key] = (table[key], other[0])
+                table[key] = other[0]
         retiled = scored_answer(model, inputs, new)
         for key, (cfg, _) in pins.items():
             table[key] = cfg
-        os.environ[PAIRED_ROWS_ENV] = "1"
+    with env_setting(PAIRED_ROWS_ENV, "1"):
         paired = scored_answer(model, inputs, new)
-    finally:
-        if before is None:
-            os.environ.pop(PAIRED_ROWS_ENV, None)
-        else:
-            os.environ[PAIRED_ROWS_ENV] = before
     prompt = inputs["input_ids"].shape[1]
     rows = [{"change": "4-row GEMVs on other tiles", "pins": {str(k): v for k, v in pins.items()},
              **answers_compared(reference, retiled, prompt)},
