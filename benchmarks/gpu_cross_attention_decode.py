@@ -5,8 +5,8 @@ image's K/V (6404 tokens for one image of 4 tiles), written into the cache by th
 step. This script times transformers' generate against mmsdk's (``opt.model.generate``: static cache, image K/V in
 fixed tensors, CUDA-graph decode steps), in bf16, with ``int4-weight`` and with int4 / int8 / fp8 K/V (the image's K/V
 packed in the cache too; static ranges set directly, as benchmarks/gpu_models.attach_kv does), at a 64-token prompt with
-one 4-tile image and 128 new tokens, and reports each step against the bytes it must read (the speed limit at
-4.27 TB/s) and the K/V bytes the fast path's cache holds.
+one 4-tile image and 128 new tokens, and reports each step against the bytes it must read (at gpu_suite.speed_limit:
+4.27 TB/s on an H200) and the K/V bytes the fast path's cache holds.
 
 The cross-attention gates are set to 0.5 (a random model's are 0, which would make every cross-attention layer a
 no-op; trained gates are not).
@@ -108,7 +108,7 @@ KV_ELEMENT_BYTES = {None: 2.0, "int4-kv": 0.5, "int8-kv": 1.0, "fp8-kv": 1.0}
 
 def main() -> None:
     from benchmarks.gpu_models import attach_kv
-    from benchmarks.gpu_suite import COPY_BW, decode_rate, release_memory
+    from benchmarks.gpu_suite import decode_rate, release_memory, speed_limit
     from benchmarks.gpu_tune import generate_kernels
     from mmsdk import Optimizer
     from mmsdk.kernels.decode_state import kept, release
@@ -162,7 +162,7 @@ def main() -> None:
                 if args.kernels:  # where a step's time goes (e.g. int8 / fp8 K/V against int4)
                     row.update(generate_kernels(model, inputs, limit=args.kernels))
         row["bytes_per_step"] = step_bytes(model, PROMPT + args.new // 2, KV_ELEMENT_BYTES[kv])
-        row["floor_ms"] = row["bytes_per_step"] / COPY_BW * 1e3
+        row["floor_ms"] = row["bytes_per_step"] / speed_limit() * 1e3
         row["fraction_of_limit"] = row["floor_ms"] / row["step_ms"]
         results["rows"].append(row)
         print(row, flush=True)

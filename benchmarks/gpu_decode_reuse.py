@@ -465,7 +465,7 @@ def main() -> None:
                                "env": suite.section_env(), "rows": []}
     for key, (name, model_name, passes) in chosen.items():
         model, inputs, kv_bytes = _model_and_inputs(model_name, passes)
-        floor_ms = suite.lm_bytes(model, kv_bytes, 1024 + 128) / suite.COPY_BW * 1e3
+        floor_ms = suite.lm_bytes(model, kv_bytes, 1024 + 128) / suite.speed_limit() * 1e3
         pins = pinned_configs(key)
         for shape in pins:  # a pinned stack and the stacks after it tune these shapes afresh
             tuning().chosen.pop(shape, None)

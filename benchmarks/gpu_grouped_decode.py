@@ -43,7 +43,7 @@ def attention_rows() -> list[dict[str, Any]]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from benchmarks.gpu_suite import COPY_BW, gbench, rel
+    from benchmarks.gpu_suite import gbench, rel, speed_limit
     from mmsdk.kernels.grouped_decode import attention_implementation, decode_attention
     from mmsdk.kernels.kv_decode import reference_decode_attention
 
@@ -67,7 +67,7 @@ def attention_rows() -> list[dict[str, Any]]:
             calls = [lambda c=c: decode_attention(c[0], c[1], c[2], 128**-0.5, c[3][:, 0, 0], block_t, warps, stages)
                      for c in copies]
             row[f"kernel_{block_t}t_{warps}w_{stages}s_us"] = gbench(calls) * 1e3
-        row["read_floor_us"] = row["kv_bytes"] * used / slots / COPY_BW * 1e6
+        row["read_floor_us"] = row["kv_bytes"] * used / slots / speed_limit() * 1e6
         query, key, value, mask = copies[0]
         expected = reference_decode_attention(query, key, value, 128**-0.5, mask[:, 0, 0])
         row["sdpa_rel_err"] = rel(sdpa_attention_forward(module, *copies[0], scaling=128**-0.5)[0], expected)

@@ -38,7 +38,7 @@ from benchmarks.gpu_models import (  # noqa: F401 (re-exported: the other GPU sc
 )
 from benchmarks.gpu_tune import cold
 
-COPY_BW = 4.27e12  # measured device-to-device copy on this H200 (techniques.md 7); re-measured below
+H200_COPY_BW = 4.27e12  # measured device-to-device copy on the H200 (techniques.md 7): the issue's speed limit
 RESULTS: dict[str, Any] = {}
 
 
@@ -86,12 +86,26 @@ def section_env() -> dict[str, Any]:
     import transformers
     import triton
 
-    x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
-    y = torch.empty_like(x)
-    ms = bench(lambda: y.copy_(x), rep=100)
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "copy_GBps": 2 * x.numel() * 2 / ms / 1e6}
+            "copy_GBps": copy_bandwidth() / 1e9, "speed_limit_GBps": speed_limit() / 1e9}
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read and write counted), median of do_bench reps."""
+    x = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), rep=100)
+    return 2 * x.numel() * 2 / ms * 1e3
+
+
+def speed_limit() -> float:
+    """Bytes per second the floors divide by: on an H200 the issue's 4.27 TB/s (so figures compare across passes);
+    on another card its own copy bandwidth, measured once per run (an H100's floors at 4.27 would flatter it)."""
+    if "speed_limit_Bps" not in RESULTS:
+        on_h200 = "H200" in torch.cuda.get_device_name()
+        RESULTS["speed_limit_Bps"] = H200_COPY_BW if on_h200 else copy_bandwidth()
+    return RESULTS["speed_limit_Bps"]
 
 
 # --------------------------------------------------------------------------------------------- micro
@@ -384,7 +398,7 @@ def decode_rate(model: Any, inputs: dict[str, Any], new: int, reps: int, generat
 def against_floor(row: dict[str, Any], model: Any, kv: float, tokens: int) -> dict[str, Any]:
     """``row`` (with ``step_ms``) and its bandwidth floor: ``floor_ms`` for the model's weights plus ``kv`` bytes per
     cached token at ``tokens`` tokens, and ``x_floor``, the step over it."""
-    row["floor_ms"] = lm_bytes(model, kv, tokens) / COPY_BW * 1e3
+    row["floor_ms"] = lm_bytes(model, kv, tokens) / speed_limit() * 1e3
     row["x_floor"] = row["step_ms"] / row["floor_ms"]
     return row
 
@@ -397,7 +411,7 @@ def decode_recorder(quick: bool, rows: list[dict[str, Any]], new: int = 128, rep
     def record(name: str, model: Any, kv: float, generate: Any = None) -> None:
         row = {"variant": name, **decode_rate(model, inputs, new, reps, generate)}
         row["bytes_per_step"] = lm_bytes(model, kv, ctx + new // 2)
-        row["floor_ms"] = row["bytes_per_step"] / COPY_BW * 1e3
+        row["floor_ms"] = row["bytes_per_step"] / speed_limit() * 1e3
         row["fraction_of_limit"] = row["floor_ms"] / row["step_ms"]
         rows.append(row)
         print(row, flush=True)
@@ -476,7 +490,7 @@ def section_steady(quick: bool) -> list[dict[str, Any]]:
         row = {"variant": name, "new": new, "t1_ms": t1 * 1e3, "tn_ms": tn * 1e3, "t2n_ms": t2n * 1e3,
                "step_ms_per_call": (tn - t1) / (new - 1) * 1e3, "steady_step_ms": (t2n - tn) / new * 1e3,
                "fixed_cost_per_call_ms": (tn - t1 - (new - 1) * (t2n - tn) / new) * 1e3}
-        row["floor_ms"] = lm_bytes(model, KV_INT4, 1024 + new) / COPY_BW * 1e3
+        row["floor_ms"] = lm_bytes(model, KV_INT4, 1024 + new) / speed_limit() * 1e3
         row["steady_over_floor"] = row["steady_step_ms"] / row["floor_ms"]
         rows.append(row)
         print(row, flush=True)
@@ -643,23 +657,39 @@ def section_qwen_batch8_long_step(quick: bool) -> list[dict[str, Any]]:
 def section_qwen_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
     """Batched decode steps of Qwen2-VL-7B shapes (int4 stack, 3k-token prompts, batch 4 and 8) with the gated MLP's
     gate and up as one paired tensor-core GEMV (``MMSDK_PAIRED_ROWS=1``) and as two GEMVs, their K-slice sums, a
-    SiLU and a multiply (``MMSDK_PAIRED_ROWS=0``), alternating in one model per batch (kept graph captured again per
-    trial, median of three replays after a call); whether the two settings' first 32 greedy tokens agree (fast
-    generate), and through transformers' loop (which the scores request takes) each step's logits' relative
-    difference while the two answers agree (random weights leave near-ties, so answers part after a few tokens)."""
+    SiLU and a multiply (``MMSDK_PAIRED_ROWS=0``): :func:`paired_mlp_rows`."""
+    return paired_mlp_rows(quick, build_qwen2_vl, int4_g128_stack(), qwen_text_inputs, "qwen2-vl g128")
+
+
+def section_llava_batch_paired_mlp(quick: bool) -> list[dict[str, Any]]:
+    """The same on LLaVA-1.5-7B shapes with groups of 32 (multi-head attention, 11008-wide MLP), 3k text tokens per
+    row: whether the paired GEMV's gain at groups of 128 holds where each weight carries four times the scales."""
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    passes = ("qkv-fuse", Int4WeightConfig(group_size=32), "rmsnorm-rope-fusion")
+    return paired_mlp_rows(quick, build_llava, passes, lambda batch, ctx: llava_inputs(batch, ctx, images=False),
+                           "llava g32")
+
+
+def paired_mlp_rows(quick: bool, build: Callable[[], Any], passes: tuple[Any, ...],
+                    inputs_for: Callable[[int, int], dict[str, torch.Tensor]], label: str) -> list[dict[str, Any]]:
+    """Per batch (4 and 8, 3k-token prompts) one model of ``build`` with ``passes`` and int4-kv, its step timed with
+    the paired gate / up GEMV on and off, alternating (kept graph captured again per trial, median of three replays
+    after a call); whether the two settings' first 32 greedy tokens agree (fast generate), and through transformers'
+    loop (which the scores request takes) each step's logits' relative difference while the two answers agree (random
+    weights leave near-ties, so answers part after a few tokens)."""
     from benchmarks.gpu_decode_reuse import step_ms_recaptured
     from benchmarks.gpu_tune import env_setting
     from mmsdk.kernels import PAIRED_ROWS_ENV
 
-    passes = int4_g128_stack()
     rows: list[dict[str, Any]] = []
     for batch in (4,) if quick else (4, 8):
-        inputs = qwen_text_inputs(batch, 3072)
-        model = optimized(build_qwen2_vl(), passes, kv=True)
+        inputs = inputs_for(batch, 3072)
+        model = optimized(build(), passes, kv=True)
         tokens = {}
         for setting in ("0", "1", "1", "0") if not quick else ("0", "1"):
             with env_setting(PAIRED_ROWS_ENV, setting):
-                row = {"batch": batch, "ctx": 3072, "paired_rows": setting == "1",
+                row = {"model": label, "batch": batch, "ctx": 3072, "paired_rows": setting == "1",
                        "step_ms": step_ms_recaptured(model, inputs)}
                 tokens[setting] = model.generate(**inputs, max_new_tokens=32, do_sample=False)[:, 3072:]
             rows.append(row)
@@ -676,6 +706,12 @@ def section_qwen_batch6_step(quick: bool) -> list[dict[str, Any]]:
     (the long-cache tile below kv_decode_choice.MANY_ROWS_WIDE rows) against the wide 64-token tile, 3 deep."""
     return qwen_batch_step_rows(((6, 3072),) if quick else ((6, 3072), (6, 12288)),
                                 ((64, 2, 528, 3, True), (128, 4, 264, 2, True)), (True,))
+
+
+def section_qwen_batch7_step(quick: bool) -> list[dict[str, Any]]:
+    """The batch-7 step (28 rows x KV heads, below kv_decode_choice.MANY_ROWS_WIDE) over 3k-token prompts: the default
+    (the long-cache tile) against the wide 64-token tile, 3 deep, which wins from 32 rows."""
+    return qwen_batch_step_rows(((7, 3072),), ((64, 2, 528, 3, True), (128, 4, 264, 2, True)), (True,))
 
 
 def section_qwen_batch8_int8_step(quick: bool) -> list[dict[str, Any]]:
@@ -1030,6 +1066,8 @@ def main() -> None:
                 "qwen_batch_paired_mlp": section_qwen_batch_paired_mlp,
                 "qwen_batch_step_attention_bytes": section_qwen_batch_step_attention_bytes,
                 "qwen_batch6_step": section_qwen_batch6_step,
+                "qwen_batch7_step": section_qwen_batch7_step,
+                "llava_batch_paired_mlp": section_llava_batch_paired_mlp,
                 "qwen_batch_step_gemvs": section_qwen_batch_step_gemvs,
                 "qwen_batch_rounding": section_qwen_batch_rounding,
                 "qwen_batch_pdl": section_qwen_batch_pdl,
