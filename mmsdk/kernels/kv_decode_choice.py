@@ -113,9 +113,11 @@ def generic_config(config: tuple[int, ...] | None, use_dot: bool, small_tile: bo
     prompts, 3.643 against 4.328 at 12k; but at batch 4 the long-cache tile won: 2.918 against 2.982 / 2.986 (2 / 3
     deep) at 3k, 3.143 against 3.196 at 12k (the 256-token tile: 2.942 at 3k, 3.402 at 12k). So from
     :data:`MANY_ROWS_MIDDLE` rows middle caches take the long-cache tile, and from :data:`MANY_ROWS_WIDE` rows
-    middle and long caches the 64-token tile, 3 deep (rows between 16 and 32 not measured). Short caches keep theirs
-    (alone, batch 2 / 4 / 8 at 1280 slots: 6.13 / 7.73 / 11.17 µs against 6.44 / 7.74 / 10.72 for the 64-token
-    tiles).
+    middle and long caches the 64-token tile, 3 deep. Between them: at 24 rows (batch 6) the long-cache tile won (2.910
+    against 2.957 ms at 3k, 3.241 against 3.306 at 12k; h200_suite_batch_checks_36.json), at 28 (batch 7, 3k, on
+    an H100) the two were level (3.519 / 3.525 against 3.503; h100_suite_paired_llava_37.json); 25-27 and 29-31 not
+    measured. Short caches keep theirs (alone, batch 2 / 4 / 8 at 1280 slots: 6.13 / 7.73 / 11.17 µs against 6.44 /
+    7.74 / 10.72 for the 64-token tiles).
 
     Those defaults were measured on int4 codes. Byte codes (``fmt`` "int8" or "fp8": a byte per channel) halve the
     tiles on the tensor cores. That was chosen when int8 / fp8 codes loaded byte by byte and ptxas reported 600-930
@@ -165,7 +167,10 @@ def launched_without_pdl(config: tuple[int, ...] | None, use_dot: bool, fmt: str
     took 3.039 / 3.040 ms with the KV kernels launched without PDL against 3.146 / 3.147 with it (docs/benchmarks.md,
     thirty-sixth pass; the whole step without PDL 3.079-3.083 against 3.135-3.139 in another process). Everywhere else
     PDL stays: at batch 4 x 12k (16 rows, a long cache) the KV kernels without it took 3.106 / 3.115 ms against 3.090
-    / 3.091; other formats and long caches at 32 rows were not measured."""
+    / 3.091; other formats and long caches at 32 rows were not measured. On an H100 (thirty-seventh pass,
+    h100_suite_pdl_check_37.json) the rule held: at 8 x 3k the default step took 3.513 / 3.513 ms against 3.618 with
+    the same tile forced (which keeps PDL), and at 8 x 12k (a long cache, PDL kept) 4.070 / 4.071 against 4.100 with
+    the KV kernels launched without it."""
     return (config is None and use_dot and fmt == "int4" and GENERIC_SHORT_CACHE < t_max <= GENERIC_MIDDLE_CACHE
             and rows >= MANY_ROWS_WIDE)
 
