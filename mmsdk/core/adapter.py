@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -361,7 +362,8 @@ class ModelAdapter:
 
     def rope_function_name(self, attention: nn.Module) -> str | None:
         """Name of the module-level function the attention's forward calls to rotate q and k (None: none)."""
-        code = getattr(getattr(type(attention).forward, "__wrapped__", type(attention).forward), "__code__", None)
+        # the forward may sit under several decorators (transformers >= 5.25 adds deprecate_kwarg's over its own)
+        code = getattr(inspect.unwrap(type(attention).forward), "__code__", None)
         name = "apply_rotary_pos_emb"
         return name if code is not None and name in code.co_names else None
 
