@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -147,6 +148,30 @@ def test_runs_after_int4_weight(name, session, tiny):
     fused = opt.results[-1].records
     assert fused["rope"] or fused["rmsnorm_rope"]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)  # measured: bit-exact on both models
+
+
+def test_the_rope_call_is_found_under_stacked_decorators(session, tiny, monkeypatch):
+    """transformers 5.25 put deprecate_kwarg's wrapper over its own on attention forwards, which hid the RoPE call
+    from a look one wrapper deep: the pass fused nothing. Any number of functools.wraps layers must do."""
+
+    def wrapped(function):
+        @functools.wraps(function)
+        def wrapper(self, *args, **kwargs):
+            return function(self, *args, **kwargs)
+
+        return wrapper
+
+    loaded = tiny("tiny:llava")
+    attention_class = type(loaded.model.model.language_model.layers[0].self_attn)
+    monkeypatch.setattr(attention_class, "forward", wrapped(wrapped(wrapped(attention_class.forward))))
+    inputs = tiny_inputs(loaded.processor)
+    with torch.no_grad():
+        reference = loaded.model(**inputs).logits
+    opt = Optimizer(loaded.model, session=session).apply("rmsnorm-rope-fusion")
+    with torch.no_grad():
+        assert torch.equal(opt.model(**inputs).logits, reference)
+    records = opt.results[0].records
+    assert len(records["rope"]) == 2 and not records["skipped"], records
 
 
 def test_an_inexact_norm_is_skipped_with_a_reason(session, tiny):
