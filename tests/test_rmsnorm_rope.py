@@ -174,7 +174,7 @@ def test_the_rope_call_is_found_under_stacked_decorators(session, tiny, monkeypa
     assert len(records["rope"]) == 2 and not records["skipped"], records
 
 
-def test_an_inexact_norm_is_skipped_with_a_reason(session, tiny):
+def test_an_inexact_norm_is_skipped_with_a_reason(session, tiny, caplog):
     class OnePlusWeightNorm(nn.Module):  # Gemma-style (1 + w): not what the fused op computes
         def __init__(self, size: int) -> None:
             super().__init__()
@@ -194,6 +194,7 @@ def test_an_inexact_norm_is_skipped_with_a_reason(session, tiny):
         assert torch.equal(opt.model(**inputs).logits, reference)
     records = opt.results[0].records
     assert len(records["residual_norm"]) == 1 and "not RMSNorm" in records["skipped"][0]
+    assert any("left 1 module(s)" in r.getMessage() and "not RMSNorm" in r.getMessage() for r in caplog.records)
 
 
 def test_torch_export_round_trip(session, tiny, tmp_path):

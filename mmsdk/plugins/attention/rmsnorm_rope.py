@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import types
 from typing import Any, Callable
 
@@ -384,6 +385,10 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
         if reason:
             skipped.append(reason)
     records["skipped"] = skipped
+    if skipped:  # each skip leaves eager norms or RoPE where the user asked for fused ones: say so, not only record it
+        logging.getLogger("mmsdk.plugins").warning(
+            "rmsnorm-rope-fusion left %d module(s) as they were, e.g. %s (all reasons: the pass result's "
+            "records['skipped'])", len(skipped), skipped[0])
     return records
 
 
