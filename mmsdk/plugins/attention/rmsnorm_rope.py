@@ -51,7 +51,6 @@ from mmsdk.core.passes import PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 from mmsdk.kernels.norm_rope import mrope_streams
 from mmsdk.plugins._forward import body_function, module_body, plus_residual, rebind_global, set_forward_body
-from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
 from mmsdk.plugins.attention.fused_norm_rope import (
     DeferredRMSNorm,
     FusedAddRMSNorm,
@@ -61,6 +60,7 @@ from mmsdk.plugins.attention.fused_norm_rope import (
     FusedRoPEEmbedding,
     RoPEInAttention,
 )
+from mmsdk.plugins.attention.fused_norm_rope_lowering import onnx_lowering, trtllm_lowering
 from mmsdk.plugins.attention.norm_folding import NormFolding, folds_now
 
 __all__ = [
@@ -392,53 +392,12 @@ def apply_rmsnorm_rope_fusion(model: nn.Module, config: RMSNormRoPEFusionConfig,
     return records
 
 
-def _lower_onnx(module: nn.Module) -> OnnxLowering | None:
-    rope_attrs: dict[str, Any] = {"interleaved": 0, "rotary_embedding_dim": 0}
-    section = getattr(module, "mrope_section", None)
-    rope_op = "MRotaryEmbedding" if section else "RotaryEmbedding"
-    if section:
-        rope_attrs.update(mrope_section=list(section), mrope_layout=int(getattr(module, "mrope_interleaved", False)))
-    rope = OnnxNode(rope_op, "com.microsoft", rope_attrs, ("input", "position_ids", "cos_cache", "sin_cache"),
-                    ("output",))
-    if isinstance(module, FusedAddRMSNorm):
-        node = OnnxNode("SkipSimplifiedLayerNormalization", "com.microsoft", {"epsilon": module.eps},
-                        ("input", "skip", "gamma"), ("output", "", "", "input_skip_bias_sum"),
-                        {"gamma": module.weight.detach()})
-        return OnnxLowering((node,), note="input = attention output, skip = residual; output 3 is the next residual")
-    if isinstance(module, FusedRoPE):
-        return OnnxLowering((rope,), note="one node for q and one for k (set num_heads for 3-D inputs)")
-    if isinstance(module, FusedRMSNormRoPE):
-        qn, kn = module._norms
-        norm = [OnnxNode("SimplifiedLayerNormalization", "", {"epsilon": n.eps, "axis": -1, "stash_type": 1},
-                         ("X", "scale"), ("Y",), {"scale": n.weight.detach()}) for n in (qn, kn)]
-        return OnnxLowering((norm[0], norm[1], rope), note="q: nodes 0 then 2; k: nodes 1 then 2")
-    if isinstance(module, FusedRoPEEmbedding):
-        return OnnxLowering((), note="folded into RotaryEmbedding, which takes the position_ids itself")
-    if isinstance(module, FusedMRoPEEmbedding):
-        return OnnxLowering((), note="folded into MRotaryEmbedding, which takes the 3-D position_ids itself")
-    return None
-
-
-def _lower_trtllm(module: nn.Module) -> TrtLlmLowering | None:
-    if isinstance(module, FusedAddRMSNorm):
-        return TrtLlmLowering({"weight": module.weight.detach()}, {"norm": "rms", "eps": module.eps})
-    if isinstance(module, (FusedRoPE, FusedMRoPEEmbedding)):
-        section = getattr(module, "mrope_section", None)
-        return TrtLlmLowering(config={"position_embedding_type": "mrope" if section else "rope_gpt_neox",
-                                      "mrope_section": section})
-    if isinstance(module, FusedRMSNormRoPE):
-        qn, kn = module._norms
-        return TrtLlmLowering({"q_norm.weight": qn.weight.detach(), "k_norm.weight": kn.weight.detach()},
-                              {"qk_layernorm": True, "position_embedding_type": "rope_gpt_neox"})
-    return None
-
-
 @mmsdk.hookimpl
 def mmsdk_lower(module: nn.Module, target: LowerTarget) -> Any:
     if target.backend == "onnxruntime":
-        return _lower_onnx(module)
+        return onnx_lowering(module)
     if target.backend in ("tensorrt_llm", "tensorrt-llm", "trtllm"):
-        return _lower_trtllm(module)
+        return trtllm_lowering(module)
     return None
 
 
