@@ -130,6 +130,7 @@ def test_sparse_xattn_reads_a_packed_cache(name, session, tiny):
     dequantizing cache (here on CPU, the packed cache passed in as CUDA's generate would make it)."""
     from mmsdk import Optimizer
     from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
+    from mmsdk.plugins.quantizers.calibration_stats import cache_argument
     from mmsdk.plugins.quantizers.kv_runtime import installed_state
     from mmsdk.testing import tiny_inputs
 
@@ -139,8 +140,9 @@ def test_sparse_xattn_reads_a_packed_cache(name, session, tiny):
     state, model = installed_state(opt.model), opt.model
     inputs = tiny_inputs(loaded.processor, ("what digit is this ?", "what digit is this ?"))
 
-    def greedy(cache):
-        return type(model).generate(model, **inputs, max_new_tokens=5, do_sample=False, past_key_values=cache)
+    def greedy(cache):  # the cache under the keyword this transformers takes (5.25 renamed past_key_values)
+        keyword = {cache_argument(model): cache}
+        return type(model).generate(model, **inputs, max_new_tokens=5, do_sample=False, **keyword)
 
     expected = greedy(state.new_cache())
     packed = state.static_cache(inputs["input_ids"].shape[1] + 8, fused=True)
