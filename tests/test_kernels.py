@@ -621,7 +621,10 @@ def test_step_measured_configs_answer_for_their_gpu_untimed(monkeypatch):
     monkeypatch.setenv(step_configs.STEP_CONFIGS_ENV, "0")
     assert step_configs.step_measured_config(key, cuda.device, candidates) is None
     monkeypatch.delenv(step_configs.STEP_CONFIGS_ENV)
-    gpu_name["name"] = "NVIDIA H100 80GB HBM3"
+    gpu_name["name"] = "NVIDIA H100 80GB HBM3"  # a GPU with entries of its own (measured there)
+    assert step_configs.step_measured_config(key, cuda.device, candidates) == step_configs._measured()[
+        "NVIDIA H100 80GB HBM3"][key] != measured
+    gpu_name["name"] = "NVIDIA A100-SXM4-80GB"  # a GPU without entries
     assert step_configs.step_measured_config(key, cuda.device, candidates) is None
     gpu_name["name"] = "NVIDIA H200"
 
@@ -641,7 +644,7 @@ def test_step_measured_configs_answer_for_their_gpu_untimed(monkeypatch):
     # the paired GEMV builds its one-row keys as the table has them (a changed key would silently retire an entry)
     from mmsdk.kernels.w4a16_gated import gated_key
 
-    for table_key in (k for k in step_configs._measured()["NVIDIA H200"] if k[0] == "gated"):
+    for table_key in (k for table in step_configs._measured().values() for k in table if k[0] == "gated"):
         assert gated_key(*table_key[1:], rows=1) == table_key
         assert gated_key(*table_key[1:], rows=4) != table_key
     # every entry is a candidate of the kernels it names (a changed candidate list would silently retire it)

@@ -55,6 +55,23 @@ def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
             # the other "idot" tiles 1.895-2.176, the other "gated" tiles 2.058-2.790)
             ("gated", 18944, 28, 128, bf16, False, False): (8, 64, 4, 1, "idot", 528),
         },
+        "NVIDIA H100 80GB HBM3": {
+            # LLaVA-1.5-7B g32, same passes (thirty-eighth pass, h100_step_search_g32_38.json: the step 2.059 ms with
+            # the tuner's picks, 2.030 with these; down 8x128x4 at 528 programs -20 µs, the q/k/v and o_proj picks
+            # within the ~8 µs spread; the gated MLP stays on "gated" 8x32x1, the "idot" tiles +63-146 µs. A fresh
+            # process, h100_step_against_tuner_38.json: 2.035 ms against 2.049 with the tuner's picks)
+            ("gemv", 1, 12288, 128, 32, bf16, False, False, True): (16, 32, 2, 1, "idot", 528),
+            ("gemv", 1, 4096, 128, 32, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
+            ("gemv", 1, 4096, 344, 32, bf16, False, False, False): (8, 128, 4, 1, "quad", 528),
+            ("gated", 11008, 128, 32, bf16, False, False): (8, 32, 1, 1, "gated", 528),
+            # Qwen2-VL-7B g128 (h100_step_search_qwen_38.json: 2.258 ms with the tuner's picks, 2.169 with these;
+            # q/k/v 8x128x4 at 528 programs -82 µs against the tuner's 8x64x2, the rest within ~5 µs; a fresh
+            # process: 2.178 against 2.260)
+            ("gemv", 1, 4608, 28, 128, bf16, False, True, True): (8, 128, 4, 1, "quad", 528),
+            ("gemv", 1, 3584, 28, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
+            ("gemv", 1, 3584, 148, 128, bf16, False, False, False): (16, 64, 4, 1, "idot", 528),
+            ("gated", 18944, 28, 128, bf16, False, False): (4, 64, 2, 1, "idot", 528),
+        },
     }
 
 
