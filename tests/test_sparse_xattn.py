@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -165,15 +166,87 @@ def test_flex_attention_matches_masked_sdpa_on_cuda(name, session, tiny):
 @pytest.mark.slow
 def test_flex_code_path_matches_masked_sdpa_on_cpu():
     """FlexAttention also runs (slowly, ~8 s to build) on CPU: the flex branch's mask, GQA and layout are right."""
-    from mmsdk.plugins.attention.sparse_xattn import _flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from mmsdk.plugins.attention.flex_blocks import flex_attention_over
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 37, 16), torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
     allowed = (torch.rand(2, 1, 37, 37) > 0.3) | torch.eye(37, dtype=torch.bool)
-    out, _ = _flex_attention(None, q, k, v, allowed, 0.25)
+    out = flex_attention_over(flex_attention, q, k, v, allowed, 0.25)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.25,
                                                                 enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # measured 3.6e-7
+
+
+def _flex_problem(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q [2, 4, 200, 16] over k / v [2, 2, 300, 16] (grouped heads) and a mask whose 128 x 128 tiles are of every kind:
+    all allowed (key columns 0-127 of query rows 0-127), none allowed (columns 128-255 of those rows; query rows
+    128-199 see their diagonal there), and mixed (the rest, and the partial last tiles)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, 200, 16, generator=generator)
+    k, v = torch.randn(2, 2, 300, 16, generator=generator), torch.randn(2, 2, 300, 16, generator=generator)
+    allowed = torch.rand(2, 1, 200, 300, generator=generator) > 0.5
+    allowed[..., :128] = True
+    allowed[..., 128:256] = False
+    return q, k, v, allowed | torch.eye(200, 300, dtype=torch.bool)
+
+
+def test_the_block_mask_built_from_a_dense_mask_is_flex_attentions_own():
+    """block_mask_from_dense (block-wise any / all) gives the tiles create_block_mask finds by evaluating a mask_mod
+    over the whole grid (3.7-4 ms a call on an H100), skipped and full tiles included, with partial last tiles."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from mmsdk.plugins.attention.flex_blocks import block_mask_from_dense
+
+    allowed = _flex_problem()[3]
+    ours = block_mask_from_dense(allowed)
+    theirs = create_block_mask(lambda b, h, q, k: allowed[b, 0, q, k], 2, None, 200, 300, device="cpu")
+    assert int(ours.full_kv_num_blocks.sum()) > 0 and int(ours.kv_num_blocks.sum()) < 2 * 2 * 3  # some tiles skipped
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert ours.seq_lengths == (200, 300)
+
+
+@pytest.mark.slow
+def test_compiled_flex_attention_matches_sdpa_and_a_new_mask_needs_no_new_compile():
+    """The kernel the CUDA path runs (torch.compile of flex_attention; here inductor's CPU backend, ~25 s to build):
+    the same output as masked SDPA, and a second call with another mask (a new mask_mod closure) reuses the build."""
+    import torch._dynamo
+
+    from mmsdk.plugins.attention.flex_blocks import compiled_flex_attention, flex_attention_over
+
+    kernel = compiled_flex_attention()
+    q, k, v, allowed = _flex_problem()
+    for seed, mask in enumerate((allowed, _flex_problem(1)[3])):
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            out = flex_attention_over(kernel, q, k, v, mask, None)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)  # measured 2.4e-7
+
+
+def test_a_flex_kernel_that_cannot_compile_hands_auto_to_sdpa_and_refuses_flex(caplog):
+    """backend="auto": the layer logs why once and answers None (masked SDPA takes the call, never eager
+    FlexAttention, torch's unfused reference); backend="flex": a clear error naming the fix."""
+    from mmsdk.plugins.attention.sparse_xattn import _flex_attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no triton")
+
+    q, k, v, allowed = _flex_problem()
+    auto = BlockSparseSpec(SparseXAttnConfig(backend="auto"), "self")
+    auto._flex = broken
+    with caplog.at_level("WARNING", logger="mmsdk.plugins"):
+        assert _flex_attention(auto, q, k, v, allowed, None) is None
+        assert _flex_attention(auto, q, k, v, allowed, None) is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "sparse-xattn: FlexAttention could not compile (RuntimeError: no triton); this layer runs masked SDPA") == 1
+    required = BlockSparseSpec(SparseXAttnConfig(backend="flex"), "self")
+    required._flex = broken
+    with pytest.raises(IncompatiblePassError, match="backend=\"auto\""):
+        _flex_attention(required, q, k, v, allowed, None)
+    assert pickle.loads(pickle.dumps(auto)).flex_failure == auto.flex_failure  # the compiled kernel is not pickled
 
 
 @pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl", "tiny:idefics"])

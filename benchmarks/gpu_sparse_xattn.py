@@ -1,0 +1,135 @@
+"""sparse-xattn's attention call on CUDA: masked SDPA against FlexAttention, eager and compiled (CUDA only).
+
+One attention call of the pass, as its wrapper makes it (mmsdk.plugins.attention.sparse_xattn): the kept-block layout
+of a random query / key pair at a given density, the per-entry mask from it, then the attention over that mask.
+Shapes (bf16, head_dim 128):
+
+- LLaVA-1.5-7B prefill, self-attention: 32 heads, 576 image tokens after a 5-token prefix and ``text`` text tokens,
+  causal; at 640 tokens and at 4096 (the memory waterfall's prompt).
+- Mllama (Llama-3.2-11B-Vision) prefill, cross-attention: 32 query heads over 8 KV heads, ``text`` text queries over
+  the 6404 image tokens of a 4-tile image.
+
+Each row times masked SDPA (the pass's CPU path), FlexAttention as called eagerly, FlexAttention under
+torch.compile, and the block mask's build alone; medians of do_bench (whole calls, mask build included where the
+pass builds it per call), and the compiled call's first-call (compile) seconds.
+
+    python benchmarks/gpu_sparse_xattn.py --out sparse_xattn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from benchmarks import gpu_suite as suite
+
+
+def problem(kind: str, text: int, density: float, block: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, the boolean mask the pass hands the kernel [B, 1, Q, K]) for ``kind`` "llava" or "mllama"."""
+    from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask
+
+    torch.manual_seed(0)
+    if kind == "llava":
+        image, prefix = 576, 5
+        length = prefix + image + text
+        q = torch.randn(1, 32, length, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        text_rows = torch.zeros(1, length, dtype=torch.bool, device="cuda")
+        text_rows[:, prefix + image:] = True
+        image_cols = torch.zeros(1, length, dtype=torch.bool, device="cuda")
+        image_cols[:, prefix:prefix + image] = True
+        causal = True
+    else:
+        image = 6404
+        q = torch.randn(1, 32, text, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 8, image, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        text_rows = torch.ones(1, text, dtype=torch.bool, device="cuda")
+        image_cols = torch.ones(1, image, dtype=torch.bool, device="cuda")
+        causal = False
+    layout = block_layout(q, k, text_rows, image_cols, block=block,
+                          density=density, causal=causal)
+    allowed = combine_mask(None, drop_mask(layout, text_rows, image_cols), causal=causal, dtype=q.dtype)
+    if allowed.dtype != torch.bool:
+        allowed = allowed > torch.finfo(allowed.dtype).min / 2
+    return q, k, v, allowed
+
+
+def visited_share(block_mask: Any, k_len: int) -> float:
+    """Share of the 128 x 128 tiles FlexAttention visits (partial and full) out of all of them."""
+    visited = block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum()
+    return float(visited / (block_mask.kv_num_blocks.numel() * -(-k_len // 128)))
+
+
+def row(kind: str, text: int, density: float, block: int) -> dict[str, Any]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from mmsdk.plugins.attention.flex_blocks import block_mask_from_dense, flex_attention_over
+    from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnConfig, _flex_attention
+
+    q, k, v, allowed = problem(kind, text, density, block)
+    gqa = k.shape[1] != q.shape[1]
+    additive = torch.zeros(allowed.shape, device="cuda", dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+
+    def sdpa() -> Any:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=gqa)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return allowed[b, 0, q_idx, kv_idx]
+
+    def build() -> Any:
+        return create_block_mask(mask_mod, 1, None, q.shape[2], k.shape[2], device="cuda")
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = build()
+    start = time.perf_counter()
+    out_compiled = compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    expected = sdpa()
+    eager = flex_attention_over(flex_attention, q, k, v, allowed, None)
+    spec = BlockSparseSpec(SparseXAttnConfig(block_size=block, density=density), "self")
+    start = time.perf_counter()
+    mmsdk_out, _ = _flex_attention(spec, q, k, v, allowed, None)
+    torch.cuda.synchronize()
+    mmsdk_first_s = time.perf_counter() - start
+    other = problem(kind, text, density * 0.5, block)[3]  # another mask of the same shape: no new compile
+    start = time.perf_counter()
+    _flex_attention(spec, q, k, v, other, None)
+    torch.cuda.synchronize()
+    mmsdk_second_s = time.perf_counter() - start
+    result = {"kind": kind, "tokens_q": q.shape[2], "tokens_k": k.shape[2], "density": density, "block": block,
+              "kept_entries": float(allowed.float().mean()),
+              "visited_128_blocks": visited_share(block_mask_from_dense(allowed), k.shape[2]),
+              "rel_err_eager": suite.rel(eager.transpose(1, 2), expected),
+              "rel_err_compiled": suite.rel(out_compiled, expected), "compile_s": compile_s,
+              "rel_err_mmsdk": suite.rel(mmsdk_out.transpose(1, 2), expected), "mmsdk_first_call_s": mmsdk_first_s,
+              "mmsdk_second_mask_s": mmsdk_second_s,
+              "mmsdk_ms": suite.bench(lambda: _flex_attention(spec, q, k, v, allowed, None)),
+              "mmsdk_mask_build_ms": suite.bench(lambda: block_mask_from_dense(allowed)),
+              "sdpa_ms": suite.bench(sdpa), "mask_build_ms": suite.bench(build),
+              "flex_eager_ms": suite.bench(lambda: flex_attention_over(flex_attention, q, k, v, allowed, None)),
+              "flex_compiled_ms": suite.bench(lambda: compiled(q, k, v, block_mask=build(), enable_gqa=gqa)),
+              "flex_compiled_mask_kept_ms": suite.bench(lambda: compiled(q, k, v, block_mask=block_mask,
+                                                                         enable_gqa=gqa))}
+    print(result, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="sparse_xattn.json")
+    args = parser.parse_args()
+    rows = [row("llava", 59, 0.5, 16), row("llava", 3515, 0.5, 16), row("llava", 3515, 0.5, 128),
+            row("mllama", 512, 0.5, 16), row("mllama", 512, 0.5, 128), row("mllama", 512, 0.25, 128)]
+    with open(args.out, "w") as f:
+        json.dump({"command": "python benchmarks/gpu_sparse_xattn.py", "env": suite.section_env(), "rows": rows}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
