@@ -173,10 +173,11 @@ def test_flex_code_path_matches_masked_sdpa_on_cpu():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 37, 16), torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
     allowed = (torch.rand(2, 1, 37, 37) > 0.3) | torch.eye(37, dtype=torch.bool)
-    out = flex_attention_over(flex_attention, q, k, v, allowed, 0.25)
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.25,
-                                                                enable_gqa=True).transpose(1, 2)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # measured 3.6e-7
+    for mask in (allowed, allowed[:1]):  # a mask per row, and one mask for the whole batch (broadcast)
+        out = flex_attention_over(flex_attention, q, k, v, mask, 0.25)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25,
+                                                                    enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # measured 3.6e-7
 
 
 def _flex_problem(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -193,20 +194,26 @@ def _flex_problem(seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def test_the_block_mask_built_from_a_dense_mask_is_flex_attentions_own():
-    """block_mask_from_dense (block-wise any / all) gives the tiles create_block_mask finds by evaluating a mask_mod
-    over the whole grid (3.7-4 ms a call on an H100), skipped and full tiles included, with partial last tiles."""
+    """block_mask_from_dense (allowed entries counted per tile) gives the tiles create_block_mask finds by evaluating
+    a mask_mod over the whole grid (3.7-4 ms a call on an H100): skipped and full tiles, partial last tiles, whole
+    tiles read without padding."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from mmsdk.plugins.attention.flex_blocks import block_mask_from_dense
 
     allowed = _flex_problem()[3]
-    ours = block_mask_from_dense(allowed)
-    theirs = create_block_mask(lambda b, h, q, k: allowed[b, 0, q, k], 2, None, 200, 300, device="cpu")
-    assert int(ours.full_kv_num_blocks.sum()) > 0 and int(ours.kv_num_blocks.sum()) < 2 * 2 * 3  # some tiles skipped
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-                 "full_q_num_blocks", "full_q_indices"):
-        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
-    assert ours.seq_lengths == (200, 300)
+    whole = torch.ones(1, 1, 256, 384, dtype=torch.bool).tril(diagonal=128)  # whole tiles: read without padding
+    whole[..., 100:150, 256:] = False
+    for mask in (allowed, whole):
+        ours = block_mask_from_dense(mask)
+        theirs = create_block_mask(lambda b, h, q, k: mask[b, 0, q, k], mask.shape[0], None, *mask.shape[2:],
+                                   device="cpu")
+        assert int(ours.full_kv_num_blocks.sum()) > 0  # some tiles run unmasked
+        assert int(ours.kv_num_blocks.sum() + ours.full_kv_num_blocks.sum()) < ours.kv_indices.numel()  # some skipped
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+        assert ours.seq_lengths == tuple(mask.shape[2:])
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ Measured on an H100 (benchmarks/gpu_sparse_xattn.py, LLaVA-1.5-7B's 4096-token p
 over 6404 image tokens): ``flex_attention`` called eagerly runs torch's unfused reference, 11-28 ms a call against
 0.18-0.83 ms for masked SDPA; ``create_block_mask`` over a mask_mod that reads a dense mask took 3.7-4.0 ms a call,
 since it evaluates the mask_mod over the whole grid. Compiled, with the block mask built here from the dense mask
-(block-wise any / all), FlexAttention skips the 128 x 128 blocks no entry of which is kept.
+(allowed entries counted per tile), FlexAttention skips the 128 x 128 blocks no entry of which is kept.
 """
 
 from __future__ import annotations
@@ -20,23 +20,26 @@ FLEX_BLOCK = 128  # FlexAttention's default tile (query and key): a block of the
 
 
 def block_mask_from_dense(allowed: torch.Tensor, block: int = FLEX_BLOCK) -> Any:
-    """FlexAttention's BlockMask of ``allowed`` [B, 1, Lq, Lk] (bool, True = attend), one mask for every head.
+    """FlexAttention's BlockMask of ``allowed`` [B or 1, 1, Lq, Lk] (bool, True = attend), one mask for every head
+    (and, with a batch of 1, for every row of the batch: FlexAttention broadcasts it).
 
     Tiles of ``block`` x ``block`` entries with no allowed entry are skipped, tiles allowed everywhere run without
     reading the mask ("full" blocks), the others apply it through the mask_mod, which reads the mask padded to whole
-    tiles (so no index of a partial last tile falls outside it)."""
+    tiles (so no index of a partial last tile falls outside it; prompts of whole tiles are read as they are)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    batch, _, q_len, k_len = allowed.shape
-    padded = torch.nn.functional.pad(allowed.to(torch.uint8), (0, -k_len % block, 0, -q_len % block)).bool()
+    rows, _, q_len, k_len = allowed.shape
+    pad_q, pad_k = -q_len % block, -k_len % block
+    padded = allowed
+    if pad_q or pad_k:  # constant padding takes no bool tensor
+        padded = torch.nn.functional.pad(allowed.to(torch.uint8), (0, pad_k, 0, pad_q)).bool()
     n_q, n_k = padded.shape[2] // block, padded.shape[3] // block
-    tiles = padded.view(batch, 1, n_q, block, n_k, block)
-    touched = tiles.any(dim=5).any(dim=3)  # [B, 1, n_q, n_k]
-    full = tiles.all(dim=5).all(dim=3)
-    partial = touched & ~full
+    kept = padded.reshape(rows, 1, n_q, block, n_k, block).sum(dim=(3, 5), dtype=torch.int32)  # [rows, 1, n_q, n_k]
+    full = kept == block * block
+    partial = (kept > 0) & ~full
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return padded[b, 0, q_idx, kv_idx]
+        return padded[b if rows > 1 else 0, 0, q_idx, kv_idx]
 
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
                                     seq_lengths=(q_len, k_len))
@@ -65,7 +68,6 @@ def flex_attention_over(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k:
                         allowed: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """``kernel`` (FlexAttention, compiled or not) of q [B, H, Lq, d] over k / v [B, Hkv, Lk, d] where ``allowed``
     [B or 1, 1, Lq, Lk] (bool) is True; returns [B, Lq, H, d], as transformers' attention functions do."""
-    allowed = allowed.expand(q.shape[0], 1, q.shape[2], k.shape[2])
     out = kernel(q, k, v, block_mask=block_mask_from_dense(allowed), scale=scaling,
                  enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).contiguous()
