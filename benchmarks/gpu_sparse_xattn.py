@@ -128,7 +128,7 @@ def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
     row, medians of ``reps`` calls after one (which compiles FlexAttention). Every row runs transformers' generate
     (one prefill call): mmsdk's fast generate does not take sparse-xattn (its layout is per call), so the row without
     the pass runs it too, for a like-for-like prefill. Each row says whether every layer ran FlexAttention (no
-    ``flex_failure``) and the share of text-to-image score entries kept."""
+    ``flex.failure``) and the share of text-to-image score entries kept."""
     import statistics
 
     from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
@@ -145,7 +145,7 @@ def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
             entries = [sum(spec.score_entries[i] for spec in specs) for i in (0, 1)]
             rows.append({"batch": batch, "prompt_tokens": 4096, "block": block, "ttft_ms": statistics.median(times),
                          "min_ms": min(times), "layers": len(specs),
-                         "flex_failures": sorted({spec.flex_failure for spec in specs if spec.flex_failure}),
+                         "flex_failures": sorted({spec.flex.failure for spec in specs if spec.flex.failure}),
                          "kept_text_image_entries": entries[1] / entries[0] if entries[0] else None})
             print(rows[-1], flush=True)
             model = None

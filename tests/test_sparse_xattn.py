@@ -87,6 +87,7 @@ def test_full_density_is_exact_and_half_density_skips_half(name, session, tiny):
     cross = bool(opt.adapter.cross_attention_blocks(opt.model))
     assert {s.kind for s in specs} == {"cross" if cross else "self"}
     assert len(specs) == len(opt.results[0].records["layers"])
+    assert len({id(s.flex) for s in specs}) == 1  # one compiled FlexAttention (and one failure state) per model
 
 
 def test_only_text_to_image_entries_are_dropped(session, tiny):
@@ -234,26 +235,28 @@ def test_compiled_flex_attention_matches_sdpa_and_a_new_mask_needs_no_new_compil
 
 
 def test_a_flex_kernel_that_cannot_compile_hands_auto_to_sdpa_and_refuses_flex(caplog):
-    """backend="auto": the layer logs why once and answers None (masked SDPA takes the call, never eager
-    FlexAttention, torch's unfused reference); backend="flex": a clear error naming the fix."""
+    """backend="auto": the model's layers (one FlexRunner) log why once and answer None (masked SDPA takes the call,
+    never eager FlexAttention, torch's unfused reference); backend="flex": a clear error naming the fix."""
+    from mmsdk.plugins.attention.flex_blocks import FlexRunner
     from mmsdk.plugins.attention.sparse_xattn import _flex_attention
 
     def broken(*args, **kwargs):
         raise RuntimeError("no triton")
 
     q, k, v, allowed = _flex_problem()
-    auto = BlockSparseSpec(SparseXAttnConfig(backend="auto"), "self")
-    auto._flex = broken
+    shared = FlexRunner()
+    shared.kernel = broken
+    layers = [BlockSparseSpec(SparseXAttnConfig(backend="auto"), "self", shared) for _ in range(3)]
     with caplog.at_level("WARNING", logger="mmsdk.plugins"):
-        assert _flex_attention(auto, q, k, v, allowed, None) is None
-        assert _flex_attention(auto, q, k, v, allowed, None) is None
-    assert [r.getMessage() for r in caplog.records].count(
-        "sparse-xattn: FlexAttention could not compile (RuntimeError: no triton); this layer runs masked SDPA") == 1
+        assert all(_flex_attention(spec, q, k, v, allowed, None) is None for spec in layers + layers)
+    assert [r.getMessage() for r in caplog.records] == [
+        "sparse-xattn: FlexAttention could not run (RuntimeError: no triton); its layers run masked SDPA"]
     required = BlockSparseSpec(SparseXAttnConfig(backend="flex"), "self")
-    required._flex = broken
+    required.flex.kernel = broken
     with pytest.raises(IncompatiblePassError, match="backend=\"auto\""):
         _flex_attention(required, q, k, v, allowed, None)
-    assert pickle.loads(pickle.dumps(auto)).flex_failure == auto.flex_failure  # the compiled kernel is not pickled
+    copy = pickle.loads(pickle.dumps(layers[0]))  # the compiled kernel is not pickled; the failure is
+    assert copy.flex.kernel is None and copy.flex.failure == shared.failure
 
 
 @pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl", "tiny:idefics"])

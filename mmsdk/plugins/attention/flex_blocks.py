@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLEX_BLOCK", "block_mask_from_dense", "compiled_flex_attention", "flex_attention_over"]
+__all__ = ["FLEX_BLOCK", "FlexRunner", "block_mask_from_dense", "compiled_flex_attention", "flex_attention_over"]
 
 FLEX_BLOCK = 128  # FlexAttention's default tile (query and key): a block of the mask is skipped only if all of it is
 
@@ -71,3 +71,22 @@ def flex_attention_over(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k:
     out = kernel(q, k, v, block_mask=block_mask_from_dense(allowed), scale=scaling,
                  enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).contiguous()
+
+
+class FlexRunner:
+    """The compiled FlexAttention that one model's sparse-xattn layers share (compiled on the first call), and why it
+    could not run there (``failure``; None while it can), so a failure is found and stated once per model."""
+
+    def __init__(self) -> None:
+        self.kernel: Callable[..., torch.Tensor] | None = None
+        self.failure: str | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor:
+        """:func:`flex_attention_over` with the compiled kernel."""
+        if self.kernel is None:
+            self.kernel = compiled_flex_attention()
+        return flex_attention_over(self.kernel, q, k, v, allowed, scaling)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"kernel": None, "failure": self.failure}  # a compiled function does not pickle; compiled again

@@ -33,7 +33,7 @@ from mmsdk.plugins._forward import body_function, rebind_global, set_forward_bod
 from mmsdk.plugins._runtime import ModelRuntime, runtime_of
 from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs, layout_csr
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
-from mmsdk.plugins.attention.flex_blocks import compiled_flex_attention, flex_attention_over
+from mmsdk.plugins.attention.flex_blocks import FlexRunner
 
 __all__ = ["BlockSparseSpec", "SparseXAttnConfig", "apply_sparse_xattn", "flex_available"]
 
@@ -65,7 +65,8 @@ def flex_available(device: torch.device) -> bool:
 class BlockSparseSpec(nn.Module):
     """The sparse-xattn rule of one attention layer, its last layout and what it skipped (no weights)."""
 
-    def __init__(self, config: SparseXAttnConfig, kind: Literal["self", "cross"]) -> None:
+    def __init__(self, config: SparseXAttnConfig, kind: Literal["self", "cross"],
+                 flex: FlexRunner | None = None) -> None:
         super().__init__()
         self.density = config.density
         self.block = config.block_size
@@ -73,19 +74,7 @@ class BlockSparseSpec(nn.Module):
         self.kind = kind
         self.last_keep: torch.Tensor | None = None  # [B, query blocks, key blocks] of the last call
         self.score_entries = [0, 0]  # text-to-image entries: dense total, kept (accumulated)
-        self.flex_failure: str | None = None  # why the compiled FlexAttention could not run here ("auto" only)
-        self._flex: Callable[..., torch.Tensor] | None = None
-
-    def flex_kernel(self) -> Callable[..., torch.Tensor]:
-        """FlexAttention compiled for this layer, on first use (torch.compile's cache is shared by every layer)."""
-        if self._flex is None:
-            self._flex = compiled_flex_attention()
-        return self._flex
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_flex"] = None  # a compiled function does not pickle; it is compiled again on first use
-        return state
+        self.flex = flex or FlexRunner()  # the model's layers share one (apply_sparse_xattn)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, block={self.block}, density={self.density}, backend={self.backend}"
@@ -94,21 +83,22 @@ class BlockSparseSpec(nn.Module):
 def _flex_attention(spec: BlockSparseSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     allowed: torch.Tensor, scaling: float | None) -> tuple[torch.Tensor, None] | None:
     """The compiled FlexAttention over ``allowed`` (bool); None where it cannot run and ``backend`` "auto" lets masked
-    SDPA take the call (stated once per layer in a log line). Eager FlexAttention is never the fallback: it is torch's
+    SDPA take the call (stated once per model in a log line). Eager FlexAttention is never the fallback: it is torch's
     unfused reference, 33-200x slower than masked SDPA on an H100 (mmsdk/plugins/attention/flex_blocks.py)."""
-    if spec.flex_failure is not None:
+    flex = spec.flex
+    if flex.failure is not None:
         return None
     try:
-        return flex_attention_over(spec.flex_kernel(), q, k, v, allowed, scaling), None
+        return flex(q, k, v, allowed, scaling), None
     except Exception as error:  # torch.compile raises its backend's errors at the first call
         if spec.backend == "flex":
             raise IncompatiblePassError(
                 f"sparse-xattn backend='flex' could not compile FlexAttention: {type(error).__name__}: {error}",
                 fix='install triton for this torch build, or use backend="auto" / "sdpa" (masked SDPA).',
             ) from error
-        spec.flex_failure = f"{type(error).__name__}: {error}"
+        flex.failure = f"{type(error).__name__}: {error}"
         logging.getLogger("mmsdk.plugins").warning(
-            "sparse-xattn: FlexAttention could not compile (%s); this layer runs masked SDPA", spec.flex_failure)
+            "sparse-xattn: FlexAttention could not run (%s); its layers run masked SDPA", flex.failure)
         return None
 
 
@@ -244,8 +234,9 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
     targets = _targets(model, adapter)
     runtime = runtime_of(model, adapter)
     masks = _cross_masks(runtime) if targets and targets[0][1] == "cross" else _inline_masks(runtime)
+    flex = FlexRunner()
     for attention, kind in targets:
-        spec = BlockSparseSpec(config, kind)
+        spec = BlockSparseSpec(config, kind, flex)
         attention.sparse_xattn = spec
         function = body_function(attention)
         proxy = _SparseInterface(_registry_of(function), spec, masks)
