@@ -125,7 +125,7 @@ def row(kind: str, text: int, density: float, block: int) -> dict[str, Any]:
 
 def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
     """Time to the first token of LLaVA-1.5-7B (bf16, random weights) with and without sparse-xattn (density 0.5,
-    layout blocks of 16 and 128 tokens), batch 1 and 4 of 4096-token prompts with one image each; a fresh model per
+    layout blocks of 16 and 128 tokens), batch 1 of 640- and 4096-token prompts and batch 4 of 4096 with one image each; a fresh model per
     row, medians of ``reps`` calls after one (which compiles FlexAttention). Every row runs transformers' generate
     (one prefill call): mmsdk's fast generate does not take sparse-xattn (its layout is per call), so the row without
     the pass runs it too, for a like-for-like prefill. Each row says whether every layer ran FlexAttention (no
@@ -135,8 +135,8 @@ def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
     from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
 
     rows = []
-    for batch in (1, 4):
-        inputs = suite.llava_inputs(batch, 4096, images=True)
+    for batch, length in ((1, 640), (1, 4096), (4, 4096)):
+        inputs = suite.llava_inputs(batch, length, images=True)
         for block in (None, 16, 128):
             suite.release_memory()
             passes = (SparseXAttnConfig(density=0.5, block_size=block),) if block else ()
@@ -144,7 +144,7 @@ def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
             times = suite.timed_calls(type(model).generate.__get__(model), inputs, 1, reps)
             specs = [m.sparse_xattn for m in model.modules() if hasattr(m, "sparse_xattn")]
             entries = [sum(spec.score_entries[i] for spec in specs) for i in (0, 1)]
-            rows.append({"batch": batch, "prompt_tokens": 4096, "block": block, "ttft_ms": statistics.median(times),
+            rows.append({"batch": batch, "prompt_tokens": length, "block": block, "ttft_ms": statistics.median(times),
                          "min_ms": min(times), "layers": len(specs),
                          "flex_failures": sorted({spec.flex.failure for spec in specs if spec.flex.failure}),
                          "kept_text_image_entries": entries[1] / entries[0] if entries[0] else None})

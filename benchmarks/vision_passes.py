@@ -152,7 +152,7 @@ def measure(session: Session, name: str, label: str, passes: tuple[Any, ...], ex
     if examples is None:
         return Row(name, label, None, 0, 0, cost.flops, cost.kv_bytes, _entries(model), note="costs only")
     for spec in (m for m in model.modules() if isinstance(m, BlockSparseSpec)):
-        spec.score_entries[:] = [0, 0]
+        spec.reset_score_entries()
     correct, count = _accuracy(model, processor, opt.adapter, examples)
     return Row(name, label, correct / count, correct, count, cost.flops, cost.kv_bytes, _entries(model))
 

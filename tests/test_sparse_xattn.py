@@ -90,6 +90,28 @@ def test_full_density_is_exact_and_half_density_skips_half(name, session, tiny):
     assert len({id(s.flex) for s in specs}) == 1  # one compiled FlexAttention (and one failure state) per model
 
 
+def test_masks_are_built_once_per_call_and_counts_stay_on_the_device(session, tiny, monkeypatch):
+    from mmsdk.plugins._runtime import ModelRuntime
+
+    loaded = tiny("tiny:llava")
+    inputs = tiny_inputs(loaded.processor, QUESTIONS)
+    opt = Optimizer(loaded.model, session=session).apply(SparseXAttnConfig(density=0.5, block_size=4))
+    built = []
+    real = ModelRuntime.key_image_mask
+    monkeypatch.setattr(ModelRuntime, "key_image_mask", lambda self, *a: built.append(a) or real(self, *a))
+    specs = [m for m in opt.model.modules() if isinstance(m, BlockSparseSpec)]
+    with torch.no_grad():
+        opt.model(**inputs)
+    assert len(specs) == 2 and len(built) == 1  # both layers took the call's masks from its memo
+    first = specs[0].score_entries
+    assert isinstance(specs[0].entry_counts, torch.Tensor) and 0 < first[1] < first[0]
+    with torch.no_grad():
+        opt.model(**inputs)
+    assert len(built) == 2 and specs[0].score_entries == [2 * n for n in first]  # summed over calls
+    specs[0].reset_score_entries()
+    assert specs[0].score_entries == [0, 0]
+
+
 def test_only_text_to_image_entries_are_dropped(session, tiny):
     loaded = tiny("tiny:llava")
     inputs = tiny_inputs(loaded.processor, QUESTIONS)

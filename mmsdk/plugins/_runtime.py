@@ -18,7 +18,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -60,6 +60,8 @@ class Call:
     has_images: bool
     query_image_mask: torch.Tensor | None = None  # [B, Lq] of what the language model runs now
     language_mask: torch.Tensor | None = None  # the mask the language model gets (compacted, translated)
+    # what a pass computes once per call and every layer reuses (sparse-xattn's text / image masks), by the pass's key
+    memo: dict[Any, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -33,8 +33,18 @@ class BlockLayout:
     block: int
     q_ids: torch.Tensor
     k_ids: torch.Tensor
-    candidates: int  # (query block, image-key block) pairs that could be kept
-    kept: int
+    valid: torch.Tensor  # [B, query blocks, key blocks]: the (query block, image-key block) pairs that could be kept
+
+    # The counts are read on demand: each read waits for the GPU, so the attention call itself never does.
+    @property
+    def candidates(self) -> int:
+        """(query block, image-key block) pairs that could be kept."""
+        return int(self.valid.sum())
+
+    @property
+    def kept(self) -> int:
+        """Pairs kept."""
+        return int(self.keep.sum())
 
     @property
     def density(self) -> float:
@@ -93,7 +103,7 @@ def block_layout(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, imag
     rank = torch.empty_like(ranked)
     rank.scatter_(-1, ranked, torch.arange(nk, device=q.device).expand_as(ranked))
     keep = valid & (rank < want[..., None])
-    return BlockLayout(keep, block, q_ids, k_ids, int(valid.sum()), int(keep.sum()))
+    return BlockLayout(keep, block, q_ids, k_ids, valid)
 
 
 def drop_mask(layout: BlockLayout, text_rows: torch.Tensor, image_cols: torch.Tensor) -> torch.Tensor:
@@ -128,11 +138,11 @@ def layout_csr(keep: torch.Tensor) -> dict[str, list[int]]:
     return {"block_row_indices": rows, "block_col_indices": cols}
 
 
-def kept_pairs(before: torch.Tensor, after: torch.Tensor, text_rows: torch.Tensor,
-               image_cols: torch.Tensor) -> tuple[int, int]:
-    """(text-to-image score entries the model's mask allows, entries still allowed after the block mask)."""
+def kept_pairs(mask: torch.Tensor, text_rows: torch.Tensor, image_cols: torch.Tensor) -> torch.Tensor:
+    """Text-to-image score entries ``mask`` (bool or additive, [B, 1, Lq, Lk]) allows: a 0-dim int64 tensor on the
+    mask's device (read it with int(): that waits for the device)."""
     cross = (text_rows[:, :, None] & image_cols[:, None, :])[:, None]
-    return int((cross & _allowed(before)).sum()), int((cross & _allowed(after)).sum())
+    return (cross & _allowed(mask)).sum()
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -73,8 +74,23 @@ class BlockSparseSpec(nn.Module):
         self.backend = config.backend
         self.kind = kind
         self.last_keep: torch.Tensor | None = None  # [B, query blocks, key blocks] of the last call
-        self.score_entries = [0, 0]  # text-to-image entries: dense total, kept (accumulated)
+        self.entry_counts: torch.Tensor | None = None  # text-to-image entries [dense total, kept], summed on device
         self.flex = flex or FlexRunner()  # the model's layers share one (apply_sparse_xattn)
+
+    @property
+    def score_entries(self) -> list[int]:
+        """Text-to-image score entries since the last reset: [the model's mask allows, the block mask kept] (reads
+        the device)."""
+        return [0, 0] if self.entry_counts is None else [int(n) for n in self.entry_counts.tolist()]
+
+    def count_entries(self, total: torch.Tensor, kept: torch.Tensor) -> None:
+        """Add one call's counts (0-dim tensors) without waiting for the device."""
+        counts = torch.stack((total, kept))
+        self.entry_counts = counts if self.entry_counts is None else self.entry_counts + counts.to(
+            self.entry_counts.device)
+
+    def reset_score_entries(self) -> None:
+        self.entry_counts = None
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, block={self.block}, density={self.density}, backend={self.backend}"
@@ -102,10 +118,52 @@ def _flex_attention(spec: BlockSparseSpec, q: torch.Tensor, k: torch.Tensor, v: 
         return None
 
 
+@dataclass
+class _CallMasks:
+    """One forward call's text rows [B, Lq], image columns [B, Lk] and row starts, the same in every layer: built once
+    per call, with one read of the device (``pairs``: some text row meets some image column) instead of a few per
+    layer, since every read waits for the GPU's queue to drain."""
+
+    text_rows: torch.Tensor
+    image_cols: torch.Tensor
+    starts: torch.Tensor | None
+    pairs: bool
+    allowed_by: list[tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=list)  # (model mask, entries)
+
+    def entries_allowed(self, given: torch.Tensor | None, like: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Text-to-image entries the model's own mask allows (``like``: a [B, 1, Lq, Lk] bool of the call's shape);
+        counted once per mask the call's layers get (a model may give some layers a sliding-window mask)."""
+        for mask, entries in self.allowed_by:
+            if mask is given:
+                return entries
+        before = combine_mask(given, torch.zeros_like(like), causal=causal, dtype=like.dtype)
+        entries = kept_pairs(before, self.text_rows, self.image_cols)
+        self.allowed_by.append((given, entries))
+        return entries
+
+
+def _per_call(runtime: ModelRuntime, masks: Callable[[torch.Tensor, torch.Tensor], _Rows]
+              ) -> Callable[[torch.Tensor, torch.Tensor], _CallMasks]:
+    """``masks`` built once per forward call (kept in the call's memo) and shared by its layers."""
+
+    def call_masks(q: torch.Tensor, k: torch.Tensor) -> _CallMasks:
+        call = runtime.call
+        key = ("sparse-xattn", q.shape[0], q.shape[2], k.shape[2], q.device)
+        found = call.memo.get(key) if call is not None else None
+        if found is None:
+            text_rows, image_cols, starts = masks(q, k)
+            found = _CallMasks(text_rows, image_cols, starts, bool(text_rows.any() & image_cols.any()))
+            if call is not None:
+                call.memo[key] = found
+        return found
+
+    return call_masks
+
+
 class _SparseInterface:
     """Stands in for transformers' attention-function registry inside one attention module's forward."""
 
-    def __init__(self, real: Any, spec: BlockSparseSpec, masks: Callable[..., _Rows]):
+    def __init__(self, real: Any, spec: BlockSparseSpec, masks: Callable[[torch.Tensor, torch.Tensor], _CallMasks]):
         self.real = real
         self.spec = spec
         self.masks = masks
@@ -130,20 +188,18 @@ class _SparseInterface:
             if layer is not None:  # a packed KV cache's marker (a KV-cache pass on CUDA): the layout needs the keys
                 q = layer.rotated_query(q)  # a RoPE left to the packed kernel runs now
                 k, v = layer.dequantized_heads(0, layer.key_codes.shape[1])
-            text_rows, image_cols, starts = self.masks(q, k)
-            if not bool(text_rows.any()) or not bool(image_cols.any()):
+            rows = self.masks(q, k)
+            if not rows.pairs:
                 return attention(module, q, k, v, mask, *args, **kwargs)
             causal = spec.kind == "self"
-            layout = block_layout(q, k, text_rows, image_cols, block=spec.block, density=spec.density, causal=causal,
-                                  starts=starts)
-            dropped = drop_mask(layout, text_rows, image_cols)
+            layout = block_layout(q, k, rows.text_rows, rows.image_cols, block=spec.block, density=spec.density,
+                                  causal=causal, starts=rows.starts)
+            dropped = drop_mask(layout, rows.text_rows, rows.image_cols)
             given = mask if isinstance(mask, torch.Tensor) else None
             allowed = combine_mask(given, dropped, causal=causal, dtype=q.dtype)
-            before = combine_mask(given, torch.zeros_like(dropped), causal=causal, dtype=q.dtype)
-            total, kept = kept_pairs(before, allowed, text_rows, image_cols)
             spec.last_keep = layout.keep
-            spec.score_entries[0] += total
-            spec.score_entries[1] += kept
+            spec.count_entries(rows.entries_allowed(given, dropped, causal),
+                               kept_pairs(allowed, rows.text_rows, rows.image_cols))
             use_flex = spec.backend == "flex" or (spec.backend == "auto" and flex_available(q.device))
             if use_flex and q.shape[2] > 1:
                 bool_allowed = allowed if allowed.dtype == torch.bool else allowed > torch.finfo(allowed.dtype).min / 2
@@ -233,7 +289,8 @@ def apply_sparse_xattn(model: nn.Module, config: SparseXAttnConfig, context: Pas
     names = {id(m): n for n, m in model.named_modules()}
     targets = _targets(model, adapter)
     runtime = runtime_of(model, adapter)
-    masks = _cross_masks(runtime) if targets and targets[0][1] == "cross" else _inline_masks(runtime)
+    masks = _per_call(runtime, _cross_masks(runtime) if targets and targets[0][1] == "cross"
+                      else _inline_masks(runtime))
     flex = FlexRunner()
     for attention, kind in targets:
         spec = BlockSparseSpec(config, kind, flex)
@@ -266,7 +323,7 @@ def _example_layout(model: nn.Module, context: PassContext) -> dict[str, Any]:
         model(**inputs)
     layouts = sparse_layouts(model)
     for spec in (m for m in model.modules() if isinstance(m, BlockSparseSpec)):
-        spec.score_entries[:] = [0, 0]
+        spec.reset_score_entries()
     return {"prompt": sample.text, "layers": layouts}
 
 
