@@ -15,7 +15,8 @@ pass builds it per call), and the compiled call's first-call (compile) seconds.
 
     python benchmarks/gpu_sparse_xattn.py --out sparse_xattn.json [--ttft]
 
-``--ttft`` adds LLaVA-1.5-7B's time to the first token with the pass (:func:`ttft_rows`).
+``--ttft`` adds LLaVA-1.5-7B's time to the first token with the pass (:func:`ttft_rows`); ``--parts`` times the
+stages of one call instead and profiles LLaVA's prefill with the pass (:func:`part_rows`, :func:`profile_prefill`).
 """
 
 from __future__ import annotations
@@ -125,11 +126,11 @@ def row(kind: str, text: int, density: float, block: int) -> dict[str, Any]:
 
 def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
     """Time to the first token of LLaVA-1.5-7B (bf16, random weights) with and without sparse-xattn (density 0.5,
-    layout blocks of 16 and 128 tokens), batch 1 of 640- and 4096-token prompts and batch 4 of 4096 with one image each; a fresh model per
-    row, medians of ``reps`` calls after one (which compiles FlexAttention). Every row runs transformers' generate
-    (one prefill call): mmsdk's fast generate does not take sparse-xattn (its layout is per call), so the row without
-    the pass runs it too, for a like-for-like prefill. Each row says whether every layer ran FlexAttention (no
-    ``flex.failure``) and the share of text-to-image score entries kept."""
+    layout blocks of 16 and 128 tokens), batch 1 of 640- and 4096-token prompts and batch 4 of 4096, one image
+    each; a fresh model per row, medians of ``reps`` calls after one (which compiles FlexAttention). Every row runs
+    transformers' generate (one prefill call): mmsdk's fast generate does not take sparse-xattn (its layout is per
+    call), so the row without the pass runs it too, for a like-for-like prefill. Each row says whether every layer
+    ran FlexAttention (no ``flex.failure``) and the share of text-to-image score entries kept."""
     import statistics
 
     from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
@@ -153,11 +154,116 @@ def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
     return rows
 
 
+def wall_ms(fn: Any, calls: int = 50) -> float:
+    """Milliseconds per call of ``calls`` calls queued back to back, timed on the host (one sync at the end): where
+    this exceeds the device time of :func:`suite.bench`, the call is bound by its launches and host reads."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def part_rows() -> list[dict[str, Any]]:
+    """One LLaVA self-attention call of the pass taken apart (640 and 4096 tokens, batch 1, 16-token blocks, density
+    0.5, no padding mask as with an all-ones attention mask): device ms (do_bench) and host ms per call of each stage
+    the wrapper runs, against the causal SDPA the model runs without the pass."""
+    from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs
+    from mmsdk.plugins.attention.flex_blocks import block_mask_from_dense, compiled_flex_attention
+
+    kernel = compiled_flex_attention()
+    rows = []
+    for text in (59, 3515):
+        q, k, v, _ = problem("llava", text, 0.5, 16)
+        length = q.shape[2]
+        text_rows = torch.zeros(1, length, dtype=torch.bool, device="cuda")
+        text_rows[:, 581:] = True
+        image_cols = torch.zeros_like(text_rows)
+        image_cols[:, 5:581] = True
+
+        def layout() -> Any:
+            return block_layout(q, k, text_rows, image_cols, block=16, density=0.5, causal=True)
+
+        lay = layout()
+        dropped = drop_mask(lay, text_rows, image_cols)
+        allowed = combine_mask(None, dropped, causal=True, dtype=q.dtype)
+        block_mask = block_mask_from_dense(allowed)
+
+        def chain() -> Any:
+            lay = layout()
+            dropped = drop_mask(lay, text_rows, image_cols)
+            allowed = combine_mask(None, dropped, causal=True, dtype=q.dtype)
+            kept_pairs(allowed, text_rows, image_cols)
+            return kernel(q, k, v, block_mask=block_mask_from_dense(allowed))
+
+        stages = {
+            "sdpa_causal": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "block_layout": layout,
+            "drop_mask": lambda: drop_mask(lay, text_rows, image_cols),
+            "combine_mask": lambda: combine_mask(None, dropped, causal=True, dtype=q.dtype),
+            "kept_pairs": lambda: kept_pairs(allowed, text_rows, image_cols),
+            "block_mask_from_dense": lambda: block_mask_from_dense(allowed),
+            "flex_compiled_prebuilt_mask": lambda: kernel(q, k, v, block_mask=block_mask),
+            "whole_call": chain,
+        }
+        row: dict[str, Any] = {"tokens": length}
+        for name, fn in stages.items():
+            row[name] = {"device_ms": suite.bench(fn), "host_ms": wall_ms(fn)}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def profile_prefill(out_dir: str, length: int = 640) -> dict[str, Any]:
+    """LLaVA-1.5-7B prefill with the pass (16-token blocks, density 0.5) under torch.profiler: the top ops by host and
+    by device time (written to ``out_dir``/sparse_profile.txt) and how many times one forward waited on the device
+    (torch.cuda's sync debug mode, counted)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
+
+    suite.release_memory()
+    model = suite.optimized(suite.build_llava(), (SparseXAttnConfig(density=0.5, block_size=16),), False)
+    inputs = suite.llava_inputs(1, length, images=True)
+    with torch.no_grad():
+        for _ in range(2):
+            model(**inputs)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)
+            model(**inputs)
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            model(**inputs)
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    with open(f"{out_dir}/sparse_profile.txt", "w") as f:
+        f.write(table.table(sort_by="self_cpu_time_total", row_limit=30))
+        f.write(table.table(sort_by="self_cuda_time_total", row_limit=30))
+    return {"tokens": length, "host_syncs_per_forward": len(syncs), "sync_kinds": sorted(set(syncs))[:10]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sparse_xattn.json")
     parser.add_argument("--ttft", action="store_true", help="also time LLaVA-1.5-7B's first token with the pass")
+    parser.add_argument("--parts", action="store_true",
+                        help="only the stages of one call and a profile of LLaVA's prefill with the pass")
     args = parser.parse_args()
+    if args.parts:
+        import os
+
+        results = {"command": "python benchmarks/gpu_sparse_xattn.py --parts", "env": suite.section_env(),
+                   "parts": part_rows(), "profile": profile_prefill(os.path.dirname(os.path.abspath(args.out)))}
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        return
     rows = [row("llava", 59, 0.5, 16), row("llava", 3515, 0.5, 16), row("llava", 3515, 0.5, 128),
             row("mllama", 512, 0.5, 16), row("mllama", 512, 0.5, 128), row("mllama", 512, 0.25, 128)]
     results = {"command": "python benchmarks/gpu_sparse_xattn.py" + (" --ttft" if args.ttft else ""),
