@@ -198,6 +198,22 @@ def part_rows() -> list[dict[str, Any]]:
             kept_pairs(allowed, text_rows, image_cols)
             return kernel(q, k, v, block_mask=block_mask_from_dense(allowed))
 
+        def chain_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_rows: torch.Tensor,
+                     image_cols: torch.Tensor) -> Any:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            lay = block_layout(q, k, text_rows, image_cols, block=16, density=0.5, causal=True)
+            allowed = combine_mask(None, drop_mask(lay, text_rows, image_cols), causal=True, dtype=q.dtype)
+            return flex_attention(q, k, v, block_mask=block_mask_from_dense(allowed)), kept_pairs(
+                allowed, text_rows, image_cols)
+
+        whole = torch.compile(chain_of)
+        try:
+            whole(q, k, v, text_rows, image_cols)
+            compiled_chain = {"compiled_whole_call": lambda: whole(q, k, v, text_rows, image_cols)}
+        except Exception as error:  # recorded, not fatal: the question is whether it compiles at all
+            compiled_chain = {}
+            print("compiled whole call failed:", type(error).__name__, str(error)[:300], flush=True)
         stages = {
             "sdpa_causal": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
             "block_layout": layout,
@@ -207,6 +223,7 @@ def part_rows() -> list[dict[str, Any]]:
             "block_mask_from_dense": lambda: block_mask_from_dense(allowed),
             "flex_compiled_prebuilt_mask": lambda: kernel(q, k, v, block_mask=block_mask),
             "whole_call": chain,
+            **compiled_chain,
         }
         row: dict[str, Any] = {"tokens": length}
         for name, fn in stages.items():

@@ -228,7 +228,8 @@ def test_the_block_mask_built_from_a_dense_mask_is_flex_attentions_own():
     whole = torch.ones(1, 1, 256, 384, dtype=torch.bool).tril(diagonal=128)  # whole tiles: read without padding
     whole[..., 100:150, 256:] = False
     for mask in (allowed, whole):
-        ours = block_mask_from_dense(mask)
+        ours = block_mask_from_dense(mask, for_backward=True)
+        assert block_mask_from_dense(mask).q_indices is None  # inference builds no query-major lists
         theirs = create_block_mask(lambda b, h, q, k: mask[b, 0, q, k], mask.shape[0], None, *mask.shape[2:],
                                    device="cpu")
         assert int(ours.full_kv_num_blocks.sum()) > 0  # some tiles run unmasked

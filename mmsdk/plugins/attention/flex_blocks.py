@@ -19,7 +19,7 @@ __all__ = ["FLEX_BLOCK", "FlexRunner", "block_mask_from_dense", "compiled_flex_a
 FLEX_BLOCK = 128  # FlexAttention's default tile (query and key): a block of the mask is skipped only if all of it is
 
 
-def block_mask_from_dense(allowed: torch.Tensor, block: int = FLEX_BLOCK) -> Any:
+def block_mask_from_dense(allowed: torch.Tensor, block: int = FLEX_BLOCK, for_backward: bool = False) -> Any:
     """FlexAttention's BlockMask of ``allowed`` [B or 1, 1, Lq, Lk] (bool, True = attend), one mask for every head
     (and, with a batch of 1, for every row of the batch: FlexAttention broadcasts it).
 
@@ -42,7 +42,7 @@ def block_mask_from_dense(allowed: torch.Tensor, block: int = FLEX_BLOCK) -> Any
         return padded[b if rows > 1 else 0, 0, q_idx, kv_idx]
 
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, k_len))
+                                    seq_lengths=(q_len, k_len), compute_q_blocks=for_backward)
 
 
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,8 @@ def flex_attention_over(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k:
                         allowed: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """``kernel`` (FlexAttention, compiled or not) of q [B, H, Lq, d] over k / v [B, Hkv, Lk, d] where ``allowed``
     [B or 1, 1, Lq, Lk] (bool) is True; returns [B, Lq, H, d], as transformers' attention functions do."""
-    out = kernel(q, k, v, block_mask=block_mask_from_dense(allowed), scale=scaling,
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    out = kernel(q, k, v, block_mask=block_mask_from_dense(allowed, for_backward=backward), scale=scaling,
                  enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).contiguous()
 
