@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLEX_BLOCK", "FlexRunner", "block_mask_from_dense", "compiled_flex_attention", "flex_attention_over"]
+__all__ = ["FLEX_BLOCK", "FlexRunner", "block_mask_from_dense", "block_mask_from_tiles", "compiled_flex_attention",
+           "flex_attention_over", "tile_lists"]
 
 FLEX_BLOCK = 128  # FlexAttention's default tile (query and key): a block of the mask is skipped only if all of it is
 
@@ -25,9 +26,15 @@ def block_mask_from_dense(allowed: torch.Tensor, block: int = FLEX_BLOCK, for_ba
 
     Tiles of ``block`` x ``block`` entries with no allowed entry are skipped, tiles allowed everywhere run without
     reading the mask ("full" blocks), the others apply it through the mask_mod, which reads the mask padded to whole
-    tiles (so no index of a partial last tile falls outside it; prompts of whole tiles are read as they are)."""
-    from torch.nn.attention.flex_attention import BlockMask
+    tiles (so no index of a partial last tile falls outside it; prompts of whole tiles are read as they are).
+    The query-major tile lists only a backward pass reads are built only ``for_backward`` (they cost two more sorts
+    and scatters, on every layer's call)."""
+    return block_mask_from_tiles(tile_lists(allowed, block), tuple(allowed.shape[2:]), block, for_backward)
 
+
+def tile_lists(allowed: torch.Tensor, block: int = FLEX_BLOCK) -> tuple[torch.Tensor, ...]:
+    """(``allowed`` padded to whole tiles, then count per query tile and key-tile indices of the partial tiles, then
+    of the full ones): tensor operations only, which torch.compile can fuse with the mask's own build."""
     rows, _, q_len, k_len = allowed.shape
     pad_q, pad_k = -q_len % block, -k_len % block
     padded = allowed
@@ -37,12 +44,22 @@ def block_mask_from_dense(allowed: torch.Tensor, block: int = FLEX_BLOCK, for_ba
     kept = padded.reshape(rows, 1, n_q, block, n_k, block).sum(dim=(3, 5), dtype=torch.int32)  # [rows, 1, n_q, n_k]
     full = kept == block * block
     partial = (kept > 0) & ~full
+    return (padded, *_ordered(partial), *_ordered(full))
+
+
+def block_mask_from_tiles(tiles: tuple[torch.Tensor, ...], seq_lengths: tuple[int, int], block: int = FLEX_BLOCK,
+                          for_backward: bool = False) -> Any:
+    """The BlockMask of :func:`tile_lists`' output, for a mask of ``seq_lengths`` (query, key) entries."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    padded, *lists = tiles
+    rows = padded.shape[0]
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return padded[b if rows > 1 else 0, 0, q_idx, kv_idx]
 
-    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, k_len), compute_q_blocks=for_backward)
+    return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=seq_lengths,
+                                    compute_q_blocks=for_backward)
 
 
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
