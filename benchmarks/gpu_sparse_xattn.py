@@ -32,7 +32,8 @@ from benchmarks import gpu_suite as suite
 
 
 def problem(kind: str, text: int, density: float, block: int) -> tuple[torch.Tensor, ...]:
-    """(q, k, v, the boolean mask the pass hands the kernel [B, 1, Q, K]) for ``kind`` "llava" or "mllama"."""
+    """(q, k, v, the boolean mask the pass hands the kernel [B, 1, Q, K], text rows [B, Q], image columns [B, K]) for
+    ``kind`` "llava" or "mllama"."""
     from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask
 
     torch.manual_seed(0)
@@ -59,7 +60,7 @@ def problem(kind: str, text: int, density: float, block: int) -> tuple[torch.Ten
     allowed = combine_mask(None, drop_mask(layout, text_rows, image_cols), causal=causal, dtype=q.dtype)
     if allowed.dtype != torch.bool:
         allowed = allowed > torch.finfo(allowed.dtype).min / 2
-    return q, k, v, allowed
+    return q, k, v, allowed, text_rows, image_cols
 
 
 def visited_share(block_mask: Any) -> float:
@@ -73,9 +74,10 @@ def row(kind: str, text: int, density: float, block: int) -> dict[str, Any]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from mmsdk.plugins.attention.flex_blocks import block_mask_from_dense, flex_attention_over
-    from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnConfig, _flex_attention
+    from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnConfig, _CallMasks, _flex_attention
 
-    q, k, v, allowed = problem(kind, text, density, block)
+    q, k, v, allowed, text_rows, image_cols = problem(kind, text, density, block)
+    rows = _CallMasks(text_rows, image_cols, None, True)
     gqa = k.shape[1] != q.shape[1]
     additive = torch.zeros(allowed.shape, device="cuda", dtype=q.dtype).masked_fill(~allowed, float("-inf"))
 
@@ -96,14 +98,15 @@ def row(kind: str, text: int, density: float, block: int) -> dict[str, Any]:
     compile_s = time.perf_counter() - start
     expected = sdpa()
     eager = flex_attention_over(flex_attention, q, k, v, allowed, None)
-    spec = BlockSparseSpec(SparseXAttnConfig(block_size=block, density=density), "self")
+    spec = BlockSparseSpec(SparseXAttnConfig(block_size=block, density=density),
+                           "self" if kind == "llava" else "cross")
     start = time.perf_counter()
-    mmsdk_out, _ = _flex_attention(spec, q, k, v, allowed, None)
+    mmsdk_out = _flex_attention(spec, q, k, v, rows, None, None)[0]
     torch.cuda.synchronize()
     mmsdk_first_s = time.perf_counter() - start
-    other = problem(kind, text, density * 0.5, block)[3]  # another mask of the same shape: no new compile
-    start = time.perf_counter()
-    _flex_attention(spec, q, k, v, other, None)
+    other = BlockSparseSpec(SparseXAttnConfig(block_size=block, density=density * 0.5), spec.kind, spec.flex)
+    start = time.perf_counter()  # another layout of the same shape: no new compile
+    _flex_attention(other, q, k, v, rows, None, None)
     torch.cuda.synchronize()
     mmsdk_second_s = time.perf_counter() - start
     result = {"kind": kind, "tokens_q": q.shape[2], "tokens_k": k.shape[2], "density": density, "block": block,
@@ -113,7 +116,9 @@ def row(kind: str, text: int, density: float, block: int) -> dict[str, Any]:
               "rel_err_compiled": suite.rel(out_compiled, expected), "compile_s": compile_s,
               "rel_err_mmsdk": suite.rel(mmsdk_out.transpose(1, 2), expected), "mmsdk_first_call_s": mmsdk_first_s,
               "mmsdk_second_mask_s": mmsdk_second_s,
-              "mmsdk_ms": suite.bench(lambda: _flex_attention(spec, q, k, v, allowed, None)),
+              "mmsdk_ms": suite.bench(lambda: _flex_attention(spec, q, k, v, rows, None, None)),
+              "mmsdk_host_ms": wall_ms(lambda: _flex_attention(spec, q, k, v, rows, None, None)),
+              "mmsdk_eager_parts": sorted(spec.flex.eager),
               "mmsdk_mask_build_ms": suite.bench(lambda: block_mask_from_dense(allowed)),
               "sdpa_ms": suite.bench(sdpa), "mask_build_ms": suite.bench(build),
               "flex_eager_ms": suite.bench(lambda: flex_attention_over(flex_attention, q, k, v, allowed, None)),
@@ -173,16 +178,15 @@ def part_rows() -> list[dict[str, Any]]:
     from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs
     from mmsdk.plugins.attention.flex_blocks import (block_mask_from_dense, block_mask_from_tiles,
                                                      compiled_flex_attention, tile_lists)
+    from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnConfig, _CallMasks, _flex_attention
 
     kernel = compiled_flex_attention()
     rows = []
     for text in (59, 3515):
-        q, k, v, _ = problem("llava", text, 0.5, 16)
+        q, k, v, _, text_rows, image_cols = problem("llava", text, 0.5, 16)
         length = q.shape[2]
-        text_rows = torch.zeros(1, length, dtype=torch.bool, device="cuda")
-        text_rows[:, 581:] = True
-        image_cols = torch.zeros_like(text_rows)
-        image_cols[:, 5:581] = True
+        rows = _CallMasks(text_rows, image_cols, None, True)
+        spec = BlockSparseSpec(SparseXAttnConfig(block_size=16, density=0.5), "self")
 
         def layout() -> Any:
             return block_layout(q, k, text_rows, image_cols, block=16, density=0.5, causal=True)
@@ -230,8 +234,9 @@ def part_rows() -> list[dict[str, Any]]:
             "flex_compiled_prebuilt_mask": lambda: kernel(q, k, v, block_mask=block_mask),
             "whole_call": chain,
             **compiled_chain,
+            "mmsdk_call": lambda: _flex_attention(spec, q, k, v, rows, None, None),
         }
-        row: dict[str, Any] = {"tokens": length}
+        row: dict[str, Any] = {"tokens": length, "mmsdk_eager_parts": sorted(spec.flex.eager)}
         for name, fn in stages.items():
             row[name] = {"device_ms": suite.bench(fn), "host_ms": wall_ms(fn)}
         rows.append(row)

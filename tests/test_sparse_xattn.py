@@ -183,7 +183,38 @@ def test_flex_attention_matches_masked_sdpa_on_cuda(name, session, tiny):
         opt = Optimizer(model, session=session).apply(SparseXAttnConfig(density=0.5, block_size=4, backend=backend))
         with torch.no_grad():
             outputs[backend] = opt.model(**inputs).logits
+        specs = [m for m in opt.model.modules() if isinstance(m, BlockSparseSpec)]
+        assert not specs[0].flex.eager and specs[0].flex.failure is None  # all compiled, nothing fell back
     torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled mask build runs on CUDA")
+def test_the_compiled_mask_build_matches_the_eager_one_on_cuda():
+    """The FlexAttention path's mask build (layout, mask, kept count, tile lists) compiled equals its eager form,
+    with and without padding and the model's own mask, and over prompt lengths that change (no eager fallback)."""
+    from mmsdk.plugins.attention.flex_blocks import FlexRunner
+    from mmsdk.plugins.attention.sparse_xattn import _flex_masks
+
+    runner = FlexRunner()
+    for length, padded in ((300, False), (357, True), (420, True)):
+        generator = torch.Generator(device="cuda").manual_seed(length)
+        q = torch.randn(2, 4, length, 16, device="cuda", generator=generator)
+        k = torch.randn(2, 2, length, 16, device="cuda", generator=generator)
+        text = torch.zeros(2, length, dtype=torch.bool, device="cuda")
+        text[:, 200:] = True
+        image = torch.zeros_like(text)
+        image[:, 5:200] = True
+        starts = torch.tensor([0, 3], device="cuda") if padded else None
+        given = None
+        if padded:
+            given = torch.ones(length, length, device="cuda").tril().log()[None, None].repeat(2, 1, 1, 1)
+            given[1, :, :, :3] = float("-inf")
+        args = (q, k, text, image, starts, given, 16, 0.5, True)
+        for got, want in zip(torch.utils._pytree.tree_leaves(runner.run("build", _flex_masks, *args)),
+                             torch.utils._pytree.tree_leaves(_flex_masks(*args)), strict=True):
+            assert torch.equal(got, want)
+    assert not runner.eager
 
 
 @pytest.mark.slow
@@ -257,29 +288,40 @@ def test_compiled_flex_attention_matches_sdpa_and_a_new_mask_needs_no_new_compil
         torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)  # measured 2.4e-7
 
 
+def _flex_call(spec: BlockSparseSpec) -> tuple[torch.Tensor, ...] | None:
+    """sparse-xattn's FlexAttention path on one call of _flex_problem's shapes (every row text, every key an image)."""
+    from mmsdk.plugins.attention.sparse_xattn import _CallMasks, _flex_attention
+
+    q, k, v, _ = _flex_problem()
+    rows = _CallMasks(torch.ones(2, 200, dtype=torch.bool), torch.ones(2, 300, dtype=torch.bool), None, True)
+    return _flex_attention(spec, q, k, v, rows, None, None)
+
+
 def test_a_flex_kernel_that_cannot_compile_hands_auto_to_sdpa_and_refuses_flex(caplog):
     """backend="auto": the model's layers (one FlexRunner) log why once and answer None (masked SDPA takes the call,
-    never eager FlexAttention, torch's unfused reference); backend="flex": a clear error naming the fix."""
+    never eager FlexAttention, torch's unfused reference); backend="flex": a clear error naming the fix. A mask build
+    that cannot compile runs eagerly instead, also stated once."""
     from mmsdk.plugins.attention.flex_blocks import FlexRunner
-    from mmsdk.plugins.attention.sparse_xattn import _flex_attention
 
     def broken(*args, **kwargs):
         raise RuntimeError("no triton")
 
-    q, k, v, allowed = _flex_problem()
     shared = FlexRunner()
-    shared.kernel = broken
+    shared.functions["flex_attention"] = broken
+    shared.functions["sparse-xattn mask build"] = broken
     layers = [BlockSparseSpec(SparseXAttnConfig(backend="auto"), "self", shared) for _ in range(3)]
     with caplog.at_level("WARNING", logger="mmsdk.plugins"):
-        assert all(_flex_attention(spec, q, k, v, allowed, None) is None for spec in layers + layers)
+        assert all(_flex_call(spec) is None for spec in layers + layers)
     assert [r.getMessage() for r in caplog.records] == [
+        "sparse-xattn mask build could not compile (RuntimeError: no triton); it runs eagerly",
         "sparse-xattn: FlexAttention could not run (RuntimeError: no triton); its layers run masked SDPA"]
     required = BlockSparseSpec(SparseXAttnConfig(backend="flex"), "self")
-    required.flex.kernel = broken
+    required.flex.functions["flex_attention"] = broken
+    required.flex.eager["sparse-xattn mask build"] = "not compiled on CPU here"
     with pytest.raises(IncompatiblePassError, match="backend=\"auto\""):
-        _flex_attention(required, q, k, v, allowed, None)
-    copy = pickle.loads(pickle.dumps(layers[0]))  # the compiled kernel is not pickled; the failure is
-    assert copy.flex.kernel is None and copy.flex.failure == shared.failure
+        _flex_call(required)
+    copy = pickle.loads(pickle.dumps(layers[0]))  # compiled functions are not pickled; what failed is
+    assert copy.flex.functions == {} and copy.flex.failure == shared.failure and copy.flex.eager == shared.eager
 
 
 @pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl", "tiny:idefics"])

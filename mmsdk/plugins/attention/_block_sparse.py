@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockLayout", "block_layout", "drop_mask", "combine_mask", "layout_csr", "kept_pairs"]
+__all__ = ["BlockLayout", "allowed_entries", "block_layout", "combine_mask", "drop_mask", "kept_pairs", "layout_csr",
+           "sparse_mask"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,17 @@ def combine_mask(mask: torch.Tensor | None, dropped: torch.Tensor, *, causal: bo
     return mask.masked_fill(dropped, torch.finfo(mask.dtype).min)
 
 
+def sparse_mask(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, image_cols: torch.Tensor,
+                starts: torch.Tensor | None, given: torch.Tensor | None, *, block: int, density: float,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One attention call's rule whole: (the layout's ``keep`` [B, query blocks, key blocks], the model's mask
+    ``given`` (or the causal / full one) with the dropped text-to-image entries removed, in its own convention, and
+    the text-to-image entries it still allows, 0-dim). Tensor operations only, so torch.compile can fuse them."""
+    layout = block_layout(q, k, text_rows, image_cols, block=block, density=density, causal=causal, starts=starts)
+    allowed = combine_mask(given, drop_mask(layout, text_rows, image_cols), causal=causal, dtype=q.dtype)
+    return layout.keep, allowed, kept_pairs(allowed, text_rows, image_cols)
+
+
 def layout_csr(keep: torch.Tensor) -> dict[str, list[int]]:
     """ONNX Runtime SparseAttention's CSR form of one [query blocks, key blocks] layout."""
     rows, cols = [0], []
@@ -142,8 +154,9 @@ def kept_pairs(mask: torch.Tensor, text_rows: torch.Tensor, image_cols: torch.Te
     """Text-to-image score entries ``mask`` (bool or additive, [B, 1, Lq, Lk]) allows: a 0-dim int64 tensor on the
     mask's device (read it with int(): that waits for the device)."""
     cross = (text_rows[:, :, None] & image_cols[:, None, :])[:, None]
-    return (cross & _allowed(mask)).sum()
+    return (cross & allowed_entries(mask)).sum()
 
 
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
+def allowed_entries(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as a boolean (True = attend), whichever convention it has (bool or additive)."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2

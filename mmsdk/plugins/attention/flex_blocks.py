@@ -9,6 +9,7 @@ since it evaluates the mask_mod over the whole grid. Compiled, with the block ma
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -85,26 +86,64 @@ def flex_attention_over(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k:
                         allowed: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """``kernel`` (FlexAttention, compiled or not) of q [B, H, Lq, d] over k / v [B, Hkv, Lk, d] where ``allowed``
     [B or 1, 1, Lq, Lk] (bool) is True; returns [B, Lq, H, d], as transformers' attention functions do."""
+    return _attend(kernel, q, k, v, tile_lists(allowed), scaling)
+
+
+def _attend(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            tiles: tuple[torch.Tensor, ...], scaling: float | None) -> torch.Tensor:
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    out = kernel(q, k, v, block_mask=block_mask_from_dense(allowed, for_backward=backward), scale=scaling,
-                 enable_gqa=k.shape[1] != q.shape[1])
+    block_mask = block_mask_from_tiles(tiles, (q.shape[2], k.shape[2]), for_backward=backward)
+    out = kernel(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).contiguous()
 
 
 class FlexRunner:
-    """The compiled FlexAttention that one model's sparse-xattn layers share (compiled on the first call), and why it
-    could not run there (``failure``; None while it can), so a failure is found and stated once per model."""
+    """What one model's sparse-xattn layers share on the FlexAttention path: the compiled functions (FlexAttention,
+    compiled on the first call, and the pass's mask build, see :meth:`run`), which of them run eagerly because they
+    could not compile, and why FlexAttention itself could not run (``failure``; None while it can), so a failure is
+    found and stated once per model."""
 
     def __init__(self) -> None:
-        self.kernel: Callable[..., torch.Tensor] | None = None
+        self.functions: dict[str, Callable[..., Any]] = {}  # compiled, by name
+        self.eager: dict[str, str] = {}  # name -> why it could not compile (then it runs eagerly)
         self.failure: str | None = None
+
+    @property
+    def kernel(self) -> Callable[..., torch.Tensor]:
+        """The compiled FlexAttention."""
+        found = self.functions.get("flex_attention")
+        if found is None:
+            found = self.functions["flex_attention"] = compiled_flex_attention()
+        return found
+
+    def run(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` under torch.compile (compiled once per runner, automatic dynamic shapes); if it cannot
+        compile or run so, eagerly from then on, stated once in a log line. Only for functions whose eager form is
+        fast enough: never FlexAttention itself (eager, it is torch's unfused reference)."""
+        if name in self.eager:
+            return function(*args)
+        compiled = self.functions.get(name)
+        if compiled is None:
+            compiled = self.functions[name] = torch.compile(function)
+        try:
+            return compiled(*args)
+        except Exception as error:  # torch.compile raises its backend's errors at the first call
+            self.eager[name] = f"{type(error).__name__}: {error}"
+            logging.getLogger("mmsdk.plugins").warning("%s could not compile (%s); it runs eagerly", name,
+                                                       self.eager[name])
+            return function(*args)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: tuple[torch.Tensor, ...],
+               scaling: float | None) -> torch.Tensor:
+        """The compiled FlexAttention of q [B, H, Lq, d] over k / v over the mask of ``tiles`` (:func:`tile_lists`);
+        returns [B, Lq, H, d], as transformers' attention functions do."""
+        return _attend(self.kernel, q, k, v, tiles, scaling)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                  scaling: float | None) -> torch.Tensor:
-        """:func:`flex_attention_over` with the compiled kernel."""
-        if self.kernel is None:
-            self.kernel = compiled_flex_attention()
-        return flex_attention_over(self.kernel, q, k, v, allowed, scaling)
+        """:meth:`attend` over a dense mask ``allowed`` [B or 1, 1, Lq, Lk] (bool)."""
+        return self.attend(q, k, v, tile_lists(allowed), scaling)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"kernel": None, "failure": self.failure}  # a compiled function does not pickle; compiled again
+        # compiled functions do not pickle: compiled again where the copy runs; what failed stays failed
+        return {"functions": {}, "eager": self.eager, "failure": self.failure}

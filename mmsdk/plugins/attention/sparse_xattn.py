@@ -32,9 +32,9 @@ from mmsdk.core.passes import CheckContext, PassContext, PassSpec
 from mmsdk.core.registry import Registrar
 from mmsdk.plugins._forward import body_function, rebind_global, set_forward_body
 from mmsdk.plugins._runtime import ModelRuntime, runtime_of
-from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs, layout_csr
+from mmsdk.plugins.attention._block_sparse import allowed_entries, combine_mask, kept_pairs, layout_csr, sparse_mask
 from mmsdk.plugins.attention._lowering import OnnxLowering, OnnxNode, TrtLlmLowering
-from mmsdk.plugins.attention.flex_blocks import FlexRunner
+from mmsdk.plugins.attention.flex_blocks import FlexRunner, tile_lists
 
 __all__ = ["BlockSparseSpec", "SparseXAttnConfig", "apply_sparse_xattn", "flex_available"]
 
@@ -96,28 +96,6 @@ class BlockSparseSpec(nn.Module):
         return f"kind={self.kind}, block={self.block}, density={self.density}, backend={self.backend}"
 
 
-def _flex_attention(spec: BlockSparseSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    allowed: torch.Tensor, scaling: float | None) -> tuple[torch.Tensor, None] | None:
-    """The compiled FlexAttention over ``allowed`` (bool); None where it cannot run and ``backend`` "auto" lets masked
-    SDPA take the call (stated once per model in a log line). Eager FlexAttention is never the fallback: it is torch's
-    unfused reference, 33-200x slower than masked SDPA on an H100 (mmsdk/plugins/attention/flex_blocks.py)."""
-    flex = spec.flex
-    if flex.failure is not None:
-        return None
-    try:
-        return flex(q, k, v, allowed, scaling), None
-    except Exception as error:  # torch.compile raises its backend's errors at the first call
-        if spec.backend == "flex":
-            raise IncompatiblePassError(
-                f"sparse-xattn backend='flex' could not compile FlexAttention: {type(error).__name__}: {error}",
-                fix='install triton for this torch build, or use backend="auto" / "sdpa" (masked SDPA).',
-            ) from error
-        flex.failure = f"{type(error).__name__}: {error}"
-        logging.getLogger("mmsdk.plugins").warning(
-            "sparse-xattn: FlexAttention could not run (%s); its layers run masked SDPA", flex.failure)
-        return None
-
-
 @dataclass
 class _CallMasks:
     """One forward call's text rows [B, Lq], image columns [B, Lk] and row starts, the same in every layer: built once
@@ -130,13 +108,15 @@ class _CallMasks:
     pairs: bool
     allowed_by: list[tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=list)  # (model mask, entries)
 
-    def entries_allowed(self, given: torch.Tensor | None, like: torch.Tensor, causal: bool) -> torch.Tensor:
-        """Text-to-image entries the model's own mask allows (``like``: a [B, 1, Lq, Lk] bool of the call's shape);
+    def entries_allowed(self, given: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                        causal: bool) -> torch.Tensor:
+        """Text-to-image entries the model's own mask allows (``given``; None: the causal or full mask of q x k),
         counted once per mask the call's layers get (a model may give some layers a sliding-window mask)."""
         for mask, entries in self.allowed_by:
             if mask is given:
                 return entries
-        before = combine_mask(given, torch.zeros_like(like), causal=causal, dtype=like.dtype)
+        nothing = torch.zeros(q.shape[0], 1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        before = combine_mask(given, nothing, causal=causal, dtype=q.dtype)
         entries = kept_pairs(before, self.text_rows, self.image_cols)
         self.allowed_by.append((given, entries))
         return entries
@@ -158,6 +138,43 @@ def _per_call(runtime: ModelRuntime, masks: Callable[[torch.Tensor, torch.Tensor
         return found
 
     return call_masks
+
+
+def _flex_masks(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, image_cols: torch.Tensor,
+                starts: torch.Tensor | None, given: torch.Tensor | None, block: int, density: float,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(layout keep, text-to-image entries kept, FlexAttention's tile lists): the mask's whole build, which runs
+    compiled on the FlexAttention path: eagerly it is about 150 small operations a layer call, bound by their
+    launches (benchmarks/gpu_sparse_xattn.py --parts)."""
+    keep, allowed, kept = sparse_mask(q, k, text_rows, image_cols, starts, given, block=block, density=density,
+                                      causal=causal)
+    return keep, kept, tile_lists(allowed_entries(allowed))
+
+
+def _flex_attention(spec: BlockSparseSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: _CallMasks,
+                    given: torch.Tensor | None, scaling: float | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(attention output [B, Lq, H, d], layout keep, entries kept) by the compiled mask build and the compiled
+    FlexAttention; None where FlexAttention cannot run and ``backend`` "auto" lets masked SDPA take the call (stated
+    once per model in a log line). Eager FlexAttention is never the fallback: it is torch's unfused reference,
+    33-200x slower than masked SDPA on an H100 (mmsdk/plugins/attention/flex_blocks.py)."""
+    flex = spec.flex
+    if flex.failure is not None:
+        return None
+    keep, kept, tiles = flex.run("sparse-xattn mask build", _flex_masks, q, k, rows.text_rows, rows.image_cols,
+                                 rows.starts, given, spec.block, spec.density, spec.kind == "self")
+    try:
+        return flex.attend(q, k, v, tiles, scaling), keep, kept
+    except Exception as error:  # torch.compile raises its backend's errors at the first call
+        if spec.backend == "flex":
+            raise IncompatiblePassError(
+                f"sparse-xattn backend='flex' could not compile FlexAttention: {type(error).__name__}: {error}",
+                fix='install triton for this torch build, or use backend="auto" / "sdpa" (masked SDPA).',
+            ) from error
+        flex.failure = f"{type(error).__name__}: {error}"
+        logging.getLogger("mmsdk.plugins").warning(
+            "sparse-xattn: FlexAttention could not run (%s); its layers run masked SDPA", flex.failure)
+        return None
 
 
 class _SparseInterface:
@@ -192,23 +209,21 @@ class _SparseInterface:
             if not rows.pairs:
                 return attention(module, q, k, v, mask, *args, **kwargs)
             causal = spec.kind == "self"
-            layout = block_layout(q, k, rows.text_rows, rows.image_cols, block=spec.block, density=spec.density,
-                                  causal=causal, starts=rows.starts)
-            dropped = drop_mask(layout, rows.text_rows, rows.image_cols)
             given = mask if isinstance(mask, torch.Tensor) else None
-            allowed = combine_mask(given, dropped, causal=causal, dtype=q.dtype)
-            spec.last_keep = layout.keep
-            spec.count_entries(rows.entries_allowed(given, dropped, causal),
-                               kept_pairs(allowed, rows.text_rows, rows.image_cols))
             use_flex = spec.backend == "flex" or (spec.backend == "auto" and flex_available(q.device))
-            if use_flex and q.shape[2] > 1:
-                bool_allowed = allowed if allowed.dtype == torch.bool else allowed > torch.finfo(allowed.dtype).min / 2
-                flexed = _flex_attention(spec, q, k, v, bool_allowed, kwargs.get("scaling"))
-                if flexed is not None:
-                    return flexed
-            if allowed.dtype == torch.bool and isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-                allowed = torch.zeros_like(mask).masked_fill(~allowed, torch.finfo(mask.dtype).min)
-            return attention(module, q, k, v, allowed, *args, **kwargs)
+            flexed = _flex_attention(spec, q, k, v, rows, given, kwargs.get("scaling")) if (
+                use_flex and q.shape[2] > 1) else None
+            if flexed is not None:
+                out, keep, kept = flexed
+            else:
+                keep, allowed, kept = sparse_mask(q, k, rows.text_rows, rows.image_cols, rows.starts, given,
+                                                  block=spec.block, density=spec.density, causal=causal)
+                if allowed.dtype == torch.bool and given is not None and given.dtype != torch.bool:
+                    allowed = torch.zeros_like(given).masked_fill(~allowed, torch.finfo(given.dtype).min)
+                out = attention(module, q, k, v, allowed, *args, **kwargs)
+            spec.last_keep = keep
+            spec.count_entries(rows.entries_allowed(given, q, k, causal), kept)
+            return out if flexed is None else (out, None)
 
         return sparse
 
