@@ -281,6 +281,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sparse_xattn.json")
     parser.add_argument("--ttft", action="store_true", help="also time LLaVA-1.5-7B's first token with the pass")
+    parser.add_argument("--skip-rows", action="store_true", help="with --ttft: the first-token rows alone")
     parser.add_argument("--parts", action="store_true",
                         help="only the stages of one call and a profile of LLaVA's prefill with the pass")
     args = parser.parse_args()
@@ -292,9 +293,11 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
         return
-    rows = [row("llava", 59, 0.5, 16), row("llava", 3515, 0.5, 16), row("llava", 3515, 0.5, 128),
-            row("mllama", 512, 0.5, 16), row("mllama", 512, 0.5, 128), row("mllama", 512, 0.25, 128)]
-    results = {"command": "python benchmarks/gpu_sparse_xattn.py" + (" --ttft" if args.ttft else ""),
+    shapes = (("llava", 59, 0.5, 16), ("llava", 3515, 0.5, 16), ("llava", 3515, 0.5, 128), ("mllama", 512, 0.5, 16),
+              ("mllama", 512, 0.5, 128), ("mllama", 512, 0.25, 128))
+    rows = [] if args.skip_rows and args.ttft else [row(*shape) for shape in shapes]
+    flags = (" --ttft" if args.ttft else "") + (" --skip-rows" if args.skip_rows and args.ttft else "")
+    results = {"command": "python benchmarks/gpu_sparse_xattn.py" + flags,
                "env": suite.section_env(), "rows": rows}
     if args.ttft:
         results["ttft"] = ttft_rows()
