@@ -129,21 +129,22 @@ def row(kind: str, text: int, density: float, block: int) -> dict[str, Any]:
     return result
 
 
-def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
+def ttft_rows(reps: int = 5, quick: bool = False) -> list[dict[str, Any]]:
     """Time to the first token of LLaVA-1.5-7B (bf16, random weights) with and without sparse-xattn (density 0.5,
     layout blocks of 16 and 128 tokens), batch 1 of 640- and 4096-token prompts and batch 4 of 4096, one image
     each; a fresh model per row, medians of ``reps`` calls after one (which compiles FlexAttention). Every row runs
     transformers' generate (one prefill call): mmsdk's fast generate does not take sparse-xattn (its layout is per
     call), so the row without the pass runs it too, for a like-for-like prefill. Each row says whether every layer
-    ran FlexAttention (no ``flex.failure``) and the share of text-to-image score entries kept."""
+    ran FlexAttention (no ``flex.failure``), whether any part ran eagerly, and the share of text-to-image score
+    entries kept. ``quick``: batch 1 and 16-token blocks only."""
     import statistics
 
     from mmsdk.plugins.attention.sparse_xattn import SparseXAttnConfig
 
     rows = []
-    for batch, length in ((1, 640), (1, 4096), (4, 4096)):
+    for batch, length in ((1, 640), (1, 4096)) if quick else ((1, 640), (1, 4096), (4, 4096)):
         inputs = suite.llava_inputs(batch, length, images=True)
-        for block in (None, 16, 128):
+        for block in (None, 16) if quick else (None, 16, 128):
             suite.release_memory()
             passes = (SparseXAttnConfig(density=0.5, block_size=block),) if block else ()
             model = suite.optimized(suite.build_llava(), passes, False)
@@ -153,6 +154,7 @@ def ttft_rows(reps: int = 5) -> list[dict[str, Any]]:
             rows.append({"batch": batch, "prompt_tokens": length, "block": block, "ttft_ms": statistics.median(times),
                          "min_ms": min(times), "layers": len(specs),
                          "flex_failures": sorted({spec.flex.failure for spec in specs if spec.flex.failure}),
+                         "eager_parts": sorted({name for spec in specs for name in spec.flex.eager}),
                          "kept_text_image_entries": entries[1] / entries[0] if entries[0] else None})
             print(rows[-1], flush=True)
             model = None
@@ -185,7 +187,7 @@ def part_rows() -> list[dict[str, Any]]:
     for text in (59, 3515):
         q, k, v, _, text_rows, image_cols = problem("llava", text, 0.5, 16)
         length = q.shape[2]
-        rows = _CallMasks(text_rows, image_cols, None, True)
+        call_masks = _CallMasks(text_rows, image_cols, None, True)
         spec = BlockSparseSpec(SparseXAttnConfig(block_size=16, density=0.5), "self")
 
         def layout() -> Any:
@@ -234,7 +236,7 @@ def part_rows() -> list[dict[str, Any]]:
             "flex_compiled_prebuilt_mask": lambda: kernel(q, k, v, block_mask=block_mask),
             "whole_call": chain,
             **compiled_chain,
-            "mmsdk_call": lambda: _flex_attention(spec, q, k, v, rows, None, None),
+            "mmsdk_call": lambda: _flex_attention(spec, q, k, v, call_masks, None, None),
         }
         row: dict[str, Any] = {"tokens": length, "mmsdk_eager_parts": sorted(spec.flex.eager)}
         for name, fn in stages.items():
@@ -282,6 +284,7 @@ def main() -> None:
     parser.add_argument("--out", default="sparse_xattn.json")
     parser.add_argument("--ttft", action="store_true", help="also time LLaVA-1.5-7B's first token with the pass")
     parser.add_argument("--skip-rows", action="store_true", help="with --ttft: the first-token rows alone")
+    parser.add_argument("--quick", action="store_true", help="with --ttft: batch 1 and 16-token blocks only")
     parser.add_argument("--parts", action="store_true",
                         help="only the stages of one call and a profile of LLaVA's prefill with the pass")
     args = parser.parse_args()
@@ -296,11 +299,12 @@ def main() -> None:
     shapes = (("llava", 59, 0.5, 16), ("llava", 3515, 0.5, 16), ("llava", 3515, 0.5, 128), ("mllama", 512, 0.5, 16),
               ("mllama", 512, 0.5, 128), ("mllama", 512, 0.25, 128))
     rows = [] if args.skip_rows and args.ttft else [row(*shape) for shape in shapes]
-    flags = (" --ttft" if args.ttft else "") + (" --skip-rows" if args.skip_rows and args.ttft else "")
+    flags = (" --ttft" if args.ttft else "") + (" --skip-rows" if args.skip_rows and args.ttft else "") + (
+        " --quick" if args.quick and args.ttft else "")
     results = {"command": "python benchmarks/gpu_sparse_xattn.py" + flags,
                "env": suite.section_env(), "rows": rows}
     if args.ttft:
-        results["ttft"] = ttft_rows()
+        results["ttft"] = ttft_rows(quick=args.quick)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

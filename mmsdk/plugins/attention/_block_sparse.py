@@ -53,15 +53,21 @@ class BlockLayout:
         return self.kept / self.candidates if self.candidates else 1.0
 
 
-def _block_means(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
-    """Weighted mean of x [B, H, L, d] over each row's blocks (ids [B, L], >= 0) -> [B, H, count, d], [B, count]."""
+def _block_means(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, count: int,
+                 block: int) -> tuple[torch.Tensor, ...]:
+    """Weighted mean of x [B, H, L, d] over each row's blocks -> [B, H, count, d], [B, count] (summed weights).
+
+    ``positions`` [B, L] counts each entry from its row's first real token (consecutive, negative for padding), so
+    block i of a row is its entries at positions i * block .. (i + 1) * block - 1: each row is gathered into that grid
+    and summed over whole blocks (gathers and sums only, no scatter, so torch.compile builds it on CPU and GPU)."""
     batch, heads, length, dim = x.shape
-    w = weight.to(x.dtype)
-    flat = (ids + torch.arange(batch, device=ids.device)[:, None] * count).reshape(-1)  # row b's blocks: b*count..
-    weighted = (x * w[:, None, :, None]).transpose(0, 1).reshape(heads, batch * length, dim)
-    sums = x.new_zeros(heads, batch * count, dim).index_add_(1, flat, weighted)
-    sums = sums.reshape(heads, batch, count, dim).transpose(0, 1)
-    totals = w.new_zeros(batch * count).index_add_(0, flat, w.reshape(-1)).reshape(batch, count)
+    grid = torch.arange(count * block, device=x.device)[None, :] - positions[:, :1]  # [B, count * block]: source
+    inside = (grid >= 0) & (grid < length)
+    grid = grid.clamp(0, length - 1)
+    w = weight.to(x.dtype).gather(1, grid) * inside
+    gathered = x.gather(2, grid[:, None, :, None].expand(-1, heads, -1, dim))
+    sums = (gathered * w[:, None, :, None]).reshape(batch, heads, count, block, dim).sum(dim=3)
+    totals = w.reshape(batch, count, block).sum(dim=2)
     return sums / totals.clamp(min=1)[:, None, :, None], totals
 
 
@@ -88,8 +94,8 @@ def block_layout(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, imag
     k_pos = _positions(k_len, 0, starts if causal else None, batch, q.device)
     q_ids, k_ids = torch.div(q_pos, block, rounding_mode="floor"), torch.div(k_pos, block, rounding_mode="floor")
     nq, nk = (q_offset + q_len - 1) // block + 1, (k_len - 1) // block + 1
-    q_mean, q_rows = _block_means(q.float(), text_rows & (q_pos >= 0), q_ids.clamp(min=0), nq)
-    k_mean, k_cols = _block_means(k.float(), image_cols & (k_pos >= 0), k_ids.clamp(min=0), nk)
+    q_mean, q_rows = _block_means(q.float(), text_rows, q_pos, nq, block)
+    k_mean, k_cols = _block_means(k.float(), image_cols, k_pos, nk, block)
     k_mean = k_mean.repeat_interleave(heads // k.shape[1], dim=1)
     scores = (q_mean @ k_mean.transpose(-1, -2)).mean(dim=1)  # [B, nq, nk]
     valid = (q_rows[:, :, None] > 0) & (k_cols[:, None, :] > 0)
@@ -101,8 +107,7 @@ def block_layout(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, imag
     want = torch.ceil(counts.float() * density).long().clamp(min=1)
     want = torch.where(counts > 0, want, torch.zeros_like(want))
     ranked = scores.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True)
-    rank = torch.empty_like(ranked)
-    rank.scatter_(-1, ranked, torch.arange(nk, device=q.device).expand_as(ranked))
+    rank = ranked.argsort(dim=-1)  # each key block's place in the ranking (the inverse permutation)
     keep = valid & (rank < want[..., None])
     return BlockLayout(keep, block, q_ids, k_ids, valid)
 
