@@ -188,27 +188,31 @@ def test_flex_attention_matches_masked_sdpa_on_cuda(name, session, tiny):
     torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled mask build runs on CUDA")
-def test_the_compiled_mask_build_matches_the_eager_one_on_cuda():
-    """The FlexAttention path's mask build (layout, mask, kept count, tile lists) compiled equals its eager form,
-    with and without padding and the model's own mask, and over prompt lengths that change (no eager fallback)."""
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=[pytest.mark.cuda, _CUDA])])
+def test_the_compiled_mask_build_matches_the_eager_one(device):
+    """The FlexAttention path's mask build (layout, mask, kept count, tile lists) compiled (inductor; ~20 s to build
+    on the CPU machine) equals its eager form, with and without padding and the model's own mask, over prompt lengths
+    that change (no eager fallback)."""
     from mmsdk.plugins.attention.flex_blocks import FlexRunner
     from mmsdk.plugins.attention.sparse_xattn import _flex_masks
 
     runner = FlexRunner()
-    for length, padded in ((300, False), (357, True), (420, True)):
-        generator = torch.Generator(device="cuda").manual_seed(length)
-        q = torch.randn(2, 4, length, 16, device="cuda", generator=generator)
-        k = torch.randn(2, 2, length, 16, device="cuda", generator=generator)
-        text = torch.zeros(2, length, dtype=torch.bool, device="cuda")
+    for length, padded in ((300, False), (357, True)) if device == "cpu" else ((300, False), (357, True), (420, True)):
+        generator = torch.Generator(device=device).manual_seed(length)
+        q = torch.randn(2, 4, length, 16, device=device, generator=generator)
+        k = torch.randn(2, 2, length, 16, device=device, generator=generator)
+        text = torch.zeros(2, length, dtype=torch.bool, device=device)
         text[:, 200:] = True
         image = torch.zeros_like(text)
         image[:, 5:200] = True
-        starts = torch.tensor([0, 3], device="cuda") if padded else None
+        starts = torch.tensor([0, 3], device=device) if padded else None
         given = None
         if padded:
-            given = torch.ones(length, length, device="cuda").tril().log()[None, None].repeat(2, 1, 1, 1)
+            given = torch.ones(length, length, device=device).tril().log()[None, None].repeat(2, 1, 1, 1)
             given[1, :, :, :3] = float("-inf")
         args = (q, k, text, image, starts, given, 16, 0.5, True)
         for got, want in zip(torch.utils._pytree.tree_leaves(runner.run("build", _flex_masks, *args)),
