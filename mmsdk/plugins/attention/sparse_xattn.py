@@ -218,9 +218,7 @@ class _SparseInterface:
             else:
                 keep, allowed, kept = sparse_mask(q, k, rows.text_rows, rows.image_cols, rows.starts, given,
                                                   block=spec.block, density=spec.density, causal=causal)
-                if allowed.dtype == torch.bool and given is not None and given.dtype != torch.bool:
-                    allowed = torch.zeros_like(given).masked_fill(~allowed, torch.finfo(given.dtype).min)
-                out = attention(module, q, k, v, allowed, *args, **kwargs)
+                out = attention(module, q, k, v, allowed, *args, **kwargs)  # allowed keeps the given mask's form
             spec.last_keep = keep
             spec.count_entries(rows.entries_allowed(given, q, k, causal), kept)
             return out if flexed is None else (out, None)
