@@ -178,9 +178,9 @@ def part_rows() -> list[dict[str, Any]]:
     0.5, no padding mask as with an all-ones attention mask): device ms (do_bench) and host ms per call of each stage
     the wrapper runs, against the causal SDPA the model runs without the pass."""
     from mmsdk.plugins.attention._block_sparse import block_layout, combine_mask, drop_mask, kept_pairs
-    from mmsdk.plugins.attention.flex_blocks import (block_mask_from_dense, block_mask_from_tiles,
-                                                     compiled_flex_attention, tile_lists)
-    from mmsdk.plugins.attention.sparse_xattn import BlockSparseSpec, SparseXAttnConfig, _CallMasks, _flex_attention
+    from mmsdk.plugins.attention.flex_blocks import block_mask_from_dense, compiled_flex_attention
+    from mmsdk.plugins.attention.sparse_xattn import (BlockSparseSpec, SparseXAttnConfig, _CallMasks,
+                                                      _flex_attention, _flex_masks)
 
     kernel = compiled_flex_attention()
     rows = []
@@ -198,34 +198,11 @@ def part_rows() -> list[dict[str, Any]]:
         allowed = combine_mask(None, dropped, causal=True, dtype=q.dtype)
         block_mask = block_mask_from_dense(allowed)
 
-        def chain() -> Any:
-            lay = layout()
-            dropped = drop_mask(lay, text_rows, image_cols)
-            allowed = combine_mask(None, dropped, causal=True, dtype=q.dtype)
-            kept_pairs(allowed, text_rows, image_cols)
-            return kernel(q, k, v, block_mask=block_mask_from_dense(allowed))
+        def eager_call() -> Any:  # the pass's call with its mask build run eagerly
+            _, _, tiles = _flex_masks(q, k, text_rows, image_cols, None, None, 16, 0.5, True)
+            return spec.flex.attend(q, k, v, tiles, None)
 
-        def pipeline(q: torch.Tensor, k: torch.Tensor, text_rows: torch.Tensor, image_cols: torch.Tensor) -> Any:
-            lay = block_layout(q, k, text_rows, image_cols, block=16, density=0.5, causal=True)
-            allowed = combine_mask(None, drop_mask(lay, text_rows, image_cols), causal=True, dtype=q.dtype)
-            return tile_lists(allowed), kept_pairs(allowed, text_rows, image_cols)
-
-        whole = torch.compile(pipeline)  # the masks' build compiled, FlexAttention compiled apart
-
-        def compiled_call() -> Any:
-            tiles, _ = whole(q, k, text_rows, image_cols)
-            return kernel(q, k, v, block_mask=block_mask_from_tiles(tiles, (length, length)))
-
-        try:
-            start = time.perf_counter()
-            compiled_call()
-            torch.cuda.synchronize()
-            print("masks' build compiled in", time.perf_counter() - start, "s", flush=True)
-            compiled_chain = {"compiled_masks_whole_call": compiled_call,
-                              "compiled_masks_only": lambda: whole(q, k, text_rows, image_cols)}
-        except Exception as error:  # recorded, not fatal: the question is whether it compiles at all
-            compiled_chain = {}
-            print("compiled masks' build failed:", type(error).__name__, str(error)[:300], flush=True)
+        _flex_attention(spec, q, k, v, call_masks, None, None)  # compiles the mask build (or records why not)
         stages = {
             "sdpa_causal": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
             "block_layout": layout,
@@ -234,8 +211,7 @@ def part_rows() -> list[dict[str, Any]]:
             "kept_pairs": lambda: kept_pairs(allowed, text_rows, image_cols),
             "block_mask_from_dense": lambda: block_mask_from_dense(allowed),
             "flex_compiled_prebuilt_mask": lambda: kernel(q, k, v, block_mask=block_mask),
-            "whole_call": chain,
-            **compiled_chain,
+            "eager_build_call": eager_call,
             "mmsdk_call": lambda: _flex_attention(spec, q, k, v, call_masks, None, None),
         }
         row: dict[str, Any] = {"tokens": length, "mmsdk_eager_parts": sorted(spec.flex.eager)}
