@@ -82,6 +82,16 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention)
 
 
+def _build_options() -> dict[str, Any]:
+    """Inductor settings for the functions :meth:`FlexRunner.run` compiles. Inductor's coalescing analysis does not
+    support dynamic shapes yet (its own config says so) but runs on them anyway, and on CUDA (torch 2.11) it fails
+    with an AssertionError in ``get_pw_red_splits`` once a second prompt length makes the mask build dynamic; the
+    analysis only picks a tiling, so turning it off changes speed at most, never the result."""
+    from torch._inductor import config
+
+    return {"triton.coalesce_tiling_analysis": False} if hasattr(config.triton, "coalesce_tiling_analysis") else {}
+
+
 def flex_attention_over(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         allowed: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """``kernel`` (FlexAttention, compiled or not) of q [B, H, Lq, d] over k / v [B, Hkv, Lk, d] where ``allowed``
@@ -124,7 +134,7 @@ class FlexRunner:
             return function(*args)
         compiled = self.functions.get(name)
         if compiled is None:
-            compiled = self.functions[name] = torch.compile(function)
+            compiled = self.functions[name] = torch.compile(function, options=_build_options())
         try:
             return compiled(*args)
         except Exception as error:  # torch.compile raises its backend's errors at the first call
