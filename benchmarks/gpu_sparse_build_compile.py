@@ -4,9 +4,9 @@ against SDPA's flash kernel on a plain causal mask? (CUDA; the CPU works too for
 The mask build (mmsdk.plugins.attention.sparse_xattn._flex_masks) is compiled three ways over five prompt shapes in
 a row: torch's default (the first shape static, a size that changes then dynamic), ``dynamic=False`` (one compile
 per shape) and ``dynamic=True``; each with inductor's defaults and with the options mmsdk compiles it with
-(flex_blocks._build_options). Each shape records ok / mismatch / the error's type, and the call's seconds (compile
-included). Then LLaVA-1.5-7B's self-attention at 4096 tokens, 32 heads of 128, bf16: compiled FlexAttention on a
-causal block mask, compiled for that shape alone and after a 640-token shape (dynamic), against causal SDPA.
+(flex_blocks.build_compile_options). Each shape records ok / mismatch / the error's type, and the call's seconds
+(compile included). Then LLaVA-1.5-7B's self-attention at 4096 tokens, 32 heads of 128, bf16: compiled FlexAttention
+on a causal block mask, compiled for that shape alone and after a 640-token shape (dynamic), against causal SDPA.
 
     python benchmarks/gpu_sparse_build_compile.py --out sparse_build_compile.json [--device cpu] [--skip-flex]
 """
@@ -42,11 +42,11 @@ def build_args(length: int, padded: bool, device: str) -> tuple[Any, ...]:
 
 
 def build_rows(device: str) -> dict[str, list[list[Any]]]:
-    from mmsdk.plugins.attention.flex_blocks import _build_options
+    from mmsdk.plugins.attention.flex_blocks import build_compile_options
     from mmsdk.plugins.attention.sparse_xattn import _flex_masks
 
     results = {}
-    for options_name, options in (("inductor_defaults", {}), ("mmsdk_options", _build_options())):
+    for options_name, options in (("inductor_defaults", {}), ("mmsdk_options", build_compile_options())):
         for mode, dynamic in (("default", None), ("static", False), ("dynamic", True)):
             torch._dynamo.reset()
             compiled = torch.compile(_flex_masks, dynamic=dynamic, options=options)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLEX_BLOCK", "FlexRunner", "block_mask_from_dense", "block_mask_from_tiles", "compiled_flex_attention",
-           "flex_attention_over", "tile_lists"]
+__all__ = ["FLEX_BLOCK", "FlexRunner", "block_mask_from_dense", "block_mask_from_tiles", "build_compile_options",
+           "compiled_flex_attention", "flex_attention_over", "tile_lists"]
 
 FLEX_BLOCK = 128  # FlexAttention's default tile (query and key): a block of the mask is skipped only if all of it is
 
@@ -82,7 +82,7 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention)
 
 
-def _build_options() -> dict[str, Any]:
+def build_compile_options() -> dict[str, Any]:
     """Inductor settings for the functions :meth:`FlexRunner.run` compiles. Inductor's coalescing analysis does not
     support dynamic shapes yet (its own config says so) but runs on them anyway, and on CUDA (torch 2.11) it fails
     with an AssertionError in ``get_pw_red_splits`` once a second prompt length makes the mask build dynamic; the
@@ -134,7 +134,7 @@ class FlexRunner:
             return function(*args)
         compiled = self.functions.get(name)
         if compiled is None:
-            compiled = self.functions[name] = torch.compile(function, options=_build_options())
+            compiled = self.functions[name] = torch.compile(function, options=build_compile_options())
         try:
             return compiled(*args)
         except Exception as error:  # torch.compile raises its backend's errors at the first call
