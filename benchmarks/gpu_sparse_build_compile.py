@@ -23,12 +23,13 @@ import torch
 SHAPES = ((300, False), (357, True), (420, True), (300, True), (640, False))
 
 
-def build_args(length: int, padded: bool, device: str) -> tuple[Any, ...]:
+def build_args(length: int, padded: bool, device: str, heads: int = 4, dim: int = 16) -> tuple[Any, ...]:
     """The mask build's arguments for a batch of two prompts of ``length`` tokens (image tokens 5..199, text after),
-    the second left-padded by three tokens when ``padded``; random queries and keys, fresh per shape."""
+    the second left-padded by three tokens when ``padded``; random queries (``heads`` of ``dim``) and keys (half as
+    many heads), fresh per shape. The CUDA and CPU tests of the compiled build use it too."""
     generator = torch.Generator(device=device).manual_seed(length)
-    q = torch.randn(2, 4, length, 16, device=device, generator=generator)
-    k = torch.randn(2, 2, length, 16, device=device, generator=generator)
+    q = torch.randn(2, heads, length, dim, device=device, generator=generator)
+    k = torch.randn(2, heads // 2, length, dim, device=device, generator=generator)
     text = torch.zeros(2, length, dtype=torch.bool, device=device)
     text[:, 200:] = True
     image = torch.zeros_like(text)

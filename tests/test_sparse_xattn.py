@@ -197,6 +197,7 @@ def test_the_compiled_mask_build_matches_the_eager_one(device):
     """The FlexAttention path's mask build (layout, mask, kept count, tile lists) compiled (inductor; ~20 s to build
     on the CPU machine) equals its eager form, with and without padding and the model's own mask, over prompt lengths
     that change (no eager fallback)."""
+    from benchmarks.gpu_sparse_build_compile import build_args
     from mmsdk.plugins.attention.flex_blocks import FlexRunner
     from mmsdk.plugins.attention.sparse_xattn import _flex_masks
 
@@ -206,19 +207,7 @@ def test_the_compiled_mask_build_matches_the_eager_one(device):
     if device == "cuda":
         cases += ((420, True, 4, 16), (333, True, 8, 32), (2048, False, 32, 128))
     for length, padded, heads, dim in cases:
-        generator = torch.Generator(device=device).manual_seed(length)
-        q = torch.randn(2, heads, length, dim, device=device, generator=generator)
-        k = torch.randn(2, heads // 2, length, dim, device=device, generator=generator)
-        text = torch.zeros(2, length, dtype=torch.bool, device=device)
-        text[:, 200:] = True
-        image = torch.zeros_like(text)
-        image[:, 5:200] = True
-        starts = torch.tensor([0, 3], device=device) if padded else None
-        given = None
-        if padded:
-            given = torch.ones(length, length, device=device).tril().log()[None, None].repeat(2, 1, 1, 1)
-            given[1, :, :, :3] = float("-inf")
-        args = (q, k, text, image, starts, given, 16, 0.5, True)
+        args = build_args(length, padded, device, heads, dim)
         for got, want in zip(torch.utils._pytree.tree_leaves(runner.run("build", _flex_masks, *args)),
                              torch.utils._pytree.tree_leaves(_flex_masks(*args)), strict=True):
             assert torch.equal(got, want)
