@@ -321,6 +321,23 @@ def test_a_flex_kernel_that_cannot_compile_hands_auto_to_sdpa_and_refuses_flex(c
     assert copy.flex.functions == {} and copy.flex.failure == shared.failure and copy.flex.eager == shared.eager
 
 
+def test_a_compiled_function_says_once_that_its_first_call_compiles(caplog, monkeypatch):
+    """The mask build's first call compiles it, which takes tens of seconds on a GPU host: one INFO line says so,
+    and later calls say nothing (torch.compile stands in here: the line, not the compile, is under test)."""
+    from mmsdk.plugins.attention.flex_blocks import FlexRunner
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda function, **options: compiled.append(options) or function)
+    runner = FlexRunner()
+    values = torch.randn(5)
+    with caplog.at_level("INFO", logger="mmsdk.plugins"):
+        for _ in range(3):
+            torch.testing.assert_close(runner.run("twice", torch.mul, values, 2), values * 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "twice: compiling with torch.compile on its first call (tens of seconds; once more when a size first changes)"]
+    assert len(compiled) == 1 and not runner.eager
+
+
 @pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl", "tiny:idefics"])
 def test_the_one_liner_with_int4_kv(name, session, tiny, tmp_path):
     """``Optimizer(model).apply("int4-kv", "sparse-xattn").export(...)``, reloaded, generates the same."""

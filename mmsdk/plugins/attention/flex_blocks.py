@@ -134,6 +134,11 @@ class FlexRunner:
             return function(*args)
         compiled = self.functions.get(name)
         if compiled is None:
+            # the compile runs inside the first call, which can then take tens of seconds (36 s for the mask build
+            # on an H100 host): say so, so a first prefill that stalls is explained
+            logging.getLogger("mmsdk.plugins").info(
+                "%s: compiling with torch.compile on its first call (tens of seconds; once more when a size first "
+                "changes)", name)
             compiled = self.functions[name] = torch.compile(function, options=build_compile_options())
         try:
             return compiled(*args)
