@@ -128,9 +128,9 @@ class FlexRunner:
 
     def run(self, name: str, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)`` under torch.compile (compiled once per runner, automatic dynamic shapes,
-        :func:`build_compile_options`); if it cannot
-        compile or run so, eagerly from then on, stated once in a log line. Only for functions whose eager form is
-        fast enough: never FlexAttention itself (eager, it is torch's unfused reference)."""
+        :func:`build_compile_options`); if it cannot compile or run so, eagerly from then on, stated once in a log
+        line. Only for functions whose eager form is fast enough: never FlexAttention itself (eager, it is torch's
+        unfused reference)."""
         if name in self.eager:
             return function(*args)
         compiled = self.functions.get(name)
