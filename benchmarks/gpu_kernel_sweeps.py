@@ -27,7 +27,8 @@
   (Qwen2-VL-7B: 28 query / 4 KV heads), against SDPA on the bf16 cache, the default without PDL, and a kernel that
   only reads the codes (``read_floor``: the floor under any decode kernel in this harness).
 * ``idot``: the integer-dot GEMV's tiles (kind "idot", the rounding launch included) against the "quad" tiles, the
-  tuner's pick and bf16 cuBLAS at batch 1, g128.
+  tuner's pick and bf16 cuBLAS at batch 1, g128; ``idotr`` adds the tiles of kind "idotr" (no rounding launch: each
+  program rounds its own quads).
 * ``gated``: the decode step's gated MLP GEMV (LLaVA-1.5-7B g32, Qwen2-VL-7B g128, reading the post-attention norm's
   statistics): the step's config and every "gated" and "idot" tile of mmsdk.kernels.w4a16_gated, against bf16.
 * ``rope``: the RoPE kernel's blocks of heads per program (mmsdk.kernels.norm_rope_gpu.rope_tile) at 1, 16 and
@@ -149,10 +150,19 @@ IDOT_TILES = [(16, 64, 4, 528), (16, 32, 2, 528), (16, 32, 2, 1056), (32, 32, 4,
               (64, 32, 4, 528), (32, 16, 2, 528), (16, 128, 4, 528), (32, 32, 2, 528), (32, 64, 8, 528)]
 
 
-def idot(shapes: list[str] | None = None) -> list[dict[str, Any]]:
+# (BLOCK_N, quads, warps, target programs) of kind "idotr" (the integer-dot GEMV rounding its own quads): every program
+# rounds the quads of its steps, so taller tiles share that work among more rows (offline sm_90 builds,
+# benchmarks/sm90_gemv_builds.py --kernels idot,idotr: 16 x 64 x 4 at 15.3 instructions per word against 10.7 for
+# "idot", 32 x 32 x 4 at 12.8 against 10.3)
+IDOTR_TILES = [(16, 64, 4, 528), (16, 32, 2, 528), (32, 32, 4, 528), (32, 32, 4, 1056), (32, 64, 8, 528),
+               (64, 32, 4, 528), (64, 16, 4, 1056), (32, 16, 2, 1056), (32, 32, 2, 528)]
+
+
+def idot(shapes: list[str] | None = None, self_round: bool = False) -> list[dict[str, Any]]:
     """The integer-dot GEMV's tiles per shape (rounding launch included; it alone as ``rounding_us``) against the
     tuner's pick, the best "quad" tiles of earlier sweeps and bf16 cuBLAS, g128, one row (``shapes``: keys of SHAPES,
-    all by default; when given, the first four tiles are also timed at 1056 and 2112 programs)."""
+    all by default; when given, the first four tiles are also timed at 1056 and 2112 programs; ``self_round``: the
+    tiles of IDOTR_TILES as kind "idotr" too, no rounding launch)."""
     from mmsdk.kernels.gemv_idot import quantize_row_activations
     from mmsdk.kernels.w4a16 import w4a16_gemv
 
@@ -170,6 +180,8 @@ def idot(shapes: list[str] | None = None) -> list[dict[str, Any]]:
                              if (bn, bc, w, t) not in IDOT_TILES]
         configs = [(8, 128, 4, 1, "quad", 528), (8, 64, 2, 1, "quadp", 528), (8, 32, 1, 1, "quadp", 528)] + [
             (bn, bc, w, 1, "idot", t) for bn, bc, w, t in tiles]
+        if self_round:
+            configs += [(bn, bc, w, 1, "idotr", t) for bn, bc, w, t in IDOTR_TILES]
         measured = _timed_gemv_configs(configs, x, p, expected)
         for tile in measured:
             if "us" in tile:
@@ -944,7 +956,7 @@ def main() -> None:
                         "(all by default)")
     parser.add_argument("--sections", default="tiles,gqa", help="comma-separated: tiles, step_gemvs, step_norms, "
                         "step_folds, step_left_norm, mma, many_rows, pdl, gqa, gqa_batch4, gqa_batch8, "
-                        "gqa_bytes_batch, mha, idot, gated, rope, gemv_floor")
+                        "gqa_bytes_batch, mha, idot, idotr, gated, rope, gemv_floor")
     args = parser.parse_args()
     results: dict[str, Any] = {"command": "python benchmarks/gpu_kernel_sweeps.py --sections " + args.sections
                                + (f" --shapes {args.shapes}" if args.shapes else "")}
@@ -953,7 +965,7 @@ def main() -> None:
                 "step_folds": step_folds, "step_left_norm": step_left_norm,
                 "mma": mma, "many_rows": many_rows, "pdl": pdl, "gqa": gqa, "gqa_batch4": lambda: gqa_batch(4),
                 "gqa_batch8": lambda: gqa_batch(8), "gqa_bytes_batch": gqa_bytes_batch, "mha": mha,
-                "idot": lambda: idot(shapes), "gated": gated, "rope": rope,
+                "idot": lambda: idot(shapes), "idotr": lambda: idot(shapes, True), "gated": gated, "rope": rope,
                 "gemv_floor": lambda: gemv_floor(shapes)}
     run_sections(results, args.sections.split(","), lambda name, _: sections[name](), args.out)
 

@@ -15,7 +15,7 @@ a captured decode step launches it; ``gemv_idot_gated`` (its gated-MLP twin) per
 slice, scaled by a norm's statistics. ``--norm`` builds the quad
 kernels with an RMSNorm folded in (``NORM``: the GEMV reads the norm's input, mmsdk/kernels/norm_fold.py).
 
-    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma,mma_paired,idot,idot_gated] [--norm]
+    python benchmarks/sm90_gemv_builds.py [--kernels quad,gated,mma,mma_paired,idot,idotr,idot_gated] [--norm]
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ def build(rows: int, quads: int, warps: int, gated: bool = False, norm: bool = F
             **_compiled(kernel, constants, pointers, {"num_warps": warps}, words)}
 
 
-def build_idot(rows: int, quads: int, warps: int, gated: bool = False) -> dict[str, object]:
+def build_idot(rows: int, quads: int, warps: int, gated: bool = False, self_round: bool = False) -> dict[str, object]:
     """One g128 tile of the integer-dot GEMV without zero points, bf16 scales and output, one K slice, PDL on
     (``gated``: a gated MLP's gate and up rows in one program, scaled by the post-attention norm's statistics, as the
-    decode step launches it)."""
+    decode step launches it; ``self_round``: kind "idotr", each step's quads rounded in the program)."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     constants: dict[str, object] = dict(GROUP=128, HAS_ZP=False, DIRECT=True, BLOCK_N=rows, BLOCK_C=quads,
@@ -71,12 +71,14 @@ def build_idot(rows: int, quads: int, warps: int, gated: bool = False) -> dict[s
     if gated:
         constants.update(PARTS=4, ROW_SCALE=True)
     else:
-        constants.update(HAS_BIAS=False, HAS_RESIDUAL=False)
+        constants.update(HAS_BIAS=False, HAS_RESIDUAL=False, SELF_ROUND=self_round)
     pointers = {**POINTERS, "xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "out_ptr": "*bf16",
                 "sq_ptr": "*fp32"}
+    if self_round:  # the rounding kernel's buffers are not read; x stands in for them, as the launch passes it
+        pointers.update(xq_ptr="*bf16", xs_ptr="*bf16", xsum_ptr="*bf16")
     kernel = kernels.gemv_idot_gated if gated else kernels.gemv_idot
     words = rows * quads * 4 * (2 if gated else 1) / (32 * warps)  # weight words per thread and step
-    return {"kernel": kernel.__name__, "tile": (rows, quads, warps),
+    return {"kernel": kernel.__name__ + ("[idotr]" if self_round else ""), "tile": (rows, quads, warps),
             **_compiled(kernel, constants, pointers, {"num_warps": warps}, words)}
 
 
@@ -161,7 +163,7 @@ def _opcode(line: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", default="quad,gated,mma,idot,idot_gated",
-                        help="comma-separated: quad, gated, mma, mma_paired, idot, idot_gated")
+                        help="comma-separated: quad, gated, mma, mma_paired, idot, idotr, idot_gated")
     parser.add_argument("--norm", action="store_true", help="quad kernels with an RMSNorm folded in")
     args = parser.parse_args()
     chosen = args.kernels.split(",")
@@ -174,6 +176,9 @@ def main() -> None:
     if "idot" in chosen:
         for tile in IDOT_TILES:
             print(build_idot(*tile), flush=True)
+    if "idotr" in chosen:
+        for tile in IDOT_TILES:
+            print(build_idot(*tile, self_round=True), flush=True)
     if "idot_gated" in chosen:
         for tile in IDOT_GATED_TILES:
             print(build_idot(*tile, gated=True), flush=True)

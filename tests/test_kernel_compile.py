@@ -99,15 +99,19 @@ def test_combine_kernels_compile(scaled):
                  {"BLOCK_S": 64, "BLOCK_HD": 64, "ADVANCE": True, "PDL": True})
 
 
-def test_idot_gemv_compiles():
-    """The batch-1 integer-dot GEMV split along K, storing fp32 partials for the epilogue kernel, with bias."""
+@pytest.mark.parametrize("self_round,norm", [(False, False), (True, False), (True, True)])
+def test_idot_gemv_compiles(self_round, norm):
+    """The batch-1 integer-dot GEMV split along K, storing fp32 partials for the epilogue kernel, with bias; also
+    rounding its own activations (kind "idotr"), with and without a folded RMSNorm."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
-    pointers = {"xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*bf16",
-                "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32", "r_ptr": "*bf16"}
+    rounded = ("*bf16", "*bf16", "*bf16") if self_round else ("*i32", "*fp32", "*i32")
+    pointers = {**dict(zip(("xq_ptr", "xs_ptr", "xsum_ptr"), rounded, strict=True)), "w_ptr": "*i32",
+                "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32", "r_ptr": "*bf16",
+                "x_ptr": "*bf16", "g_ptr": "*bf16", "pq_ptr": "*bf16"}
     constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, HAS_RESIDUAL=False, BLOCK_N=16, BLOCK_C=64,
-                     ROW_MASK=False, ASM=True, PDL=True)
-    _compile(kernels.gemv_idot, pointers, constants)
+                     ROW_MASK=False, ASM=True, PDL=True, SELF_ROUND=self_round, NORM=norm, PREQUANT=norm)
+    _compile(kernels.gemv_idot, pointers, constants, floats=("eps",))
 
 
 def test_quad_gemv_compiles():

@@ -169,6 +169,41 @@ def _integer_levels(pairs: torch.Tensor) -> torch.Tensor:
     return torch.stack([halves[:, :, p, h] for p, h in order], -1).reshape(pairs.shape[0], -1).double()
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_self_rounding_integer_dot_gemv_gives_the_rounding_kernels_output(target, symmetric):
+    """Kind "idotr" rounds each quad inside the GEMV's programs, to the bits of "idot"'s rounding kernel: the same
+    output, bit for bit, for one row and two, one K slice and several, K padded past in_features, bias, residual, an
+    RMSNorm folded in (with and without an AWQ pre-scale, its 1 / rms over one pass of the row and three)."""
+    from mmsdk.kernels.norm_fold import InputNorm, quad_factors
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+
+    device, dtype, _ = target
+    eps = 1e-5
+    for m, n, k, group, tile, splits, with_norm, with_prequant in (
+            (1, 40, 512, 64, (16, 4, 4), 1, False, False), (1, 40, 512, 64, (8, 2, 2), 3, False, False),
+            (2, 33, 296, 128, (16, 8, 4), None, False, False), (1, 33, 296, 32, (8, 4, 2), 2, True, False),
+            (2, 40, 512, 64, (16, 4, 4), 1, True, True), (1, 24, 4352, 128, (8, 8, 2), 1, True, False)):
+        packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+        x = (torch.randn(m, k, device=device) * 3 + 1).to(dtype)
+        x[:, ::37] *= 30.0  # outlier channels: quads with very different units
+        bias = torch.randn(n, device=device).to(dtype)
+        residual = torch.randn(m, n, device=device).to(dtype)
+        norm = None
+        if with_norm:
+            weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+            prequant = (torch.rand(k, device=device) + 0.5).to(dtype) if with_prequant else None
+            norm = InputNorm(weight, eps, quad_factors(weight, prequant), prequant)
+        outputs = [w4a16_gemv(x, packed.qweight, packed.scales, packed.zero_points, group, bias,
+                              config=(*tile, 1, kind, 64), splits=splits, residual=residual, norm=norm)
+                   for kind in ("idot", "idotr")]
+        assert torch.equal(*outputs), (m, k, group, tile, splits, with_norm)
+        expected = x.float() if norm is None else _rms_normalized(x, norm.weight, eps)
+        if norm is not None and norm.prequant is not None:
+            expected = expected * norm.prequant.float()
+        expected = residual.float() + expected @ dequantize_int4(packed, torch.float32).T + bias.float()
+        assert _rel(outputs[1], expected) < 2e-3  # interpreter fp16 ~3e-4, bf16 ~2e-3
+
+
 @pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs an NVIDIA GPU and Triton")
 def test_integer_dot_gemv_replays_in_a_cuda_graph():
     """Kind "idot" captured in a CUDA graph (on sm_90+ with PDL: the GEMV loads its first weights before it waits for
@@ -812,7 +847,7 @@ _NORM_STORE, _NORM_FOLD = "gemv_store_leaves_rmsnorm_statistics", "gemvs_fold_an
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
 @pytest.mark.parametrize("select,expected", [(f"interpreter and {_NORM_STORE}", 2),
                                              (f"interpreter and {_NORM_FOLD}", 2),
-                                             (f"interpreter and not ({_NORM_STORE} or {_NORM_FOLD})", 21)],
+                                             (f"interpreter and not ({_NORM_STORE} or {_NORM_FOLD})", 23)],
                          ids=["norm_store", "norm_fold", "other_kernels"])
 def test_kernels_under_the_interpreter(select, expected):
     """Runs this file's kernel checks (those ``select`` picks) in a process where TRITON_INTERPRET=1 is set from the

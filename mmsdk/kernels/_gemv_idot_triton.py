@@ -25,6 +25,9 @@ from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_do
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitude, as an integer
+# channels per pass of a folded norm's sum of squares (mmsdk.kernels._gemv_quad_triton.inverse_rms); one value for the
+# rounding kernel and the GEMV that rounds its own quads, so both give the same 1 / rms to the bit
+ROW_SCALE_BLOCK = tl.constexpr(2048)
 
 # ``$1`` plus the dot of one int32 word of 8 codes (nibble j = channel 8w + j) with the word's 8 activations, packed as
 # pairs of int16 (``$3`` = channels 0 and 2, ``$4`` = 4 and 6, ``$5`` = 1 and 3, ``$6`` = 5 and 7; low half first). The
@@ -33,6 +36,37 @@ ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitu
 # (The KV kernel's WORD_DOT, from the same template in mmsdk/kernels/_kv_intdot_triton.py, starts from 0.)
 _WORD_DOT_ADD = word_dot_ptx(True)
 WORD_DOT_ADD = tl.constexpr(_WORD_DOT_ADD)
+
+
+@triton.jit
+def quad_activations(x_row, quads, q_ok, K_in, row_scale, g_ptr, pq_ptr, NORM: tl.constexpr,
+                     PREQUANT: tl.constexpr):
+    """The activations of ``quads`` (``[BLOCK_Q]``) as fp32 ``[BLOCK_Q, 4, 8]`` (word, nibble), zeros past ``K_in``
+    or where ``q_ok`` is false; with ``NORM`` times ``row_scale`` (the row's ``1 / rms``) and the norm's weight
+    (with ``PREQUANT`` times an AWQ pre-scale), in that order."""
+    words = quads[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_Q, 4]
+    k = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    k_ok = q_ok[:, None, None] & (k < K_in)
+    x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+    if NORM:
+        weight = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        if PREQUANT:
+            weight *= tl.load(pq_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = x * row_scale * weight
+    return x
+
+
+@triton.jit
+def round_quads(x):
+    """Quads of activations ``[BLOCK_Q, 4, 8]`` (fp32) rounded: per word the four int32 of int16 pairs (channels 0/2,
+    4/6, 1/3, 5/7; ``[BLOCK_Q, 4]`` each), per quad the scale that turns a dot's integer into the product (the
+    quad's unit over 16) and the sum of its integers. The same values wherever a quad is rounded."""
+    top = tl.max(tl.max(tl.abs(x), 2), 1)
+    inv_unit = tl.where(top > 0, ACTIVATION_LEVELS / top, 0.0)  # an all-zero quad gives zero products
+    levels = round_to_levels(x, inv_unit[:, None, None])
+    x0, x1, x2, x3, x4, x5, x6, x7 = by_nibble(levels)
+    return (int16_pair(x0, x2), int16_pair(x4, x6), int16_pair(x1, x3), int16_pair(x5, x7),
+            top / (16.0 * ACTIVATION_LEVELS), tl.sum(tl.sum(levels, 2), 1))
 
 
 @triton.jit
@@ -54,27 +88,17 @@ def quantize_activations(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K_in, n_quads, stride_
     pid, row = tl.program_id(0), tl.program_id(1)
     quads = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = quads < n_quads
-    words = quads[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_Q, 4]
-    k = words[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    k_ok = q_ok[:, None, None] & (k < K_in)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-    if NORM:
-        weight = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        if PREQUANT:
-            weight *= tl.load(pq_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        x = x * inverse_rms(x_row, K_in, eps, 32 * BLOCK_Q) * weight
-    top = tl.max(tl.max(tl.abs(x), 2), 1)
-    inv_unit = tl.where(top > 0, ACTIVATION_LEVELS / top, 0.0)  # an all-zero quad gives zero products
-    levels = round_to_levels(x, inv_unit[:, None, None])
-    x0, x1, x2, x3, x4, x5, x6, x7 = by_nibble(levels)
-    pairs = xq_ptr + row.to(tl.int64) * (4 * n_quads * 4) + words * 4
-    tl.store(pairs, int16_pair(x0, x2), mask=q_ok[:, None])
-    tl.store(pairs + 1, int16_pair(x4, x6), mask=q_ok[:, None])
-    tl.store(pairs + 2, int16_pair(x1, x3), mask=q_ok[:, None])
-    tl.store(pairs + 3, int16_pair(x5, x7), mask=q_ok[:, None])
-    tl.store(xs_ptr + row * n_quads + quads, top / (16.0 * ACTIVATION_LEVELS), mask=q_ok)
-    tl.store(xsum_ptr + row * n_quads + quads, tl.sum(tl.sum(levels, 2), 1), mask=q_ok)
+    row_scale = inverse_rms(x_row, K_in, eps, ROW_SCALE_BLOCK) if NORM else 1.0
+    p0, p1, p2, p3, xs, xsum = round_quads(quad_activations(x_row, quads, q_ok, K_in, row_scale, g_ptr, pq_ptr, NORM,
+                                                            PREQUANT))
+    pairs = xq_ptr + row.to(tl.int64) * (4 * n_quads * 4) + (quads[:, None] * 4 + tl.arange(0, 4)[None, :]) * 4
+    tl.store(pairs, p0, mask=q_ok[:, None])
+    tl.store(pairs + 1, p1, mask=q_ok[:, None])
+    tl.store(pairs + 2, p2, mask=q_ok[:, None])
+    tl.store(pairs + 3, p3, mask=q_ok[:, None])
+    tl.store(xs_ptr + row * n_quads + quads, xs, mask=q_ok)
+    tl.store(xsum_ptr + row * n_quads + quads, xsum, mask=q_ok)
 
 
 @triton.jit
@@ -138,14 +162,17 @@ def idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stri
 
 
 @triton.jit
-def idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
-              WPG: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-              ASM: tl.constexpr, MASK_K: tl.constexpr = True):
-    """One step's fp32 products ``[BLOCK_N, BLOCK_C]`` (rows x quads) from its words ``[BLOCK_N, BLOCK_C, 4]`` and
-    group scales ``s``, the rounded activations read here (without ``MASK_K`` every quad of the step exists)."""
-    p0, p1, p2, p3, xs, xsum = rounded_step(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K)
-    return idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG, HAS_ZP, BLOCK_N,
-                         BLOCK_C, ASM)
+def step_inputs(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, x_row, K_in, row_scale, g_ptr, pq_ptr,
+                MASK_K: tl.constexpr, SELF_ROUND: tl.constexpr, NORM: tl.constexpr, PREQUANT: tl.constexpr):
+    """A step's rounded activations (:func:`rounded_step`'s values): read from the rounding kernel's output, or with
+    ``SELF_ROUND`` rounded here from the activation row ``x_row`` (``K_in`` channels; ``NORM`` / ``PREQUANT`` and
+    ``row_scale`` as :func:`quad_activations` takes them), to the same bits."""
+    if SELF_ROUND:
+        p0, p1, p2, p3, xs, xsum = round_quads(quad_activations(x_row, quads, c_ok, K_in, row_scale, g_ptr, pq_ptr,
+                                                                NORM, PREQUANT))
+    else:
+        p0, p1, p2, p3, xs, xsum = rounded_step(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, MASK_K)
+    return p0, p1, p2, p3, xs, xsum
 
 
 @triton.jit
@@ -197,10 +224,25 @@ def rounded_row(xq_ptr, xs_ptr, xsum_ptr, row, KW, n_quads, rc):
 
 
 @triton.jit
+def idot_step(acc, w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, xq_row, xs_row, xsum_row, pair_at, z_ptr,
+              stride_zn, x_row, K_in, row_scale, g_ptr, pq_ptr, WPG: tl.constexpr, HAS_ZP: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr, ASM: tl.constexpr,
+              MASK_K: tl.constexpr, SELF_ROUND: tl.constexpr, NORM: tl.constexpr, PREQUANT: tl.constexpr):
+    """``acc`` plus the step at quad ``q0`` (without ``MASK_K`` every quad of it exists)."""
+    words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N, BLOCK_C,
+                                          ROW_MASK, MASK_K)
+    p0, p1, p2, p3, xs, xsum = step_inputs(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, x_row, K_in,
+                                           row_scale, g_ptr, pq_ptr, MASK_K, SELF_ROUND, NORM, PREQUANT)
+    return acc + idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG, HAS_ZP,
+                               BLOCK_N, BLOCK_C, ASM)
+
+
+@triton.jit
 def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, KW, quads_per_split, stride_zn,
               r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr,
-              ASM: tl.constexpr, PDL: tl.constexpr = False):
+              ASM: tl.constexpr, PDL: tl.constexpr = False, x_ptr=None, stride_xm=0, K_in=0, g_ptr=None, pq_ptr=None,
+              eps=0.0, SELF_ROUND: tl.constexpr = False, NORM: tl.constexpr = False, PREQUANT: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (rows x quads x words) against activations rounded by
     :func:`quantize_activations` (one activation row per program, grid axis 2).
 
@@ -209,33 +251,43 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
     group scale turn it into fp32 (two float operations per 4 words). ``DIRECT`` stores the output row (one K
     slice; with ``HAS_BIAS`` and ``HAS_RESIDUAL`` rounded as torch rounds ``residual + linear``), otherwise fp32
     partials for mmsdk.kernels.split_k.finish_splits. With ``PDL`` a program loads its first step's words and
-    scales before it waits for the rounding kernel (mmsdk/kernels/_pdl_triton.py).
+    scales before it waits for the kernel before it.
+
+    With ``SELF_ROUND`` (kind "idotr") there is no rounding kernel: each program rounds the quads of its steps itself
+    from the activation row (``x_ptr``, ``stride_xm``, ``K_in`` channels; with ``NORM`` an RMSNorm's input, its
+    weight at ``g_ptr``, ``PREQUANT`` and ``eps`` as :func:`quantize_activations` takes them), to the same bits as
+    the rounding kernel, so both kinds give the same output. Every program whose K slice holds a quad rounds it again:
+    work traded for the rounding launch the GEMV would wait for.
     """
     WPG: tl.constexpr = GROUP // 8
     split, row, rn, n_ok, rc, rw, q_begin, q_end, n_quads, k_blocks = idot_program(N, KW, quads_per_split, GROUP,
                                                                                    BLOCK_N, BLOCK_C)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * KW
     xq_row, xs_row, xsum_row, pair_at = rounded_row(xq_ptr, xs_ptr, xsum_ptr, row, KW, n_quads, rc)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm if SELF_ROUND else x_ptr
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     q_loop = q_begin
-    if PDL:  # the first step's weights load while the rounding kernel runs
+    if PDL:  # the first step's weights load while the kernel before it runs
         words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q_begin, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N,
                                               BLOCK_C, ROW_MASK)
         wait_for_inputs(PDL)
-        acc += idot_step(words, s, xq_row, xs_row, xsum_row, q_begin, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
-                         WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM)
+        row_scale = inverse_rms(x_row, K_in, eps, ROW_SCALE_BLOCK) if SELF_ROUND and NORM else 1.0
+        p0, p1, p2, p3, xs, xsum = step_inputs(xq_row, xs_row, xsum_row, q_begin, quads, c_ok, pair_at, x_row, K_in,
+                                               row_scale, g_ptr, pq_ptr, True, SELF_ROUND, NORM, PREQUANT)
+        acc += idot_products(words, s, p0, p1, p2, p3, xs, xsum, quads, z_ptr, rn, ok, stride_zn, WPG, HAS_ZP,
+                             BLOCK_N, BLOCK_C, ASM)
         q_loop = q_begin + BLOCK_C
+    else:
+        row_scale = inverse_rms(x_row, K_in, eps, ROW_SCALE_BLOCK) if SELF_ROUND and NORM else 1.0
     whole_end = q_loop + tl.maximum(q_end - q_loop, 0) // BLOCK_C * BLOCK_C
     for q0 in range(q_loop, whole_end, BLOCK_C):  # whole steps: no K masks
-        words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N,
-                                              BLOCK_C, ROW_MASK, False)
-        acc += idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
-                         WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM, False)
+        acc = idot_step(acc, w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, xq_row, xs_row, xsum_row, pair_at,
+                        z_ptr, stride_zn, x_row, K_in, row_scale, g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
+                        ROW_MASK, ASM, False, SELF_ROUND, NORM, PREQUANT)
     for q0 in range(whole_end, q_end, BLOCK_C):  # the slice's last, partial step
-        words, s, quads, c_ok, ok = step_tile(w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, WPG, BLOCK_N,
-                                              BLOCK_C, ROW_MASK)
-        acc += idot_step(words, s, xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, z_ptr, rn, ok, stride_zn,
-                         WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM)
+        acc = idot_step(acc, w_rows, s_ptr, q0, q_end, rn, n_ok, rc, rw, k_blocks, xq_row, xs_row, xsum_row, pair_at,
+                        z_ptr, stride_zn, x_row, K_in, row_scale, g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
+                        ROW_MASK, ASM, True, SELF_ROUND, NORM, PREQUANT)
     out = tl.sum(acc, 1)
     dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
     if DIRECT:

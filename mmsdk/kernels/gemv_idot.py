@@ -40,9 +40,7 @@ def quantize_row_activations(x: torch.Tensor, words: int, norm: InputNorm | None
 
     from mmsdk.kernels import _w4a16_triton as kernels
 
-    if words % 4:
-        raise ValueError(f"an integer-dot GEMV reads quads of 4 words: {words} words per row is not a multiple of 4; "
-                         "use a group size of at least 32 or kind 'fma'.")
+    _check_words(words)
     m, k_in = x.shape
     n_quads = words // 4
     rounded = IntegerActivations(torch.empty(m, 4 * words, device=x.device, dtype=torch.int32),
@@ -74,19 +72,29 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 n_splits: int, residual: torch.Tensor | None = None, norm: InputNorm | None = None) -> None:
     """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
     groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials and
-    :func:`finish_splits`. With ``norm`` ``x`` is that RMSNorm's input, normalized by the rounding kernel."""
+    :func:`finish_splits`. With ``norm`` ``x`` is that RMSNorm's input, normalized by the rounding kernel. Kind
+    "idotr" (``cfg[4]``) launches no rounding kernel: the GEMV's programs round the quads they read themselves, to
+    the same bits, so the output is the same as kind "idot"'s."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
 
     _check_group(group)
     block_n, block_c, warps = cfg[:3]
-    m = x.shape[0]
+    self_round = len(cfg) > 4 and cfg[4] == "idotr"
+    m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     words = k_blocks * group // 8
-    rounded = quantize_row_activations(x, words, norm)
     direct = n_splits == 1
-    pdl = pdl_preload_ready(x)  # the first weights load while the rounding kernel runs
+    if self_round:
+        _check_words(words)
+        # the rounding kernel's buffers are not read: x stands in for their pointers
+        inputs = dict(x_ptr=x, stride_xm=x.stride(0), K_in=k_in, SELF_ROUND=True, **_norm_arguments(norm, x))
+        rounded = IntegerActivations(x, x, x)
+    else:
+        inputs = {}
+        rounded = quantize_row_activations(x, words, norm)
+    pdl = pdl_preload_ready(x)  # the first weights load while the kernel before runs
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
     kernels.gemv_idot[(triton.cdiv(n, block_n), n_splits, m)](
         rounded.pairs, rounded.scales, rounded.sums, qweight.view(torch.int32), scales,
@@ -95,7 +103,7 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         residual if residual is not None else scales, GROUP=group, HAS_ZP=zero_points is not None,
         HAS_BIAS=bias is not None, DIRECT=direct, HAS_RESIDUAL=residual is not None and direct, BLOCK_N=block_n,
         BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps,
-        enable_fp_fusion=True)
+        **inputs, enable_fp_fusion=True)
     if not direct:
         finish_splits(target, out, bias, n_splits, False, residual)
 
@@ -136,6 +144,13 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
         enable_fp_fusion=True)
     if not direct:  # the partials are scaled already
         finish_splits(target, out, None, n_splits, True)
+
+
+def _check_words(words: int) -> None:
+    """An integer-dot GEMV reads whole quads of 4 words."""
+    if words % 4:
+        raise ValueError(f"an integer-dot GEMV reads quads of 4 words: {words} words per row is not a multiple of 4; "
+                         "use a group size of at least 32 or kind 'fma'.")
 
 
 def _check_group(group: int) -> None:

@@ -2,8 +2,8 @@
 
 A configuration is ``(BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs[, num_stages]])``; the kinds and
 their candidates per row count are described in mmsdk.kernels.w4a16. :func:`launch_gemv` runs one into ``out``: the
-"quad" kinds (mmsdk/kernels/_gemv_quad_triton.py), "idot" (mmsdk.kernels.gemv_idot), "mma" (tensor cores) or the
-plain "fma" / "dot" kernel, a K split summed by the epilogue kernel (mmsdk.kernels.split_k).
+"quad" kinds (mmsdk/kernels/_gemv_quad_triton.py), "idot" / "idotr" (mmsdk.kernels.gemv_idot), "mma" (tensor cores)
+or the plain "fma" / "dot" kernel, a K split summed by the epilogue kernel (mmsdk.kernels.split_k).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from mmsdk.kernels.gemv_idot import launch_idot
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, norm_arguments
 from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, k_slices
 
-__all__ = ["GEMV_KINDS", "QUAD_KINDS", "GemvConfig", "PackedWeight", "launch_gemv", "launch_paired_mma",
+__all__ = ["GEMV_KINDS", "IDOT_KINDS", "QUAD_KINDS", "GemvConfig", "PackedWeight", "launch_gemv", "launch_paired_mma",
            "triton_kernels"]
 
 GemvConfig = tuple[Any, ...]
 PackedWeight = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (qweight, scales, zero_points)
-GEMV_KINDS = ("quad", "quadp", "idot", "fma", "dot", "mma")
+GEMV_KINDS = ("quad", "quadp", "idot", "idotr", "fma", "dot", "mma")
+IDOT_KINDS = ("idot", "idotr")
 QUAD_KINDS = ("quad", "quadp")
 
 
@@ -35,10 +36,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     from programs split between the two weights (the paired GEMV's "quad" kinds); with ``residual`` (``out``'s
     shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
     slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
-    (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel, by the norm kernel for the others. ``leave``: the "quad"
-    kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads ``out`` (one row; others leave
-    none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its weight and these its statistics,
-    applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
+    (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel ("idotr": its own programs), by the norm kernel for the
+    others. ``leave``: the "quad" kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads
+    ``out`` (one row; others leave none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its
+    weight and these its statistics, applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -46,7 +47,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if residual is not None and (paired or residual.shape != out.shape or not residual.is_contiguous()):
         raise ValueError("a GEMV's residual must be a contiguous tensor of the output's shape, and a paired (gated) "
                          "GEMV takes none: add it after the launch.")
-    if norm is not None and kind not in (*QUAD_KINDS, "idot"):
+    if norm is not None and kind not in (*QUAD_KINDS, *IDOT_KINDS):
         x, norm = norm.normalize(x), None
     if row_scale is not None and not paired:
         raise ValueError("a GEMV applies norm statistics only as a paired (gated) GEMV: pass second= as well.")
@@ -55,7 +56,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if kind == "mma":
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
         return
-    if kind == "idot":
+    if kind in IDOT_KINDS:
         launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
                     *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual,
                     norm)

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import note_fallback, triton_ready
-from mmsdk.kernels.gemv_launch import QUAD_KINDS, GemvConfig, PackedWeight, launch_gemv, triton_kernels
+from mmsdk.kernels.gemv_launch import IDOT_KINDS, QUAD_KINDS, GemvConfig, PackedWeight, launch_gemv, triton_kernels
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest
 from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, gemv_splits, k_slices
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
@@ -281,7 +281,7 @@ def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
     """The bucket's candidates that take this group size ("quad" and "idot" read whole 4-word quads, "mma" needs 16
     channels per half group: groups >= 32)."""
     return tuple(c for c in _GEMV_CANDIDATES[bucket]
-                 if len(c) == 4 or c[4] not in (*QUAD_KINDS, "idot", "mma") or group >= 32)
+                 if len(c) == 4 or c[4] not in (*QUAD_KINDS, *IDOT_KINDS, "mma") or group >= 32)
 
 
 def _launch_fused(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
