@@ -68,6 +68,9 @@ GEMV_MAX_M = 16
 # (the quads' tiles on integer dot products with the activations rounded to 16-bit integers per 32 channels by a
 # launch of its own: mmsdk.kernels.gemv_idot; H200, benchmarks/gpu_kernel_sweeps.py idot: 15.5 against 16.6 µs for
 # the best "quad" tile on a 22016 x 4096 weight, 21.7 against 24.8 on 37888 x 3584, slower on the 4096-row weights),
+# "idotr" (the same with no rounding launch: each program rounds the quads it reads; on an H100,
+# gpu_kernel_sweeps.py idotr, the same tile 0.4-1.3 µs faster than "idot", the best of it 4-6% faster than any other
+# kind on the 12288 x 4096, 22016 x 4096 and 4096 x 11008 weights, slower than "quad" on 4096 x 4096),
 # "fma" (gemv: shift-and-mask nibbles, any group size), "dot" (gemv on the tensor cores, for several rows) or "mma"
 # (gemv_mma: up to 16 rows on the tensor cores, nibbles made 16-bit floats with one lop3 per pair; BLOCK_G is the
 # K channels per step; group sizes >= 32).
@@ -97,6 +100,7 @@ _GEMV_CANDIDATES: dict[int, tuple[tuple[Any, ...], ...]] = {
         (16, 32, 2, 1, "quad", 528), (16, 64, 4, 1, "quad", 528), (32, 16, 4, 1, "quad", 264),
         (8, 64, 2, 1, "quadp", 528), (32, 16, 4, 1, "quadp", 528),
         (16, 64, 4, 1, "idot", 528), (16, 128, 4, 1, "idot", 528), (16, 32, 2, 1, "idot", 528),
+        (16, 32, 2, 1, "idotr", 528), (16, 64, 4, 1, "idotr", 528), (32, 32, 4, 1, "idotr", 528),
         (16, 2, 4, 1, "fma"), (32, 2, 4, 1, "fma")),
     # the fused kernel and "fma" / "dot" stay for groups of 16, which "mma" cannot take
     4: (*_MMA_CANDIDATES, (64, 256, 4, 3), (16, 2, 4, 4, "fma")),
