@@ -179,7 +179,7 @@ def test_self_rounding_integer_dot_gemv_gives_the_rounding_kernels_output(target
     from mmsdk.kernels.norm_fold import InputNorm, quad_factors
     from mmsdk.kernels.w4a16 import w4a16_gemv
 
-    device, dtype, _ = target
+    device, dtype, tol = target
     eps = 1e-5
     differing = []
     for m, n, k, group, tile, splits, with_norm, with_prequant in (
@@ -206,7 +206,7 @@ def test_self_rounding_integer_dot_gemv_gives_the_rounding_kernels_output(target
         if norm is not None and norm.prequant is not None:
             expected = expected * norm.prequant.float()
         expected = residual.float() + expected @ dequantize_int4(packed, torch.float32).T + bias.float()
-        assert _rel(outputs[1], expected) < 2e-3, case  # interpreter fp16 ~3e-4, bf16 ~2e-3
+        assert _rel(outputs[1], expected) < tol, case  # interpreter fp16 ~3e-4, H100 bf16 ~2.2e-3
     # every case is listed, so one run on a GPU shows which differ and by how much
     assert all(case[5] and rel < 1e-4 for case, rel in differing), differing
 
