@@ -202,7 +202,7 @@ def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
 
 def search_candidates(shape: tuple[Any, ...], kinds: tuple[str, ...] | None = None) -> tuple[tuple[Any, ...], ...]:
     """What ``--search`` tries for one step GEMV: the one-row tuner's "quad", "idot" and "idotr" candidates, or the
-    gated MLP's "gated" and "idot" tiles (``kinds``: only those kinds)."""
+    gated MLP's "gated", "idot" and "idotr" tiles (``kinds``: only those kinds)."""
     from mmsdk.kernels.gemv_launch import IDOT_KINDS
     from mmsdk.kernels.w4a16 import QUAD_KINDS, gemv_candidates
     from mmsdk.kernels.w4a16_gated import _paired_candidates
@@ -210,7 +210,7 @@ def search_candidates(shape: tuple[Any, ...], kinds: tuple[str, ...] | None = No
     if shape[0] == "gemv":
         found = tuple(c for c in gemv_candidates(1, shape[4]) if len(c) > 4 and c[4] in (*QUAD_KINDS, *IDOT_KINDS))
     else:
-        found = tuple(c for c in _paired_candidates(shape[3]) if c[4] in ("gated", "idot"))
+        found = tuple(c for c in _paired_candidates(shape[3]) if c[4] in ("gated", *IDOT_KINDS))
     return tuple(c for c in found if kinds is None or c[4] in kinds)
 
 

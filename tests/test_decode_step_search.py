@@ -16,7 +16,7 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
     keys = {name: reuse._tuner_key(shape) for name, shape in shapes.items()}
     candidates = {name: reuse.search_candidates(shape) for name, shape in shapes.items()}
     assert all(len(c) >= 4 for c in candidates.values())
-    assert {c[4] for c in candidates["gated"]} == {"gated", "idot"}
+    assert {c[4] for c in candidates["gated"]} == {"gated", "idot", "idotr"}
     assert {c[4] for c in candidates["qkv"]} == {"quad", "quadp", "idot", "idotr"}
     only_idot = {name: reuse.search_candidates(shape, ("idot",)) for name, shape in shapes.items()}
     assert all(c and {cfg[4] for cfg in c} == {"idot"} for c in only_idot.values())

@@ -102,7 +102,7 @@ def test_combine_kernels_compile(scaled):
 @pytest.mark.parametrize("self_round,norm", [(False, False), (True, False), (True, True)])
 def test_idot_gemv_compiles(self_round, norm):
     """The batch-1 integer-dot GEMV split along K, storing fp32 partials for the epilogue kernel, with bias; also
-    rounding its own activations (kind "idotr"), with and without a folded RMSNorm."""
+    rounding its own activations (kind "idotr"), with and without a folded RMSNorm, and so its gated-MLP twin."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     rounded = ("*bf16", "*bf16", "*bf16") if self_round else ("*i32", "*fp32", "*i32")
@@ -112,6 +112,11 @@ def test_idot_gemv_compiles(self_round, norm):
     constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, HAS_RESIDUAL=False, BLOCK_N=16, BLOCK_C=64,
                      ROW_MASK=False, ASM=True, PDL=True, SELF_ROUND=self_round, NORM=norm, PREQUANT=norm)
     _compile(kernels.gemv_idot, pointers, constants, floats=("eps",))
+    if self_round:  # the gated MLP's twin, scaled by a store's statistics or with the norm folded in
+        gated = {**pointers, "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "sq_ptr": "*fp32"}
+        _compile(kernels.gemv_idot_gated, gated, dict(GROUP=128, HAS_ZP=True, DIRECT=True, BLOCK_N=8, BLOCK_C=64,
+                                                      ROW_MASK=False, ASM=True, PDL=True, PARTS=4, ROW_SCALE=not norm,
+                                                      SELF_ROUND=True, NORM=norm, PREQUANT=norm), floats=("eps",))
 
 
 def test_quad_gemv_compiles():

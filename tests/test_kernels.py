@@ -207,6 +207,28 @@ def test_self_rounding_integer_dot_gemv_gives_the_rounding_kernels_output(target
             expected = expected * norm.prequant.float()
         expected = residual.float() + expected @ dequantize_int4(packed, torch.float32).T + bias.float()
         assert _rel(outputs[1], expected) < tol, case  # interpreter fp16 ~3e-4, H100 bf16 ~2.2e-3
+    # the gated MLP's paired GEMV (zero points or not: the same rounding, so one of the two runs it): plain, scaled
+    # by a store's norm statistics (applied after the dots: bitwise too), and with an RMSNorm folded in
+    from mmsdk.kernels.norm_fold import NormStatistics
+    from mmsdk.kernels.w4a16_gated import w4a16_gated_silu
+
+    for n, k, group, tile, splits, fold in ((40, 512, 64, (8, 4, 4), 1, None), (33, 296, 32, (8, 2, 2), 3, None),
+                                            (40, 512, 64, (8, 4, 4), 1, "statistics"),
+                                            (33, 296, 32, (4, 4, 2), 1, "norm")) if symmetric else ():
+        x, parts, _ = _gated_problem(n, k, group, symmetric, device, dtype)
+        weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+        extra = {}
+        if fold == "statistics":  # x is then the norm's input times its weight, as the store leaves it
+            squares = (x.float()[0] ** 2).view(1, 4, -1).sum(-1)  # four column blocks
+            extra = {"statistics": NormStatistics((x[0] * weight).contiguous(), squares, eps)}
+            x = extra["statistics"].scaled.view(1, 1, k)
+        elif fold == "norm":
+            extra = {"norm": InputNorm(weight, eps, quad_factors(weight))}
+        outputs = [w4a16_gated_silu(x, parts[0], parts[1], k, group, config=(*tile, 1, kind, 64), splits=splits,
+                                    **extra) for kind in ("idot", "idotr")]
+        case = ("gated", k, group, tile, splits, fold == "norm", fold)
+        if not torch.equal(*outputs):
+            differing.append((case, _rel(outputs[1], outputs[0])))
     # every case is listed, so one run on a GPU shows which differ and by how much
     assert all(case[5] and rel < 1e-4 for case, rel in differing), differing
 

@@ -86,14 +86,9 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     n, k_blocks, _ = qweight.shape
     words = k_blocks * group // 8
     direct = n_splits == 1
+    rounded, inputs = _rounded_inputs(x, words, norm, self_round)
     if self_round:
-        _check_words(words)
-        # the rounding kernel's buffers are not read: x stands in for their pointers
-        inputs = dict(x_ptr=x, stride_xm=x.stride(0), K_in=k_in, SELF_ROUND=True, **_norm_arguments(norm, x))
-        rounded = IntegerActivations(x, x, x)
-    else:
-        inputs = {}
-        rounded = quantize_row_activations(x, words, norm)
+        inputs["K_in"] = k_in
     pdl = pdl_preload_ready(x)  # the first weights load while the kernel before runs
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
     kernels.gemv_idot[(triton.cdiv(n, block_n), n_splits, m)](
@@ -116,7 +111,8 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
     same shapes): both weights' rows in each program, K cut as :func:`launch_idot` cuts it (more than one slice goes
     through fp32 partials and :func:`finish_splits`). With ``statistics`` ``x`` is an RMSNorm's input times its weight
     and both products are scaled by the row's ``1 / rms`` (mmsdk.kernels.norm_fold.NormStatistics); with ``norm`` it
-    is that RMSNorm's input, normalized by the rounding kernel (pass one of the two)."""
+    is that RMSNorm's input, normalized by the rounding kernel (pass one of the two). Kind "idotr" (``cfg[4]``): no
+    rounding kernel, as for :func:`launch_idot`."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
@@ -130,10 +126,10 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     words = k_blocks * group // 8
-    rounded = quantize_row_activations(x, words, norm)
+    rounded, inputs = _rounded_inputs(x, words, norm, len(cfg) > 4 and cfg[4] == "idotr")
     direct = n_splits == 1
     has_zp = zero_points is not None
-    pdl = pdl_preload_ready(x)  # both weights' first step loads while the rounding kernel runs
+    pdl = pdl_preload_ready(x)  # both weights' first step loads while the kernel before runs
     target = out if direct else torch.empty(n_splits, m, 2 * n, device=x.device, dtype=torch.float32)
     kernels.gemv_idot_gated[(triton.cdiv(n, block_n), n_splits, m)](
         rounded.pairs, rounded.scales, rounded.sums, qweight.view(torch.int32), scales,
@@ -141,9 +137,21 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
         target, m, n, words, per_split * group // 32, zero_points.stride(0) if has_zp else 0, k_in, GROUP=group,
         HAS_ZP=has_zp, DIRECT=direct, BLOCK_N=block_n, BLOCK_C=block_c, ROW_MASK=n % block_n != 0,
         ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps, **row_scale_arguments(statistics, k_in),
-        enable_fp_fusion=True)
+        **inputs, enable_fp_fusion=True)
     if not direct:  # the partials are scaled already
         finish_splits(target, out, None, n_splits, True)
+
+
+def _rounded_inputs(x: torch.Tensor, words: int, norm: InputNorm | None,
+                    self_round: bool) -> tuple[IntegerActivations, dict[str, Any]]:
+    """(the rounding kernel's output, the GEMV's extra arguments) for kind "idot"; for kind "idotr" no rounding
+    launch: ``x`` stands in for the buffers the GEMV then does not read, and the arguments give it the row (and the
+    norm) to round itself."""
+    if not self_round:
+        return quantize_row_activations(x, words, norm), {}
+    _check_words(words)
+    arguments = dict(x_ptr=x, stride_xm=x.stride(0), SELF_ROUND=True, **_norm_arguments(norm, x))
+    return IntegerActivations(x, x, x), arguments
 
 
 def _check_words(words: int) -> None:

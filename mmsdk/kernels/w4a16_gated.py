@@ -43,7 +43,7 @@ import torch
 
 from mmsdk.kernels import note_fallback, paired_rows_enabled, pdl_preload_ready
 from mmsdk.kernels.gemv_idot import launch_idot_gated
-from mmsdk.kernels.gemv_launch import launch_paired_mma
+from mmsdk.kernels.gemv_launch import IDOT_KINDS, launch_paired_mma
 from mmsdk.kernels.norm_fold import InputNorm, NormStatistics, norm_arguments, row_scale_arguments
 from mmsdk.kernels.w4a16 import (
     GEMV_MAX_M,
@@ -65,7 +65,7 @@ from mmsdk.kernels.w4a16 import (
 
 __all__ = ["PAIRED_KINDS", "gated_key", "gated_silu_reason", "w4a16_gated_silu"]
 
-PAIRED_KINDS = ("gated", "idot", *QUAD_KINDS, "mma")
+PAIRED_KINDS = ("gated", *IDOT_KINDS, *QUAD_KINDS, "mma")
 # "gated" tiles (rows, quads, warps): the per-weight tiles that read fastest on the H200 and a one-warp tile, here
 # with twice their weight bytes per thread and step, in the order they measured on the 7B MLPs (H200: 8x64x2 within
 # 2% of the best on both, 8x32x1 best on LLaVA, 16x64x2 30-40% slower). Offline sm_90 builds (g128, Triton 3.6,
@@ -125,13 +125,13 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     caller falls back).
 
     ``gate`` / ``up`` are (qweight, scales, zero_points) of two packed weights of the same shape (a gated
-    MLP). One launch when the chosen configuration needs no K split (kind "gated"; kind "idot" adds its rounding
-    launch), else a GEMV launch and a small epilogue, where transformers runs two GEMVs, two split sums, a SiLU and a
-    multiply. ``config`` picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner; ``splits`` the K
-    slices. With ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs ("idot": by its
-    rounding kernel; mmsdk.kernels.norm_fold); with
-    ``statistics`` ``x`` is ``statistics.scaled``, an RMSNorm's input times its weight, and the products are
-    scaled by its ``1 / rms`` at the end (what the kernel before left: mmsdk.kernels.norm_fold.NormStatistics).
+    MLP). One launch when the chosen configuration needs no K split (kind "gated" or "idotr"; kind "idot" adds its
+    rounding launch), else a GEMV launch and a small epilogue, where transformers runs two GEMVs, two split sums, a
+    SiLU and a multiply. ``config`` picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner;
+    ``splits`` the K slices. With ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs
+    ("idot": by its rounding kernel; mmsdk.kernels.norm_fold); with ``statistics`` ``x`` is ``statistics.scaled``, an
+    RMSNorm's input times its weight, and the products are scaled by its ``1 / rms`` at the end (what the kernel
+    before left: mmsdk.kernels.norm_fold.NormStatistics).
     """
     if norm is not None and statistics is not None:
         raise ValueError("pass an RMSNorm to fold (norm=) or the statistics a store left for it (statistics=), "
@@ -166,12 +166,14 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
 @cache
 def _paired_candidates(group: int) -> tuple[GemvConfig, ...]:
     """What the tuner times for a paired GEMV: the decode step's best "idot" tile (taken untimed under capture or the
-    interpreter), the "gated" tiles in the step's order for the group size, the other "idot" tiles, then the one-row
-    "quad" kinds of the plain GEMV (groups >= 32 throughout)."""
+    interpreter), the "gated" tiles in the step's order for the group size, the other "idot" tiles, the first two of
+    them as kind "idotr" (no rounding launch), then the one-row "quad" kinds of the plain GEMV (groups >= 32
+    throughout)."""
     per_weight = tuple(c for c in gemv_candidates(1, group) if len(c) > 4 and c[4] in QUAD_KINDS)
     tiles = _GATED_TILES[128 if group >= 128 else 32]  # groups of 64 (not measured in the step) take g32's order
     idot = tuple((*tile, 1, "idot", 528) for tile in _IDOT_GATED_TILES)
-    return idot[:1] + tuple((*tile, 1, "gated", 528) for tile in tiles) + idot[1:] + per_weight
+    self_rounding = tuple((*tile, 1, "idotr", 528) for tile in _IDOT_GATED_TILES[:2])
+    return idot[:1] + tuple((*tile, 1, "gated", 528) for tile in tiles) + idot[1:] + self_rounding + per_weight
 
 
 def gated_key(n: int, k_blocks: int, group: int, dtype: torch.dtype, zero_points: bool, norm: bool,
@@ -216,7 +218,7 @@ def _launch_paired(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, out: t
     # one program covers rows rn of both weights: slices are counted from N rows, not the 2N of the quad kinds
     per_split, n_splits = k_slices(n, k_blocks, block_n, block_c, cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS,
                                    splits)
-    if cfg[4] == "idot":  # a norm to fold is applied by the rounding kernel
+    if cfg[4] in IDOT_KINDS:  # a norm to fold is applied by the rounding kernel ("idotr": by the GEMV's programs)
         launch_idot_gated(x, gate, up, out, group, cfg, per_split, n_splits, statistics, norm)
         return
     direct = n_splits == 1
