@@ -94,6 +94,9 @@ GATED_WITHIN = 0.03
 # 1.895, 16 x 32 x 4 1.921-1.929, 8 x 32 x 2 1.927-1.935); 32 x 32 x 8, 8 x 128 x 8 and 8 x 64 x 8 ran 1.86-2.18 ms
 # and were dropped. So 8 x 64 x 4 leads the candidates (taken untimed under a capture, and kept by the tuner when it
 # times within GATED_WITHIN of the fastest); the other "idot" tiles follow the "gated" ones.
+# The first two also run as kind "idotr" (no rounding launch). In the H100's decode step (forty-first pass,
+# h100_step_search_gated_idotr_41.json) they were level with the step's picks, not faster: LLaVA-1.5-7B g32 4 x 64 x 2
+# 2.035 ms against 2.008 for "gated" 8 x 32 x 1; Qwen2-VL-7B g128 4 x 64 x 2 2.161 against 2.161 for "idot" 4 x 64 x 2.
 _IDOT_GATED_TILES = ((8, 64, 4), (4, 64, 2), (4, 32, 1), (16, 32, 4), (8, 32, 2))
 
 
