@@ -25,8 +25,9 @@ from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_do
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
 ACTIVATION_LEVELS = tl.constexpr(32767.0)  # a quad's largest activation magnitude, as an integer
-# channels per pass of a folded norm's sum of squares (mmsdk.kernels._gemv_quad_triton.inverse_rms); one value for the
-# rounding kernel and the GEMV that rounds its own quads, so both give the same 1 / rms to the bit
+# channels per pass of a folded norm's sum of squares (mmsdk.kernels._gemv_quad_triton.inverse_rms), for the rounding
+# kernel and the GEMVs that round their own quads alike (within a pass each sums in its own thread layout, so their
+# 1 / rms may still differ in the last bit)
 ROW_SCALE_BLOCK = tl.constexpr(2048)
 
 # ``$1`` plus the dot of one int32 word of 8 codes (nibble j = channel 8w + j) with the word's 8 activations, packed as
@@ -166,7 +167,7 @@ def step_inputs(xq_row, xs_row, xsum_row, q0, quads, c_ok, pair_at, x_row, K_in,
                 MASK_K: tl.constexpr, SELF_ROUND: tl.constexpr, NORM: tl.constexpr, PREQUANT: tl.constexpr):
     """A step's rounded activations (:func:`rounded_step`'s values): read from the rounding kernel's output, or with
     ``SELF_ROUND`` rounded here from the activation row ``x_row`` (``K_in`` channels; ``NORM`` / ``PREQUANT`` and
-    ``row_scale`` as :func:`quad_activations` takes them), to the same bits."""
+    ``row_scale`` as :func:`quad_activations` takes them): the same bits but for a folded norm's ``1 / rms``."""
     if SELF_ROUND:
         p0, p1, p2, p3, xs, xsum = round_quads(quad_activations(x_row, quads, c_ok, K_in, row_scale, g_ptr, pq_ptr,
                                                                 NORM, PREQUANT))
@@ -255,8 +256,9 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
 
     With ``SELF_ROUND`` (kind "idotr") there is no rounding kernel: each program rounds the quads of its steps itself
     from the activation row (``x_ptr``, ``stride_xm``, ``K_in`` channels; with ``NORM`` an RMSNorm's input, its
-    weight at ``g_ptr``, ``PREQUANT`` and ``eps`` as :func:`quantize_activations` takes them), to the same bits as
-    the rounding kernel, so both kinds give the same output. Every program whose K slice holds a quad rounds it again:
+    weight at ``g_ptr``, ``PREQUANT`` and ``eps`` as :func:`quantize_activations` takes them), as the rounding kernel
+    rounds them: the same output bit for bit without a norm; with one, the row's ``1 / rms`` is summed in this
+    program's thread layout and may differ in its last bit. Every program whose K slice holds a quad rounds it again:
     work traded for the rounding launch the GEMV would wait for.
     """
     WPG: tl.constexpr = GROUP // 8

@@ -4,7 +4,9 @@ says why and how exact).
 
 A config is ``(BLOCK_N, quads per step, warps, 1, "idot"[, target programs])``, as for the "quad" kinds. The same
 configs run a gated MLP's gate and up projections in one GEMV launch (:func:`launch_idot_gated`, kind "idot" of
-mmsdk.kernels.w4a16_gated).
+mmsdk.kernels.w4a16_gated). Kind "idotr" takes the same configs without the rounding launch: each GEMV program rounds
+the quads it reads (faster on an H100 for the same tile by 0.4-1.3 µs, the launch and the wait for it gone, though
+each program executes up to 1.4x the instructions: docs/benchmarks.md, forty-first pass).
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
     groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials and
     :func:`finish_splits`. With ``norm`` ``x`` is that RMSNorm's input, normalized by the rounding kernel. Kind
-    "idotr" (``cfg[4]``) launches no rounding kernel: the GEMV's programs round the quads they read themselves, to
-    the same bits, so the output is the same as kind "idot"'s."""
+    "idotr" (``cfg[4]``) launches no rounding kernel: the GEMV's programs round the quads they read themselves, the
+    same way, so the output is kind "idot"'s bit for bit (with ``norm``: up to the last bit of the row's 1 / rms)."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
@@ -87,7 +89,7 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     words = k_blocks * group // 8
     direct = n_splits == 1
     rounded, inputs = _rounded_inputs(x, words, norm, self_round)
-    if self_round:
+    if self_round:  # the gated GEMV has K_in among its arguments already
         inputs["K_in"] = k_in
     pdl = pdl_preload_ready(x)  # the first weights load while the kernel before runs
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
