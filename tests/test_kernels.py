@@ -556,7 +556,7 @@ def test_paired_gemv_configs_the_tuner_times_and_bad_ones():
     parts = (gate.qweight, gate.scales, gate.zero_points)
     x, out = torch.randn(1, 64).half(), torch.empty(1, 16).half()
     for bad in ((8, 2, 2, 1, "fma"), (8, 2, 2, 1, "gatd"), (8, 2, 2)):
-        with pytest.raises(ValueError, match="'gated', 'idot', 'quad', 'quadp'"):
+        with pytest.raises(ValueError, match="'gated', 'idot', 'idotr', 'quad', 'quadp'"):
             _launch_paired(x, parts, parts, out, 32, bad, None)
     with pytest.raises(ValueError, match="kind 'gated' is for the paired gate/up GEMV"):
         w4a16_gemv(x, *parts, 32, config=(8, 2, 2, 1, "gated"))
