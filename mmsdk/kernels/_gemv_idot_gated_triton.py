@@ -92,23 +92,24 @@ def gemv_idot_gated(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, w2_ptr, s2_pt
         up_words, up_s, quads, c_ok, ok = step_tile(up_rows, s2_ptr, q_begin, q_end, rn, n_ok, rc, rw, k_blocks, WPG,
                                                     BLOCK_N, BLOCK_C, ROW_MASK)
         wait_for_inputs(PDL)
-        row_scale_in = inverse_rms(x_row, K_in, eps, ROW_SCALE_BLOCK) if SELF_ROUND and NORM else 1.0
+        # a folded norm's 1 / rms, read from the row itself (ROW_SCALE's below comes from a store's sums instead)
+        norm_scale = inverse_rms(x_row, K_in, eps, ROW_SCALE_BLOCK) if SELF_ROUND and NORM else 1.0
         gate, up = gated_idot_step(gate, up, gate_words, gate_s, up_words, up_s, xq_row, xs_row, xsum_row, q_begin,
-                                   quads, c_ok, pair_at, z_ptr, z2_ptr, rn, ok, stride_zn, x_row, K_in, row_scale_in,
+                                   quads, c_ok, pair_at, z_ptr, z2_ptr, rn, ok, stride_zn, x_row, K_in, norm_scale,
                                    g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C, ASM, True, SELF_ROUND, NORM, PREQUANT)
         q_loop = q_begin + BLOCK_C
     else:
-        row_scale_in = inverse_rms(x_row, K_in, eps, ROW_SCALE_BLOCK) if SELF_ROUND and NORM else 1.0
+        norm_scale = inverse_rms(x_row, K_in, eps, ROW_SCALE_BLOCK) if SELF_ROUND and NORM else 1.0
     if ROW_SCALE:  # reduced now (after the wait, which orders it after the kernel that left the sums)
         row_scale = rms_from_parts(load_norm_parts(sq_ptr, row, n_parts, PARTS), K_in, eps)
     whole_end = q_loop + tl.maximum(q_end - q_loop, 0) // BLOCK_C * BLOCK_C
     gate, up = gated_idot_steps(gate, up, q_loop, whole_end, q_end, gate_rows, s_ptr, up_rows, s2_ptr, z_ptr, z2_ptr,
                                 stride_zn, rn, n_ok, rc, rw, k_blocks, xq_row, xs_row, xsum_row, pair_at, x_row, K_in,
-                                row_scale_in, g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C, ROW_MASK, ASM, False,
+                                norm_scale, g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C, ROW_MASK, ASM, False,
                                 SELF_ROUND, NORM, PREQUANT)
     gate, up = gated_idot_steps(gate, up, whole_end, q_end, q_end, gate_rows, s_ptr, up_rows, s2_ptr, z_ptr, z2_ptr,
                                 stride_zn, rn, n_ok, rc, rw, k_blocks, xq_row, xs_row, xsum_row, pair_at, x_row, K_in,
-                                row_scale_in, g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C, ROW_MASK, ASM, True,
+                                norm_scale, g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C, ROW_MASK, ASM, True,
                                 SELF_ROUND, NORM, PREQUANT)
     gate_out = tl.sum(gate, 1)
     up_out = tl.sum(up, 1)
