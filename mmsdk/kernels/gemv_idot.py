@@ -83,7 +83,7 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
     _check_group(group)
     block_n, block_c, warps = cfg[:3]
-    self_round = len(cfg) > 4 and cfg[4] == "idotr"
+    self_round = _rounds_itself(cfg)
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     words = k_blocks * group // 8
@@ -128,7 +128,7 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
     m, k_in = x.shape
     n, k_blocks, _ = qweight.shape
     words = k_blocks * group // 8
-    rounded, inputs = _rounded_inputs(x, words, norm, len(cfg) > 4 and cfg[4] == "idotr")
+    rounded, inputs = _rounded_inputs(x, words, norm, _rounds_itself(cfg))
     direct = n_splits == 1
     has_zp = zero_points is not None
     pdl = pdl_preload_ready(x)  # both weights' first step loads while the kernel before runs
@@ -142,6 +142,11 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
         **inputs, enable_fp_fusion=True)
     if not direct:  # the partials are scaled already
         finish_splits(target, out, None, n_splits, True)
+
+
+def _rounds_itself(cfg: tuple[Any, ...]) -> bool:
+    """Whether a config's GEMV rounds its own activations (kind "idotr"): no rounding launch before it."""
+    return len(cfg) > 4 and cfg[4] == "idotr"
 
 
 def _rounded_inputs(x: torch.Tensor, words: int, norm: InputNorm | None,

@@ -282,8 +282,8 @@ def gemv_row_bucket(rows: int) -> int:
 
 @cache
 def gemv_candidates(bucket: int, group: int) -> tuple[tuple[Any, ...], ...]:
-    """The bucket's candidates that take this group size ("quad" and "idot" read whole 4-word quads, "mma" needs 16
-    channels per half group: groups >= 32)."""
+    """The bucket's candidates that take this group size (the quad and integer-dot kinds read whole 4-word quads,
+    "mma" needs 16 channels per half group: groups >= 32)."""
     return tuple(c for c in _GEMV_CANDIDATES[bucket]
                  if len(c) == 4 or c[4] not in (*QUAD_KINDS, *IDOT_KINDS, "mma") or group >= 32)
 

@@ -132,9 +132,9 @@ def w4a16_gated_silu(x: torch.Tensor, gate: PackedWeight, up: PackedWeight, in_f
     rounding launch), else a GEMV launch and a small epilogue, where transformers runs two GEMVs, two split sums, a
     SiLU and a multiply. ``config`` picks a configuration (kind one of ``PAIRED_KINDS``) instead of the tuner;
     ``splits`` the K slices. With ``norm`` ``x`` is that RMSNorm's input, normalized inside the GEMV's programs
-    ("idot": by its rounding kernel; mmsdk.kernels.norm_fold); with ``statistics`` ``x`` is ``statistics.scaled``, an
-    RMSNorm's input times its weight, and the products are scaled by its ``1 / rms`` at the end (what the kernel
-    before left: mmsdk.kernels.norm_fold.NormStatistics).
+    ("idot": by its rounding kernel, "idotr": by the GEMV's own programs; mmsdk.kernels.norm_fold); with
+    ``statistics`` ``x`` is ``statistics.scaled``, an RMSNorm's input times its weight, and the products are scaled by
+    its ``1 / rms`` at the end (what the kernel before left: mmsdk.kernels.norm_fold.NormStatistics).
     """
     if norm is not None and statistics is not None:
         raise ValueError("pass an RMSNorm to fold (norm=) or the statistics a store left for it (statistics=), "
