@@ -18,7 +18,9 @@ the LM head too (int4-weight's ``lm_head=True``; their floor counts the int4 hea
 input RMSNorm inside its q/k/v GEMV and their attention's o_proj leaves the post-attention norm's statistics for the
 gated GEMV (rmsnorm-rope-fusion's defaults ``norm_in_gemv=True``, ``mlp_norm_in_gemv=True``), ``g32_norm_in_qkv_only`` /
 ``qwen_g128_norm_in_qkv_only`` run the post-attention norm as a launch (``mlp_norm_in_gemv=False``) and
-``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``); the keys of ``_PINNED`` pin
+``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``), while
+``g32_qkv_statistics`` / ``qwen_g128_qkv_statistics`` have each down projection's store leave the next layer's
+input-norm statistics for its q/k/v GEMV (``qkv_norm_statistics=True``); the keys of ``_PINNED`` pin
 some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` / ``g32_combine_free`` /
 ``qwen_g128_combine_free`` time a step with its norms or its attention combines replaced by nothing (``_FREE``: wrong
 outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone (one call to tune and
@@ -127,6 +129,7 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     outside = RMSNormRoPEFusionConfig(rope_in_attention=False)
     qkv_only = RMSNormRoPEFusionConfig(mlp_norm_in_gemv=False)
     unfolded = RMSNormRoPEFusionConfig(norm_in_gemv=False)
+    chained = RMSNormRoPEFusionConfig(qkv_norm_statistics=True)
     g128 = Int4WeightConfig(group_size=128)
     g32_head, g128_head = Int4WeightConfig(lm_head=True), Int4WeightConfig(group_size=128, lm_head=True)
     # each model's default stack (label, passes), which the timing-only and pinned stacks run
@@ -144,6 +147,10 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
                                  ("qkv-fuse", "int4-weight", qkv_only)),
         "qwen_g128_norm_in_qkv_only": ("Qwen2-VL-7B shapes, g128, the post-attention RMSNorm a launch", "qwen2-vl",
                                        ("qkv-fuse", g128, qkv_only)),
+        "g32_qkv_statistics": ("g32, each down store leaving the next input norm's statistics for q/k/v "
+                               "(qkv_norm_statistics=True)", "llava", ("qkv-fuse", "int4-weight", chained)),
+        "qwen_g128_qkv_statistics": ("Qwen2-VL-7B shapes, g128, each down store leaving the next input norm's "
+                                     "statistics for q/k/v", "qwen2-vl", ("qkv-fuse", g128, chained)),
         "g32_norms_unfolded": ("g32, every RMSNorm a launch of its own (norm_in_gemv=False)", "llava",
                                ("qkv-fuse", "int4-weight", unfolded)),
         "qwen_g128_norms_unfolded": ("Qwen2-VL-7B shapes, g128, every RMSNorm a launch of its own", "qwen2-vl",

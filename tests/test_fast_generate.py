@@ -724,6 +724,50 @@ def test_integer_dot_gemvs_in_the_decode_step_keep_the_answers(name, session, ti
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
+def test_input_norm_statistics_handed_between_layers_keep_the_answers(name, session, tiny, monkeypatch):
+    """With qkv_norm_statistics each layer's down-projection store leaves the next layer's input-norm statistics,
+    and that layer's q/k/v GEMV (one-row GEMVs on the integer-dot kinds here) scales its sums by them instead of
+    reading the row for the norm: every decode step's layers but the first took them, the q/k/v GEMVs applied them,
+    and the logits are those of the run that folds the norm, compared at every step while the answers agree."""
+    from mmsdk.kernels import w4a16
+    from mmsdk.kernels.gemv_launch import IDOT_KINDS
+    from mmsdk.kernels.w4a16_tuning import tuning
+    from mmsdk.plugins.attention.norm_folding import InputNormHandOff
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+
+    every_config, take, launch = w4a16.gemv_candidates, InputNormHandOff.take, w4a16.launch_gemv
+    monkeypatch.setattr(w4a16, "gemv_candidates", lambda bucket, group: tuple(
+        c for c in every_config(bucket, group) if bucket > 1 or (len(c) > 4 and c[4] in IDOT_KINDS)))
+    taken, applied = [], []
+    monkeypatch.setattr(InputNormHandOff, "take", lambda self, x: taken.append(take(self, x)) or taken[-1])
+    monkeypatch.setattr(w4a16, "launch_gemv", lambda *a, **k: applied.append(
+        k.get("row_scale") is not None and k.get("second") is None) or launch(*a, **k))
+    saved = dict(tuning().chosen)
+    runs = []
+    try:
+        for handed in (False, True):
+            tuning().chosen.clear()  # each run chooses its own configs, among the integer-dot kinds
+            taken.clear()
+            applied.clear()
+            opt, inputs = _bf16_decode_stack(tiny, session, name, RMSNormRoPEFusionConfig(qkv_norm_statistics=handed),
+                                             QUESTIONS[:1])
+            with torch.no_grad():
+                runs.append(opt.model.generate(**inputs, max_new_tokens=8, do_sample=False, output_scores=True,
+                                               return_dict_in_generate=True))
+            layers = len(opt.adapter.decoder_layers(opt.model))
+            got = [t is not None for t in taken]
+            # per decode step: the first layer finds none, each later one those its predecessor's store left
+            assert got == ([False] + [True] * (layers - 1)) * (len(got) // layers) if handed else not taken, got
+            assert any(applied) == handed
+    finally:
+        tuning().chosen.clear()
+        tuning().chosen.update(saved)
+    _assert_same_logits_while_answers_agree(*runs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", ["tiny:llava", "tiny:qwen2-vl"])
 def test_paired_gate_up_in_the_batched_decode_step_keeps_the_answers(name, session, tiny, monkeypatch):
     """Batch-2 decode steps with each gated MLP's gate and up as one tensor-core GEMV (kind "mma", the default for
     2-16 rows) give the logits of two GEMVs, their K-slice sums, a SiLU and a multiply (``MMSDK_PAIRED_ROWS=0``),

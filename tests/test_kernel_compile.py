@@ -99,20 +99,23 @@ def test_combine_kernels_compile(scaled):
                  {"BLOCK_S": 64, "BLOCK_HD": 64, "ADVANCE": True, "PDL": True})
 
 
-@pytest.mark.parametrize("self_round,norm", [(False, False), (True, False), (True, True)])
-def test_idot_gemv_compiles(self_round, norm):
+@pytest.mark.parametrize("self_round,norm,row_scale", [(False, False, False), (True, False, False),
+                                                        (True, True, False), (True, False, True)])
+def test_idot_gemv_compiles(self_round, norm, row_scale):
     """The batch-1 integer-dot GEMV split along K, storing fp32 partials for the epilogue kernel, with bias; also
-    rounding its own activations (kind "idotr"), with and without a folded RMSNorm, and so its gated-MLP twin."""
+    rounding its own activations (kind "idotr"), with and without a folded RMSNorm (and so its gated-MLP twin), or
+    scaled by a store's norm statistics."""
     from mmsdk.kernels import _w4a16_triton as kernels
 
     rounded = ("*bf16", "*bf16", "*bf16") if self_round else ("*i32", "*fp32", "*i32")
     pointers = {**dict(zip(("xq_ptr", "xs_ptr", "xsum_ptr"), rounded, strict=True)), "w_ptr": "*i32",
                 "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*fp32", "r_ptr": "*bf16",
-                "x_ptr": "*bf16", "g_ptr": "*bf16", "pq_ptr": "*bf16"}
+                "x_ptr": "*bf16", "g_ptr": "*bf16", "pq_ptr": "*bf16", "sq_ptr": "*fp32"}
     constants = dict(GROUP=128, HAS_ZP=True, HAS_BIAS=True, DIRECT=False, HAS_RESIDUAL=False, BLOCK_N=16, BLOCK_C=64,
-                     ROW_MASK=False, ASM=True, PDL=True, SELF_ROUND=self_round, NORM=norm, PREQUANT=norm)
+                     ROW_MASK=False, ASM=True, PDL=True, SELF_ROUND=self_round, NORM=norm, PREQUANT=norm, PARTS=4,
+                     ROW_SCALE=row_scale)
     _compile(kernels.gemv_idot, pointers, constants, floats=("eps",))
-    if self_round:  # the gated MLP's twin, scaled by a store's statistics or with the norm folded in
+    if self_round and not row_scale:  # the gated MLP's twin, scaled by a store's statistics or with the norm folded in
         gated = {**pointers, "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8", "sq_ptr": "*fp32"}
         _compile(kernels.gemv_idot_gated, gated, dict(GROUP=128, HAS_ZP=True, DIRECT=True, BLOCK_N=8, BLOCK_C=64,
                                                       ROW_MASK=False, ASM=True, PDL=True, PARTS=4, ROW_SCALE=not norm,

@@ -405,12 +405,13 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_gated_gemv_scales_by(target, s
                                (up.qweight, up.scales, up.zero_points), k, 32, config=gated_config,
                                splits=gated_splits, statistics=statistics)
         assert _rel(out, expected) < tol, (o_config, gated_config)
-    # kinds that cannot leave them (several rows; a "fma" GEMV) leave none, and the reader runs the norm itself
-    for rows, config in ((2, (8, 4, 2, 1, "quad")), (1, (16, 2, 4, 4, "fma"))):
+    # kinds that cannot leave them (several rows; the one-slice store of a "fma" or "idot" GEMV) leave none, and the
+    # reader runs the norm itself
+    for rows, config in ((2, (8, 4, 2, 1, "quad")), (1, (16, 2, 4, 4, "fma")), (1, (16, 2, 4, 1, "idotr"))):
         request = NormRequest(weight, eps)
         total = w4a16_gemv(attention.expand(rows, 256).contiguous(), o_proj.qweight, o_proj.scales,
-                           o_proj.zero_points, 32, config=config, residual=residual.expand(rows, k).contiguous(),
-                           leave=request)
+                           o_proj.zero_points, 32, config=config, splits=1,
+                           residual=residual.expand(rows, k).contiguous(), leave=request)
         assert request.statistics is None and total.shape == (rows, k)
     with pytest.raises(ValueError, match="request the statistics of the norm that reads this output"):
         w4a16_gemv(attention, o_proj.qweight, o_proj.scales, o_proj.zero_points, 32, config=(8, 4, 2, 1, "quad"),
@@ -419,6 +420,62 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_gated_gemv_scales_by(target, s
         w4a16_gated_silu(statistics.scaled, (gate.qweight, gate.scales, gate.zero_points),
                          (up.qweight, up.scales, up.zero_points), k, 32, statistics=statistics,
                          norm=object())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gemv_store_leaves_rmsnorm_statistics_the_integer_dot_gemv_scales_by(target, symmetric):
+    """A layer's down projection with the residual in its store leaves the next layer's input-norm statistics (the K
+    slices' sum of every kind, a "quad" GEMV's one-slice store); the next q/k/v GEMV, of kind "idot" or "idotr",
+    reads ``weight * sum`` with the plain K loop and scales its sums by ``1 / rms`` before the bias (one slice or
+    several, K padded past in_features): both kinds give the same output bit for bit, the normalized product to the
+    dtype's rounding. Other kinds fold the norm the statistics stand in for; statistics without that norm, with an
+    AWQ pre-scale, or of another row are refused."""
+    from mmsdk.kernels.gemv_launch import launch_gemv
+    from mmsdk.kernels.norm_fold import InputNorm, NormRequest, quad_factors
+    from mmsdk.kernels.w4a16 import w4a16_gemv
+
+    device, dtype, tol = target
+    eps = 1e-6
+    k, group = 296, 32  # the norm's width: down's N, the q/k/v GEMV's K (padded past it in the packed weight)
+    cases = (((8, 4, 2, 1, "quad"), 1, (16, 4, 4, 1, "idot"), 1), ((16, 2, 4, 1, "idotr"), 3, (8, 2, 2, 1, "idotr"), 3),
+             ((8, 2, 2, 1, "idot"), 2, (16, 4, 4, 1, "idotr"), 1), ((16, 2, 4, 1, "fma"), 2, (8, 2, 2, 1, "idot"), 2))
+    for case, (down_config, down_splits, qkv_config, qkv_splits) in enumerate(cases):
+        down = quantize_int4(torch.randn(k, 256, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+        hidden = torch.randn(1, 256, device=device).to(dtype)
+        residual = (torch.randn(1, k, device=device) * 3 + 1).to(dtype)
+        residual[:, ::37] *= 30.0  # outlier channels of the residual stream
+        weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+        request = NormRequest(weight, eps)
+        total = w4a16_gemv(hidden, down.qweight, down.scales, down.zero_points, group, config=down_config,
+                           splits=down_splits, residual=residual, leave=request)
+        statistics = request.statistics
+        assert statistics is not None, down_config
+        assert torch.equal(statistics.scaled, (total.float() * weight.float()).to(dtype))
+        assert torch.allclose(statistics.squares.sum(1), total.float().pow(2).sum(1), rtol=1e-5)
+        qkv = quantize_int4(torch.randn(48, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
+        bias = torch.randn(48, device=device).to(dtype) if case % 2 else None
+        expected = _rms_normalized(total, weight, eps) @ dequantize_int4(qkv, torch.float32).T
+        expected = expected if bias is None else expected + bias.float()
+        norm = InputNorm(weight, eps, quad_factors(weight))
+        outputs = [w4a16_gemv(total, qkv.qweight, qkv.scales, qkv.zero_points, group, bias,
+                              config=(*qkv_config[:4], kind), splits=qkv_splits, norm=norm, statistics=statistics)
+                   for kind in ("idot", "idotr")]
+        assert torch.equal(*outputs), qkv_config
+        assert _rel(outputs[0], expected) < tol, (down_config, qkv_config)
+        folded = w4a16_gemv(total, qkv.qweight, qkv.scales, qkv.zero_points, group, bias, config=(8, 4, 2, 1, "quad"),
+                            norm=norm, statistics=statistics)  # a kind that cannot read them folds the norm
+        assert _rel(folded, expected) < tol
+    with pytest.raises(ValueError, match="pass that norm as well"):
+        w4a16_gemv(total, qkv.qweight, qkv.scales, qkv.zero_points, group, config=qkv_config, statistics=statistics)
+    with pytest.raises(ValueError, match="pass that norm as well"):
+        w4a16_gemv(total, qkv.qweight, qkv.scales, qkv.zero_points, group, config=qkv_config, statistics=statistics,
+                   norm=InputNorm(weight, eps, quad_factors(weight, weight), weight))
+    with pytest.raises(ValueError, match="pass them with that row"):
+        w4a16_gemv(total.expand(2, k).contiguous(), qkv.qweight, qkv.scales, qkv.zero_points, group,
+                   config=qkv_config, statistics=statistics, norm=norm)
+    with pytest.raises(ValueError, match="cannot apply norm statistics"):
+        launch_gemv(statistics.scaled, qkv.qweight, qkv.scales, qkv.zero_points, None, torch.empty_like(outputs[0]),
+                    group, (8, 4, 2, 1, "quad"), None, row_scale=statistics)
 
 
 def _gated_problem(n: int, k: int, group: int, symmetric: bool, device: str, dtype: torch.dtype) -> tuple:
@@ -874,7 +931,7 @@ _NORM_STORE, _NORM_FOLD = "gemv_store_leaves_rmsnorm_statistics", "gemvs_fold_an
 
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA or INTERPRETING, reason="needs Triton, on a machine without a GPU")
-@pytest.mark.parametrize("select,expected", [(f"interpreter and {_NORM_STORE}", 2),
+@pytest.mark.parametrize("select,expected", [(f"interpreter and {_NORM_STORE}", 4),
                                              (f"interpreter and {_NORM_FOLD}", 2),
                                              (f"interpreter and not ({_NORM_STORE} or {_NORM_FOLD})", 23)],
                          ids=["norm_store", "norm_fold", "other_kernels"])

@@ -240,17 +240,21 @@ def _fold_counter(monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("name, order, mlp, dtype", [("tiny:llava", "int4-first", True, torch.float32),
-                                                     ("tiny:qwen2-vl", "int4-first", True, torch.float32),
-                                                     ("tiny:llava", "fusion-first", True, torch.float32),
-                                                     ("tiny:qwen2-vl", "int4-first", False, torch.float32),
-                                                     ("tiny:qwen2-vl", "int4-first", True, torch.bfloat16)])
-def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, dtype, session, tiny, monkeypatch):
+@pytest.mark.parametrize("name, order, mlp, dtype, chained", [
+    ("tiny:llava", "int4-first", True, torch.float32, False),
+    ("tiny:qwen2-vl", "int4-first", True, torch.float32, False),
+    ("tiny:llava", "fusion-first", True, torch.float32, False),
+    ("tiny:qwen2-vl", "int4-first", False, torch.float32, False),
+    ("tiny:qwen2-vl", "int4-first", True, torch.bfloat16, False),
+    ("tiny:llava", "int4-first", True, torch.bfloat16, True)])
+def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, dtype, chained, session, tiny,
+                                                         monkeypatch):
     """With INT4 projections, each decode step's input norm runs inside the q/k/v projection, the attention's residual
     add inside o_proj, whose store is asked for the post-attention norm's statistics in bf16 models (with
     ``mlp_norm_in_gemv=False``, the q/k/v part only): on CPU (reference norm first) the tokens and logits are bitwise
     those of the unfolded layers; the prompt (many positions) is not folded. int4-weight may come before or after the
-    fusion (the recipes apply it after)."""
+    fusion (the recipes apply it after). ``chained`` (qkv_norm_statistics) changes nothing on CPU, where no store
+    leaves statistics."""
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 
     int4 = Int4WeightConfig(indivisible="pad")
@@ -259,7 +263,7 @@ def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, dtype
     greedy = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
     outputs, records = {}, {}
     for fold in (False, True):
-        fusion = RMSNormRoPEFusionConfig(norm_in_gemv=fold, mlp_norm_in_gemv=mlp)
+        fusion = RMSNormRoPEFusionConfig(norm_in_gemv=fold, mlp_norm_in_gemv=mlp, qkv_norm_statistics=chained)
         passes = ("qkv-fuse", int4, fusion) if order == "int4-first" else ("qkv-fuse", fusion, int4)
         model = tiny(name).model if dtype == torch.float32 else copy.deepcopy(tiny(name).model).to(dtype)
         opt = Optimizer(model, session=session).apply(*passes)
@@ -276,6 +280,38 @@ def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, dtype
     assert all(torch.equal(a, b) for a, b in zip(outputs[True].scores, outputs[False].scores, strict=True))
     expected_now = records[True]["residual_norm"] if order == "int4-first" else []
     assert records[True]["norm_in_gemv"] == expected_now and records[False]["norm_in_gemv"] == []
+
+
+def test_input_norm_statistics_go_to_the_next_folded_layer_for_its_input_only():
+    """qkv_norm_statistics chains consecutive folded layers through one hand-off (a layer that folds nothing breaks
+    the chain); the hand-off gives the statistics a store left only to a step whose input is the tensor they were left
+    for, once, and drops them at the next look either way."""
+    from mmsdk.plugins.attention.norm_folding import InputNormHandOff, NormFolding, chain_input_norm_statistics
+
+    first, second, third = (NormFolding(torch.nn.Identity(), None, "input_layernorm", None) for _ in range(3))
+    chain_input_norm_statistics([first, second, None, third])
+    assert first.next is second and second.next is None and third.next is None
+    assert first.hand_off is second.hand_off is third.hand_off and isinstance(first.hand_off, InputNormHandOff)
+    hand_off, x, other, left = InputNormHandOff(), torch.zeros(1), torch.zeros(1), object()
+    hand_off.put(x, left)
+    assert hand_off.take(other) is None and hand_off.take(x) is None  # another input: dropped
+    hand_off.put(x, left)
+    assert hand_off.take(x) is left and hand_off.take(x) is None
+    hand_off.put(x, None)  # the store could not leave them
+    assert hand_off.take(x) is None
+
+
+def test_an_int4_residual_forward_asked_to_leave_statistics_is_the_plain_sum_on_cpu():
+    """Int4Linear's residual forward asked for the next norm's statistics (plus_residual's ``leave``) gives the same
+    sum bitwise; on CPU no kernel leaves them, so the reader folds the norm itself."""
+    from mmsdk.plugins._forward import plus_residual
+    from mmsdk.plugins.quantizers.int4_linear import Int4Linear
+
+    layer = Int4Linear.from_linear(torch.nn.Linear(64, 32), block_size=32)
+    x, residual = torch.randn(1, 64), torch.randn(1, 32)
+    norm = torch.nn.RMSNorm(32, eps=1e-6)
+    assert torch.equal(plus_residual(layer, x, residual, norm), residual + layer(x))
+    assert layer.left_statistics() is None
 
 
 def test_a_folded_norm_an_attention_did_not_pass_on_is_an_error(session, tiny):

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_quad_triton import by_nibble, inverse_rms, pick
+from mmsdk.kernels._gemv_store_triton import load_norm_parts, rms_from_parts
 from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_dot_ptx, word_dots
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
@@ -243,7 +244,8 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
               r_ptr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
               HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr,
               ASM: tl.constexpr, PDL: tl.constexpr = False, x_ptr=None, stride_xm=0, K_in=0, g_ptr=None, pq_ptr=None,
-              eps=0.0, SELF_ROUND: tl.constexpr = False, NORM: tl.constexpr = False, PREQUANT: tl.constexpr = False):
+              eps=0.0, SELF_ROUND: tl.constexpr = False, NORM: tl.constexpr = False, PREQUANT: tl.constexpr = False,
+              sq_ptr=None, n_parts=0, PARTS: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (rows x quads x words) against activations rounded by
     :func:`quantize_activations` (one activation row per program, grid axis 2).
 
@@ -260,6 +262,11 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
     rounds them: the same output bit for bit without a norm; with one, the row's ``1 / rms`` is summed in this
     program's thread layout and may differ in its last bit. Every program whose K slice holds a quad rounds it again:
     work traded for the rounding launch the GEMV would wait for.
+
+    ``ROW_SCALE`` as in the gated kernels: the row is an RMSNorm's input times its weight (what the store before left,
+    mmsdk.kernels.norm_fold.NormStatistics), and the sums are scaled by the row's ``1 / rms`` from the ``n_parts``
+    partial sums of squares at ``sq_ptr`` (``K_in`` channels, ``eps``) before the bias: the norm applied with neither
+    a launch of its own nor a read of the whole row.
     """
     WPG: tl.constexpr = GROUP // 8
     split, row, rn, n_ok, rc, rw, q_begin, q_end, n_quads, k_blocks = idot_program(N, KW, quads_per_split, GROUP,
@@ -291,6 +298,8 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
                         z_ptr, stride_zn, x_row, K_in, row_scale, g_ptr, pq_ptr, WPG, HAS_ZP, BLOCK_N, BLOCK_C,
                         ROW_MASK, ASM, True, SELF_ROUND, NORM, PREQUANT)
     out = tl.sum(acc, 1)
+    if ROW_SCALE:  # after the wait above (or, without PDL, after the kernel that left the sums)
+        out *= rms_from_parts(load_norm_parts(sq_ptr, row, n_parts, PARTS), K_in, eps)
     dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
     if DIRECT:
         if HAS_BIAS:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import interpreting, pdl_preload_ready, pdl_ready
-from mmsdk.kernels.norm_fold import InputNorm, NormStatistics, row_scale_arguments
+from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, row_scale_arguments
 from mmsdk.kernels.split_k import finish_splits
 
 __all__ = ["IntegerActivations", "launch_idot", "launch_idot_gated", "quantize_row_activations"]
@@ -71,16 +71,20 @@ def _norm_arguments(norm: InputNorm | None, x: torch.Tensor) -> dict[str, Any]:
 
 def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 bias: torch.Tensor | None, out: torch.Tensor, group: int, cfg: tuple[Any, ...], per_split: int,
-                n_splits: int, residual: torch.Tensor | None = None, norm: InputNorm | None = None) -> None:
+                n_splits: int, residual: torch.Tensor | None = None, norm: InputNorm | None = None,
+                statistics: NormStatistics | None = None, leave: NormRequest | None = None) -> None:
     """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
     groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials and
-    :func:`finish_splits`. With ``norm`` ``x`` is that RMSNorm's input, normalized by the rounding kernel. Kind
+    :func:`finish_splits`, which also leaves the statistics ``leave`` asks for (one slice leaves none). With ``norm``
+    ``x`` is that RMSNorm's input, normalized by the rounding kernel; with ``statistics`` ``x`` is an RMSNorm's input
+    times its weight, what a store left, and the sums are scaled by the row's ``1 / rms`` (pass one of the two). Kind
     "idotr" (``cfg[4]``) launches no rounding kernel: the GEMV's programs round the quads they read themselves, the
     same way, so the output is kind "idot"'s bit for bit (with ``norm``: up to the last bit of the row's 1 / rms)."""
     import triton
 
     from mmsdk.kernels import _w4a16_triton as kernels
 
+    _check_one_norm(norm, statistics)
     _check_group(group)
     block_n, block_c, warps = cfg[:3]
     self_round = _rounds_itself(cfg)
@@ -89,7 +93,7 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     words = k_blocks * group // 8
     direct = n_splits == 1
     rounded, inputs = _rounded_inputs(x, words, norm, self_round)
-    if self_round:  # the gated GEMV has K_in among its arguments already
+    if self_round or statistics is not None:  # the gated GEMV has K_in among its arguments already
         inputs["K_in"] = k_in
     pdl = pdl_preload_ready(x)  # the first weights load while the kernel before runs
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
@@ -100,9 +104,9 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         residual if residual is not None else scales, GROUP=group, HAS_ZP=zero_points is not None,
         HAS_BIAS=bias is not None, DIRECT=direct, HAS_RESIDUAL=residual is not None and direct, BLOCK_N=block_n,
         BLOCK_C=block_c, ROW_MASK=n % block_n != 0, ASM=not interpreting(), PDL=pdl, launch_pdl=pdl, num_warps=warps,
-        **inputs, enable_fp_fusion=True)
-    if not direct:
-        finish_splits(target, out, bias, n_splits, False, residual)
+        **row_scale_arguments(statistics, k_in), **inputs, enable_fp_fusion=True)
+    if not direct:  # the partials are scaled already
+        finish_splits(target, out, bias, n_splits, False, residual, leave)
 
 
 def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -119,9 +123,7 @@ def launch_idot_gated(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, t
 
     from mmsdk.kernels import _w4a16_triton as kernels
 
-    if norm is not None and statistics is not None:
-        raise ValueError("pass an RMSNorm for the rounding kernel to apply (norm=) or the statistics a store left for "
-                         "it (statistics=), not both: either one normalizes the row.")
+    _check_one_norm(norm, statistics)
     _check_group(group)
     block_n, block_c, warps = cfg[:3]
     (qweight, scales, zero_points), (qweight2, scales2, zero_points2) = gate, up
@@ -159,6 +161,13 @@ def _rounded_inputs(x: torch.Tensor, words: int, norm: InputNorm | None,
     _check_words(words)
     arguments = dict(x_ptr=x, stride_xm=x.stride(0), SELF_ROUND=True, **_norm_arguments(norm, x))
     return IntegerActivations(x, x, x), arguments
+
+
+def _check_one_norm(norm: InputNorm | None, statistics: NormStatistics | None) -> None:
+    """A row is normalized once: by the norm applied to it, or by the statistics a store left."""
+    if norm is not None and statistics is not None:
+        raise ValueError("pass an RMSNorm for the rounding kernel to apply (norm=) or the statistics a store left for "
+                         "it (statistics=), not both: either one normalizes the row.")
 
 
 def _check_words(words: int) -> None:

@@ -38,8 +38,9 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
     (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel ("idotr": its own programs), by the norm kernel for the
     others. ``leave``: the "quad" kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads
-    ``out`` (one row; others leave none); ``row_scale`` (a paired GEMV only): ``x`` is an RMSNorm's input times its
-    weight and these its statistics, applied in the epilogue (mmsdk.kernels.norm_fold.NormStatistics)."""
+    ``out`` (one row; others leave none); ``row_scale`` (a paired GEMV, or one of kind "idot" / "idotr"): ``x`` is an
+    RMSNorm's input times its weight and these its statistics, applied to the finished sums
+    (mmsdk.kernels.norm_fold.NormStatistics)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
@@ -49,9 +50,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                          "GEMV takes none: add it after the launch.")
     if norm is not None and kind not in (*QUAD_KINDS, *IDOT_KINDS):
         x, norm = norm.normalize(x), None
-    if row_scale is not None and not paired:
-        raise ValueError("a GEMV applies norm statistics only as a paired (gated) GEMV: pass second= as well.")
-    if leave is not None and (kind not in QUAD_KINDS or paired or x.shape[0] != 1):
+    if row_scale is not None and not paired and kind not in IDOT_KINDS:
+        raise ValueError(f"a GEMV of kind {kind!r} cannot apply norm statistics: pass a kind in {IDOT_KINDS} or a "
+                         "paired (gated) GEMV (second=), or the norm itself (norm=).")
+    if leave is not None and (kind == "mma" or paired or x.shape[0] != 1):
         leave = None  # the reader runs the norm itself
     if kind == "mma":
         _launch_mma(x, qweight, scales, zero_points, bias, out, group, cfg, splits, residual)
@@ -59,7 +61,7 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if kind in IDOT_KINDS:
         launch_idot(x, qweight, scales, zero_points, bias, out, group, cfg,
                     *k_slices(qweight.shape[0], qweight.shape[1], block_n, block_g, target_programs, splits), residual,
-                    norm)
+                    norm, row_scale, leave)
         return
     import triton
 

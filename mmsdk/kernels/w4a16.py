@@ -51,7 +51,7 @@ import torch
 
 from mmsdk.kernels import note_fallback, triton_ready
 from mmsdk.kernels.gemv_launch import IDOT_KINDS, QUAD_KINDS, GemvConfig, PackedWeight, launch_gemv, triton_kernels
-from mmsdk.kernels.norm_fold import InputNorm, NormRequest
+from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics
 from mmsdk.kernels.split_k import TARGET_PROGRAMS, finish_splits, gemv_splits, k_slices
 from mmsdk.kernels.w4a16_tuning import fit_config, followed_by_norm, tuned_config
 
@@ -145,6 +145,7 @@ def int4_linear(
     residual: torch.Tensor | None = None,
     input_norm: InputNorm | None = None,
     leave: NormRequest | None = None,
+    input_statistics: NormStatistics | None = None,
 ) -> torch.Tensor | None:
     """``x @ W.T + bias`` on the GPU, or None when the Triton path cannot run (the caller falls back).
 
@@ -154,6 +155,8 @@ def int4_linear(
     batch-1 GEMV (mmsdk.kernels.norm_fold) and run as its own kernel before the others. ``leave`` asks the GEMVs'
     store (with a residual folded into it) to leave the statistics of the RMSNorm that reads the output
     (:class:`~mmsdk.kernels.norm_fold.NormRequest`; its ``statistics`` stay None where the kernel run cannot).
+    ``input_statistics`` (with ``input_norm``, one row): what the store of ``x`` left for that norm; a batch-1 GEMV of
+    kind "idot" / "idotr" then reads ``input_statistics.scaled`` and scales its sums, the others fold ``input_norm``.
     """
     reason = unsupported_reason(x, qweight, scales, block_size)
     if reason is not None:
@@ -167,7 +170,7 @@ def int4_linear(
     if flat.shape[0] <= GEMV_MAX_M and gemv_ready(qweight):
         rows = residual.reshape(flat.shape[0], -1).contiguous() if foldable else None  # type: ignore[union-attr]
         out = w4a16_gemv(flat, qweight, scales, zero_points, block_size, bias, residual=rows, norm=input_norm,
-                         leave=leave if rows is not None else None)
+                         leave=leave if rows is not None else None, statistics=input_statistics)
         if rows is not None:
             return out.reshape(shape)
     elif flat.shape[0] <= FUSED_MAX_M:
@@ -242,15 +245,20 @@ def w4a16_gemv(
     residual: torch.Tensor | None = None,
     norm: InputNorm | None = None,
     leave: NormRequest | None = None,
+    statistics: NormStatistics | None = None,
 ) -> torch.Tensor:
     """Split-K GEMV: ``x`` [M <= 16, K] (bf16/fp16, contiguous) times the packed weight, ``[M, N]``.
 
     ``config`` is (BLOCK_N, BLOCK_G, num_warps, BLOCK_M, KIND[, target programs]) with KIND "quad",
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
     shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product and ``norm``
-    applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes.
+    applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes. ``statistics`` (with ``norm``):
+    what the store of ``x`` left for that norm, read by the "idot" / "idotr" configs instead of ``x`` and the norm;
+    the tuning key is the folded norm's either way (the others fold ``norm``).
     """
     m, k_in = x.shape
+    if statistics is not None:
+        _check_statistics(statistics, norm, x)
     n, k_blocks, _ = qweight.shape
     check_columns(k_in, k_blocks * block_size)
     bucket = gemv_row_bucket(m)
@@ -263,6 +271,9 @@ def w4a16_gemv(
             _launch_fused(x if norm is None else norm.normalize(x), *weight, bias, out, block_size, 16, cfg)
             if residual is not None:
                 out.add_(residual)  # bf16 + bf16 in fp32, rounded once: the same as residual + out
+        elif statistics is not None and cfg[4] in IDOT_KINDS:
+            launch_gemv(statistics.scaled, *weight, bias, out, block_size, cfg, splits, residual=residual, leave=leave,
+                        row_scale=statistics)
         else:
             launch_gemv(x, *weight, bias, out, block_size, cfg, splits, residual=residual, norm=norm, leave=leave)
 
@@ -273,6 +284,18 @@ def w4a16_gemv(
         leave.statistics = None  # the tuner's trial launches (on copies of the weight) may have set them
     launch(chosen, weight)
     return out
+
+
+def _check_statistics(statistics: NormStatistics, norm: InputNorm | None, x: torch.Tensor) -> None:
+    """Statistics stand in for a folded norm on one row: the norm itself must come too (for the kinds that cannot
+    read them), and they must be of ``x``."""
+    if norm is None or norm.prequant is not None:
+        raise ValueError("norm statistics stand in for a folded RMSNorm without an AWQ pre-scale: pass that norm as "
+                         "well (norm=), for the GEMV kinds that cannot read the statistics, or no statistics.")
+    if x.shape[0] != 1 or statistics.scaled.shape != x.shape or statistics.scaled.device != x.device:
+        raise ValueError(f"norm statistics of {tuple(statistics.scaled.shape)} on {statistics.scaled.device} are not "
+                         f"those of an activation row {tuple(x.shape)} on {x.device}: a store leaves them for one row, "
+                         "pass them with that row.")
 
 
 def gemv_row_bucket(rows: int) -> int:

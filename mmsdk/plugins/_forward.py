@@ -112,9 +112,10 @@ def set_residual_body(module: nn.Module, body: Callable[..., Any]) -> None:
 
 
 def set_normed_residual_body(module: nn.Module, body: Callable[..., Any]) -> None:
-    """Make ``body(x, norm, residual, statistics=None)`` compute ``residual + module(norm(x))`` while the module's
-    current body stays what it computes (:func:`normed_residual_body`); ``statistics``, where given, are what the
-    store of ``x`` left for ``norm`` (mmsdk.kernels.norm_fold.NormStatistics)."""
+    """Make ``body(x, norm, residual, statistics=None, leave=None)`` compute ``residual + module(norm(x))`` while the
+    module's current body stays what it computes (:func:`normed_residual_body`); ``statistics``, where given, are what
+    the store of ``x`` left for ``norm`` (mmsdk.kernels.norm_fold.NormStatistics), and ``leave`` the RMSNorm that
+    reads the sum, for the module's last store to leave its statistics where it can (as :func:`plus_residual`)."""
     module.__dict__[_NORMED_RESIDUAL_ATTR] = (module.__dict__.get(BODY_ATTR), body)
 
 
@@ -127,8 +128,10 @@ def normed_residual_body(module: nn.Module) -> Callable[..., Any] | None:
     return installed[1]
 
 
-def plus_residual(module: nn.Module, x: Any, residual: Any) -> Any:
-    """``residual + module(x)``, through the module's residual forward where it has a valid one (module docstring)."""
+def plus_residual(module: nn.Module, x: Any, residual: Any, leave: nn.Module | None = None) -> Any:
+    """``residual + module(x)``, through the module's residual forward where it has a valid one (module docstring).
+    ``leave`` (the RMSNorm that reads the sum) goes to that forward as ``leave=`` when given: ask it only of a class
+    whose ``residual_forward`` takes it (mmsdk.plugins.quantizers.int4_linear.Int4Linear)."""
     state = module.__dict__
     installed = state.get(_RESIDUAL_ATTR)
     body = None
@@ -138,7 +141,7 @@ def plus_residual(module: nn.Module, x: Any, residual: Any) -> Any:
         body = getattr(module, "residual_forward", None)
     if body is None or observed(module):
         return residual + module(x)
-    return body(x, residual)
+    return body(x, residual) if leave is None else body(x, residual, leave=leave)
 
 
 def observed(module: nn.Module) -> bool:

@@ -23,6 +23,14 @@ runs instead:
   Without ``fold_mlp`` the attention's output and the residual take one add + RMSNorm launch, as in the unfolded
   layer.
 
+With ``rmsnorm-rope-fusion``'s ``qkv_norm_statistics`` the folded layers are chained
+(:func:`chain_input_norm_statistics`): a layer's down projection, adding the MLP's residual in its store, also leaves
+the statistics of the next layer's input norm, handed to that layer's step (:class:`InputNormHandOff`) for exactly the
+tensor they were left for. A q/k/v GEMV of an integer-dot kind ("idot" / "idotr", mmsdk.kernels.gemv_idot) then scales
+its sums by the row's ``1 / rms`` from them instead of reading the whole row for it (kind "idotr" read it in each of
+its programs); the other kinds fold the norm as before. The first layer, and a layer whose input came some other way,
+fold the norm as before too.
+
 What cannot take its part runs as before (a torch add, a norm kernel). Nothing else may read the normalized input:
 the fold is skipped while hooks or wrappers observe the attention or the MLP, and a step whose attention did not
 pass its input to every q/k/v projection raises (the projections would have multiplied an un-normalized input).
@@ -38,17 +46,40 @@ import torch
 from torch import nn
 
 from mmsdk.core.adapter import ModelAdapter
+from mmsdk.kernels.norm_fold import NormStatistics
 from mmsdk.plugins._forward import normed_residual_body, observed, plus_residual
 from mmsdk.plugins.attention.fused_norm_rope import FusedAddRMSNorm
 from mmsdk.plugins.attention.qkv_fuse import FusedSlice
 from mmsdk.plugins.quantizers.int4_linear import Int4Linear
 
-__all__ = ["NormFolding", "folds_now"]
+__all__ = ["InputNormHandOff", "NormFolding", "chain_input_norm_statistics", "folds_now"]
 
 
 def _linear(module: Any) -> Any:
     """The layer a projection stands for: qkv-fuse's slices stand for the fused projection."""
     return module.fused if isinstance(module, FusedSlice) else module
+
+
+class InputNormHandOff:
+    """The statistics one layer's last store left for the next layer's input norm, held for exactly the tensor they
+    were left for, until the next layer's step takes them (one per chained model:
+    :func:`chain_input_norm_statistics`)."""
+
+    def __init__(self) -> None:
+        self._left_for: torch.Tensor | None = None
+        self._statistics: NormStatistics | None = None
+
+    def put(self, x: torch.Tensor, statistics: NormStatistics | None) -> None:
+        """Hold ``statistics`` (None: nothing was left) for the step whose input is ``x``."""
+        self._left_for, self._statistics = (None, None) if statistics is None else (x, statistics)
+
+    def take(self, x: torch.Tensor) -> NormStatistics | None:
+        """The statistics held for ``x`` (None for any other tensor); held ones are dropped either way."""
+        if self._left_for is None:
+            return None
+        found = self._statistics if self._left_for is x else None
+        self._left_for = self._statistics = None
+        return found
 
 
 class NormFolding:
@@ -65,6 +96,9 @@ class NormFolding:
         # False: only the input norm moves into the q/k/v GEMV; the attention's residual add and the post-attention
         # norm stay one add + RMSNorm launch, as in the unfolded layer (rmsnorm-rope-fusion's mlp_norm_in_gemv)
         self.fold_mlp = fold_mlp
+        # set by chain_input_norm_statistics: the next layer's folding, and where the statistics go between the two
+        self.next: NormFolding | None = None
+        self.hand_off: InputNormHandOff | None = None
 
     def readers(self, attention: nn.Module) -> tuple[list[Int4Linear], Int4Linear | None] | None:
         """(the distinct INT4 layers behind q, k and v; o_proj if it is INT4), or None when the input norm cannot be
@@ -88,25 +122,43 @@ class NormFolding:
         if readers is None:
             return None
         qkv, o_proj = readers
+        handed = self.hand_off.take(hidden_states) if self.hand_off is not None else None
         if not self.fold_mlp:
-            out, _ = self._attend(hidden_states, norm, qkv, None, attention, attention_kwargs)
+            out, _ = self._attend(hidden_states, norm, qkv, None, attention, attention_kwargs, handed)
             h, residual = self.post_norm(out, hidden_states)
             return plus_residual(mlp, h, residual)
-        out, added = self._attend(hidden_states, norm, qkv, o_proj, attention, attention_kwargs)
+        out, added = self._attend(hidden_states, norm, qkv, o_proj, attention, attention_kwargs, handed)
         total = out if added else hidden_states + out
         statistics = o_proj.left_statistics() if added and o_proj is not None else None
         fold_mlp = normed_residual_body(mlp)
         if fold_mlp is None or statistics is None:
             return plus_residual(mlp, self.post_norm(total), total)
-        return fold_mlp(total, self.post_norm, total, statistics)
+        next_norm, down = self._next_input_norm(mlp, hidden_states.dtype)
+        out = fold_mlp(total, self.post_norm, total, statistics, next_norm)
+        if down is not None and self.hand_off is not None:
+            self.hand_off.put(out, down.left_statistics())
+        return out
+
+    def _next_input_norm(self, mlp: nn.Module, dtype: torch.dtype) -> tuple[nn.Module | None, Int4Linear | None]:
+        """(the next layer's input norm, this layer's down projection) when the down projection's store is to leave
+        that norm's statistics (chained, bf16 as for o_proj's, an INT4 down projection nothing observes), else
+        (None, None)."""
+        if self.next is None or dtype != torch.bfloat16:
+            return None, None
+        next_norm = getattr(self.next.layer, self.next.input_norm, None)
+        down = getattr(mlp, self.adapter.mlp_projections(mlp).down or "", None)
+        if not isinstance(next_norm, FusedAddRMSNorm) or not isinstance(down, Int4Linear) or observed(down):
+            return None, None
+        return next_norm, down
 
     def _attend(self, hidden_states: torch.Tensor, norm: FusedAddRMSNorm, qkv: list[Int4Linear],
-                o_proj: Int4Linear | None, attention: nn.Module,
-                attention_kwargs: dict[str, Any]) -> tuple[torch.Tensor, bool]:
+                o_proj: Int4Linear | None, attention: nn.Module, attention_kwargs: dict[str, Any],
+                statistics: NormStatistics | None = None) -> tuple[torch.Tensor, bool]:
         """(``attention(norm(hidden_states))`` with the norm in the q/k/v GEMVs, True when o_proj's GEMV has added
-        ``hidden_states`` to it as well): ``o_proj`` (an INT4 layer or None) is asked to add it."""
+        ``hidden_states`` to it as well): ``o_proj`` (an INT4 layer or None) is asked to add it; ``statistics``, what
+        the previous layer's store left for ``norm``, go to the q/k/v projections with it."""
         for layer in qkv:
-            layer.normalize_next(hidden_states, norm)
+            layer.normalize_next(hidden_states, norm, statistics)
         if o_proj is not None:
             # the statistics hold weight * sum in the model dtype: fp16 could overflow where the normalized sum would
             # not (outlier channels of the residual stream), bf16 has fp32's range
@@ -122,6 +174,16 @@ class NormFolding:
                                "unchanged, so they could not normalize it themselves: apply rmsnorm-rope-fusion with "
                                "norm_in_gemv=False for this model.")
         return out, not residual_left
+
+
+def chain_input_norm_statistics(foldings: list[NormFolding | None]) -> None:
+    """Chain the foldings of consecutive decoder layers (``foldings``: one per layer in the model's order, None for a
+    layer that folds nothing): each layer's down-projection store leaves the next layer's input-norm statistics,
+    handed over through one :class:`InputNormHandOff` (module docstring)."""
+    hand_off = InputNormHandOff()
+    for folding, after in zip(foldings, [*foldings[1:], None]):
+        if folding is not None:
+            folding.next, folding.hand_off = after, hand_off
 
 
 def folds_now(layer: nn.Module, adapter: ModelAdapter) -> bool:

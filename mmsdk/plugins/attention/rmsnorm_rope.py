@@ -61,7 +61,7 @@ from mmsdk.plugins.attention.fused_norm_rope import (
     RoPEInAttention,
 )
 from mmsdk.plugins.attention.fused_norm_rope_lowering import onnx_lowering, trtllm_lowering
-from mmsdk.plugins.attention.norm_folding import NormFolding, folds_now
+from mmsdk.plugins.attention.norm_folding import NormFolding, chain_input_norm_statistics, folds_now
 
 __all__ = [
     "RMSNormRoPEFusionConfig",
@@ -102,6 +102,10 @@ class RMSNormRoPEFusionConfig(PassConfig):
                                    "in o_proj's GEMV, whose store leaves the post-attention RMSNorm's statistics for "
                                    "the gated MLP's GEMV: no norm launch left between GEMVs (H200: 27-31 µs less per "
                                    "7B step, docs/benchmarks.md). fp16 keeps the launch (weight * input may overflow).")
+    qkv_norm_statistics: bool = Field(False, description="With mlp_norm_in_gemv: each layer's down-projection store "
+                                      "also leaves the next layer's input-norm statistics, and a q/k/v GEMV of an "
+                                      "integer-dot kind ('idot' / 'idotr') scales its sums by them instead of reading "
+                                      "the whole row for the norm (the other kinds fold the norm as before).")
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -137,21 +141,27 @@ def _fused_norm(norm: nn.Module) -> FusedAddRMSNorm | None:
 def _fuse_residual_norms(model: nn.Module, adapter: ModelAdapter, skipped: list[str],
                          config: RMSNormRoPEFusionConfig) -> list[str]:
     fused_names = []
+    foldings: list[NormFolding | None] = []  # one per decoder layer, in order (None: not folded)
     names = {id(m): n for n, m in model.named_modules()}
     for layer in adapter.decoder_layers(model):
         norms = adapter.decoder_norm_names(layer)
         if norms is None:
+            foldings.append(None)
             continue
         norm = getattr(layer, norms[1])
         fused = _fused_norm(norm)
         if fused is None:
             skipped.append(f"{names[id(norm)]}: its normalization is not RMSNorm with a plain weight")
+            foldings.append(None)
             continue
         setattr(layer, norms[1], fused)
         folding = (NormFolding(layer, adapter, norms[0], fused, fold_mlp=config.mlp_norm_in_gemv)
                    if config.norm_in_gemv else None)
         set_forward_body(layer, _fused_layer_body(layer, adapter, norms[0], fused, folding))
         fused_names.append(names[id(layer)])
+        foldings.append(folding)
+    if config.qkv_norm_statistics and config.mlp_norm_in_gemv:
+        chain_input_norm_statistics(foldings)
     return fused_names
 
 

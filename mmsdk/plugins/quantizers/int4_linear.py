@@ -33,7 +33,7 @@ class Int4Linear(nn.Module):
 
     # one call's hand-offs from the decoder layer (normalize_next / add_next) and the folded norm's factors, set on the
     # instance when used; None here, so a module pickled before they existed still runs
-    _next_norm: tuple[torch.Tensor, nn.Module] | None = None
+    _next_norm: tuple[torch.Tensor, nn.Module, NormStatistics | None] | None = None
     _next_residual: torch.Tensor | None = None
     _next_request: NormRequest | None = None
     _left: NormStatistics | None = None
@@ -115,29 +115,42 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.packed(), dtype or self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = residual = request = None
+        norm = residual = request = statistics = None
         if self._next_norm is not None and self._next_norm[0] is x:
-            norm, self._next_norm = self._next_norm[1], None
+            _, norm, statistics = self._next_norm
+            self._next_norm = None
         # attributes are written only when something was handed off: nn.Module's __setattr__ costs a few µs a call,
         # and an eager prefill (never replayed from a graph) pays it on every linear
         if self._next_residual is not None or self._next_request is not None:
             residual, request = self._next_residual, self._next_request
             self._next_residual = self._next_request = None
-        out = self._product(x, residual, norm, request)
-        if request is not None or self._left is not None:
-            self._left = None if request is None else request.statistics
+        out = self._product(x, residual, norm, request, statistics)
+        self._keep_left(request)
         return out
 
-    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def residual_forward(self, x: torch.Tensor, residual: torch.Tensor, leave: nn.Module | None = None) -> torch.Tensor:
         """``residual + self(x)``, bitwise; on CUDA the batch-1 GEMV adds the residual in its last store
-        (mmsdk.plugins._forward.plus_residual calls this for a decoder layer's last residual add)."""
-        return self._product(x, residual)
+        (mmsdk.plugins._forward.plus_residual calls this for a decoder layer's last residual add). With ``leave``
+        (the RMSNorm that reads the sum: the next layer's input norm) the store also leaves its statistics where the
+        kernel can (:meth:`left_statistics`)."""
+        request = None if leave is None else NormRequest(leave.weight, leave.eps)
+        out = self._product(x, residual, None, request)
+        self._keep_left(request)
+        return out
 
-    def normalize_next(self, x: torch.Tensor, norm: nn.Module) -> None:
+    def _keep_left(self, request: NormRequest | None) -> None:
+        """Keep what a call's store left for :meth:`left_statistics` (attributes written only when there is or was
+        something to keep: see :meth:`forward`)."""
+        if request is not None or self._left is not None:
+            self._left = None if request is None else request.statistics
+
+    def normalize_next(self, x: torch.Tensor, norm: nn.Module, statistics: NormStatistics | None = None) -> None:
         """Make the next call on exactly ``x`` compute ``self(norm(x))``: ``norm`` an RMSNorm with ``weight`` and
-        ``eps`` (the decoder layer's, whose output only this layer reads). Cleared by that call or by
-        :meth:`clear_next`; a call on another tensor leaves it waiting."""
-        self._next_norm = (x, norm)
+        ``eps`` (the decoder layer's, whose output only this layer reads); ``statistics``, what the store of ``x``
+        left for ``norm``, let a batch-1 integer-dot GEMV apply the norm without reading the row for it (the others,
+        and layers with an AWQ pre-scale, fold ``norm``). Cleared by that call or by :meth:`clear_next`; a call on
+        another tensor leaves it waiting."""
+        self._next_norm = (x, norm, statistics)
 
     def add_next(self, residual: torch.Tensor, norm: nn.Module | None = None) -> None:
         """Make the next call return ``residual + self(x)`` (the attention's residual add, in the GEMV's store); with
@@ -169,17 +182,21 @@ class Int4Linear(nn.Module):
         return InputNorm(weight, float(norm.eps), self._factors[1], self.prequant)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module | None = None,
-                 leave: NormRequest | None = None) -> torch.Tensor:
-        """``x @ W.T + bias`` (``norm(x)`` first when given), then ``residual +`` it when given (in the GEMV's last
-        store where it can, which fills ``leave`` where it can)."""
+                 leave: NormRequest | None = None, statistics: NormStatistics | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` (``norm(x)`` first when given; ``statistics`` as :meth:`normalize_next` takes them),
+        then ``residual +`` it when given (in the GEMV's last store where it can, which fills ``leave`` where it
+        can)."""
         folded = None if norm is None else self.input_norm(norm)
+        if folded is None or self.prequant is not None:
+            statistics = None  # they hold weight * x, without a pre-scale
         if folded is None and self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
         if x.is_cuda:
             from mmsdk.kernels.w4a16 import int4_linear
 
             out = int4_linear(x, self.qweight, self.scales, self.zero_points, self.in_features, self.block_size,
-                              self.bias, residual=residual, input_norm=folded, leave=leave)
+                              self.bias, residual=residual, input_norm=folded, leave=leave,
+                              input_statistics=statistics)
             if out is not None:
                 return out
         if folded is not None:

@@ -91,12 +91,13 @@ def install_gated_mlp(mlp: nn.Module, adapter: ModelAdapter) -> None:
         return residual + original(x) if done is None else plus_residual(done[1], done[0], residual)
 
     def normed_residual_body(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor,
-                             statistics: NormStatistics | None = None) -> Any:
+                             statistics: NormStatistics | None = None, leave: nn.Module | None = None) -> Any:
         """``residual + body(norm(x))``; with the paired kernel the norm runs inside it (with ``statistics``, what
         the store of ``x`` left for ``norm``: only its scale, after the K loop) and the down projection adds the
-        residual, elsewhere ``norm`` runs first."""
+        residual (its store leaving the statistics of ``leave``, the RMSNorm that reads the sum, where it can: ask
+        it only of an INT4 down projection), elsewhere ``norm`` runs first."""
         done = paired(x, None, statistics) if statistics is not None else paired(x, norm)
-        return residual_body(norm(x), residual) if done is None else plus_residual(done[1], done[0], residual)
+        return residual_body(norm(x), residual) if done is None else plus_residual(done[1], done[0], residual, leave)
 
     set_forward_body(mlp, body)
     set_residual_body(mlp, residual_body)
