@@ -20,8 +20,9 @@ gated GEMV (rmsnorm-rope-fusion's defaults ``norm_in_gemv=True``, ``mlp_norm_in_
 ``qwen_g128_norm_in_qkv_only`` run the post-attention norm as a launch (``mlp_norm_in_gemv=False``) and
 ``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``), while
 ``g32_qkv_statistics`` / ``qwen_g128_qkv_statistics`` have each down projection's store leave the next layer's
-input-norm statistics for its q/k/v GEMV (``qkv_norm_statistics=True``); the keys of ``_PINNED`` pin
-some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` / ``g32_combine_free`` /
+input-norm statistics for its q/k/v GEMV (``qkv_norm_statistics=True``); the keys of ``_PINNED`` (and
+``_CHAINED_PINNED``, with ``qkv_norm_statistics=True``) pin some GEMVs to given configs, against the tuner's picks in
+one process; ``g32_norms_free`` / ``g32_combine_free`` /
 ``qwen_g128_combine_free`` time a step with its norms or its attention combines replaced by nothing (``_FREE``: wrong
 outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone (one call to tune and
 capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the replayed step itself
@@ -140,6 +141,9 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
            for key, (model, kind) in _FREE.items()},
         **{key: (f"{default[model][0]}, pinned: {pins}", model, default[model][1])
            for key, (model, pins) in _PINNED.items()},
+        **{key: (f"{default[model][0]}, qkv_norm_statistics=True, pinned: {pins}", model,
+                 (*default[model][1][:2], chained))
+           for key, (model, pins) in _CHAINED_PINNED.items()},
         "g32": ("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv", "llava",
                 ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
         "g128": ("same with int4-weight g128", "llava", ("qkv-fuse", g128, "rmsnorm-rope-fusion")),
@@ -201,9 +205,17 @@ def _tuner_key(shape: tuple[Any, ...]) -> tuple[Any, ...]:
             else (*shape[:4], torch.bfloat16, False, shape[4]))
 
 
+# The same for stacks whose layers hand the next input norm's statistics to its q/k/v GEMV (qkv_norm_statistics=True):
+# q/k/v on the "idotr" tiles the step search picked with them on an H100 (h100_step_search_qkv_statistics_42.json).
+_CHAINED_PINNED = {
+    "g32_qkv_statistics_idotr": ("llava", {"qkv": (16, 32, 2, 1, "idotr", 528)}),
+    "qwen_g128_qkv_statistics_idotr": ("qwen2-vl", {"qkv": (16, 64, 4, 1, "idotr", 528)}),
+}
+
+
 def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """The tuner's table entries (key -> config) a stack pins; empty for the stacks that let the tuner pick."""
-    model, pins = _PINNED.get(stack, ("llava", {}))
+    model, pins = {**_PINNED, **_CHAINED_PINNED}.get(stack, ("llava", {}))
     return {_tuner_key(_SHAPE_KEYS[model][projection]): cfg for projection, cfg in pins.items()}
 
 

@@ -405,9 +405,9 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_gated_gemv_scales_by(target, s
                                (up.qweight, up.scales, up.zero_points), k, 32, config=gated_config,
                                splits=gated_splits, statistics=statistics)
         assert _rel(out, expected) < tol, (o_config, gated_config)
-    # kinds that cannot leave them (several rows; the one-slice store of a "fma" or "idot" GEMV) leave none, and the
-    # reader runs the norm itself
-    for rows, config in ((2, (8, 4, 2, 1, "quad")), (1, (16, 2, 4, 4, "fma")), (1, (16, 2, 4, 1, "idotr"))):
+    # kinds that cannot leave them (several rows; the one-slice store of a "fma" GEMV) leave none, and the reader
+    # runs the norm itself
+    for rows, config in ((2, (8, 4, 2, 1, "quad")), (1, (16, 2, 4, 4, "fma"))):
         request = NormRequest(weight, eps)
         total = w4a16_gemv(attention.expand(rows, 256).contiguous(), o_proj.qweight, o_proj.scales,
                            o_proj.zero_points, 32, config=config, splits=1,
@@ -425,10 +425,10 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_gated_gemv_scales_by(target, s
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_gemv_store_leaves_rmsnorm_statistics_the_integer_dot_gemv_scales_by(target, symmetric):
     """A layer's down projection with the residual in its store leaves the next layer's input-norm statistics (the K
-    slices' sum of every kind, a "quad" GEMV's one-slice store); the next q/k/v GEMV, of kind "idot" or "idotr",
-    reads ``weight * sum`` with the plain K loop and scales its sums by ``1 / rms`` before the bias (one slice or
-    several, K padded past in_features): both kinds give the same output bit for bit, the normalized product to the
-    dtype's rounding. Other kinds fold the norm the statistics stand in for; statistics without that norm, with an
+    slices' sum of every kind, the one-slice store of the "quad" and integer-dot kinds); the next q/k/v GEMV, of kind
+    "idot" or "idotr", reads ``weight * sum`` with the plain K loop and scales its sums by ``1 / rms`` before the bias
+    (one slice or several, K padded past in_features): both kinds give the same output bit for bit, the normalized
+    product to the dtype's rounding. Other kinds fold the norm the statistics stand in for; statistics without that norm, with an
     AWQ pre-scale, or of another row are refused."""
     from mmsdk.kernels.gemv_launch import launch_gemv
     from mmsdk.kernels.norm_fold import InputNorm, NormRequest, quad_factors
@@ -438,7 +438,8 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_integer_dot_gemv_scales_by(tar
     eps = 1e-6
     k, group = 296, 32  # the norm's width: down's N, the q/k/v GEMV's K (padded past it in the packed weight)
     cases = (((8, 4, 2, 1, "quad"), 1, (16, 4, 4, 1, "idot"), 1), ((16, 2, 4, 1, "idotr"), 3, (8, 2, 2, 1, "idotr"), 3),
-             ((8, 2, 2, 1, "idot"), 2, (16, 4, 4, 1, "idotr"), 1), ((16, 2, 4, 1, "fma"), 2, (8, 2, 2, 1, "idot"), 2))
+             ((8, 2, 2, 1, "idot"), 2, (16, 4, 4, 1, "idotr"), 1), ((16, 2, 4, 1, "fma"), 2, (8, 2, 2, 1, "idot"), 2),
+             ((8, 4, 2, 1, "idotr"), 1, (16, 4, 4, 1, "idot"), 2), ((16, 2, 4, 1, "idot"), 1, (8, 2, 2, 1, "idot"), 1))
     for case, (down_config, down_splits, qkv_config, qkv_splits) in enumerate(cases):
         down = quantize_int4(torch.randn(k, 256, device=device), group, symmetric=symmetric, scale_dtype=dtype)
         hidden = torch.randn(1, 256, device=device).to(dtype)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mmsdk.kernels._gemv_quad_triton import by_nibble, inverse_rms, pick
-from mmsdk.kernels._gemv_store_triton import load_norm_parts, rms_from_parts
+from mmsdk.kernels._gemv_store_triton import load_norm_parts, rms_from_parts, store_output
 from mmsdk.kernels._kv_intdot_triton import int16_pair, round_to_levels, word_dot_ptx, word_dots
 from mmsdk.kernels._pdl_triton import wait_for_inputs
 
@@ -245,14 +245,16 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
               HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, ROW_MASK: tl.constexpr,
               ASM: tl.constexpr, PDL: tl.constexpr = False, x_ptr=None, stride_xm=0, K_in=0, g_ptr=None, pq_ptr=None,
               eps=0.0, SELF_ROUND: tl.constexpr = False, NORM: tl.constexpr = False, PREQUANT: tl.constexpr = False,
-              sq_ptr=None, n_parts=0, PARTS: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False):
+              sq_ptr=None, n_parts=0, PARTS: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False, scaled_ptr=None,
+              LEAVE_NORM: tl.constexpr = False):
     """Batch-1 GEMV over ``[BLOCK_N, BLOCK_C, 4]`` word tiles (rows x quads x words) against activations rounded by
     :func:`quantize_activations` (one activation row per program, grid axis 2).
 
     Per quad and row the 4 words' dots run as one chain of ``dp2a`` into an int32 sum; the zero point's share
     (``16 z`` times the quad's integer sum) comes off in integers, and the quad's activation scale and the row's
     group scale turn it into fp32 (two float operations per 4 words). ``DIRECT`` stores the output row (one K
-    slice; with ``HAS_BIAS`` and ``HAS_RESIDUAL`` rounded as torch rounds ``residual + linear``), otherwise fp32
+    slice; with ``HAS_BIAS`` and ``HAS_RESIDUAL`` rounded as torch rounds ``residual + linear``; with ``LEAVE_NORM``
+    leaving the statistics of the RMSNorm that reads it, one part per row block: ``store_output``), otherwise fp32
     partials for mmsdk.kernels.split_k.finish_splits. With ``PDL`` a program loads its first step's words and
     scales before it waits for the kernel before it.
 
@@ -300,14 +302,8 @@ def gemv_idot(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, 
     out = tl.sum(acc, 1)
     if ROW_SCALE:  # after the wait above (or, without PDL, after the kernel that left the sums)
         out *= rms_from_parts(load_norm_parts(sq_ptr, row, n_parts, PARTS), K_in, eps)
-    dst = out_ptr + (split * M + row).to(tl.int64) * N + rn
-    if DIRECT:
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        value = out.to(out_ptr.dtype.element_ty)
-        if HAS_RESIDUAL:
-            value = (value.to(tl.float32) + tl.load(r_ptr + row.to(tl.int64) * N + rn, mask=n_ok,
-                                                    other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(dst, value, mask=n_ok)
+    if DIRECT:  # a norm read (NORM, ROW_SCALE) and one left (LEAVE_NORM) share g_ptr / sq_ptr: never both
+        store_output(out, rn, n_ok, row, tl.program_id(0), N, b_ptr, r_ptr, out_ptr, g_ptr, scaled_ptr, sq_ptr,
+                     n_parts, HAS_BIAS, HAS_RESIDUAL, LEAVE_NORM)
     else:
-        tl.store(dst, out, mask=n_ok)
+        tl.store(out_ptr + (split * M + row).to(tl.int64) * N + rn, out, mask=n_ok)

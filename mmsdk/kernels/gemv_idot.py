@@ -75,7 +75,8 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 statistics: NormStatistics | None = None, leave: NormRequest | None = None) -> None:
     """``out = x W.T (+ bias) (+ residual)`` by the integer-dot GEMV, K cut in ``n_splits`` slices of ``per_split``
     groups (mmsdk.kernels.split_k.k_slices); more than one slice goes through fp32 partials and
-    :func:`finish_splits`, which also leaves the statistics ``leave`` asks for (one slice leaves none). With ``norm``
+    :func:`finish_splits`. The last store (the GEMV's own with one slice) leaves the statistics ``leave`` asks for,
+    unless the GEMV reads a norm itself (``norm`` or ``statistics``: then it leaves none). With ``norm``
     ``x`` is that RMSNorm's input, normalized by the rounding kernel; with ``statistics`` ``x`` is an RMSNorm's input
     times its weight, what a store left, and the sums are scaled by the row's ``1 / rms`` (pass one of the two). Kind
     "idotr" (``cfg[4]``) launches no rounding kernel: the GEMV's programs round the quads they read themselves, the
@@ -95,9 +96,14 @@ def launch_idot(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     rounded, inputs = _rounded_inputs(x, words, norm, self_round)
     if self_round or statistics is not None:  # the gated GEMV has K_in among its arguments already
         inputs["K_in"] = k_in
+    if leave is not None and (norm is not None or statistics is not None):
+        leave = None  # the kernel's norm arguments and those of the statistics it would leave share names
+    n_blocks = triton.cdiv(n, block_n)
+    if leave is not None and direct:
+        inputs.update(leave.arguments(out, n_blocks), n_parts=n_blocks)
     pdl = pdl_preload_ready(x)  # the first weights load while the kernel before runs
     target = out if direct else torch.empty(n_splits, m, n, device=x.device, dtype=torch.float32)
-    kernels.gemv_idot[(triton.cdiv(n, block_n), n_splits, m)](
+    kernels.gemv_idot[(n_blocks, n_splits, m)](
         rounded.pairs, rounded.scales, rounded.sums, qweight.view(torch.int32), scales,
         zero_points if zero_points is not None else scales, bias if bias is not None else scales, target, m, n, words,
         per_split * group // 32, zero_points.stride(0) if zero_points is not None else 0,
