@@ -18,17 +18,16 @@ the LM head too (int4-weight's ``lm_head=True``; their floor counts the int4 hea
 input RMSNorm inside its q/k/v GEMV and their attention's o_proj leaves the post-attention norm's statistics for the
 gated GEMV (rmsnorm-rope-fusion's defaults ``norm_in_gemv=True``, ``mlp_norm_in_gemv=True``), ``g32_norm_in_qkv_only`` /
 ``qwen_g128_norm_in_qkv_only`` run the post-attention norm as a launch (``mlp_norm_in_gemv=False``) and
-``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``), while
-``g32_qkv_statistics`` / ``qwen_g128_qkv_statistics`` have each down projection's store leave the next layer's
-input-norm statistics for its q/k/v GEMV (``qkv_norm_statistics=True``); the keys of ``_PINNED`` (and
-``_CHAINED_PINNED``, with ``qkv_norm_statistics=True``) pin some GEMVs to given configs, against the tuner's picks in
-one process; ``g32_norms_free`` / ``g32_combine_free`` /
-``qwen_g128_combine_free`` time a step with its norms or its attention combines replaced by nothing (``_FREE``: wrong
-outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms`` alone (one call to tune and
-capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the replayed step itself
-(:func:`search_step`: what the step reaches when its configs are ranked as the step runs them, not as the tuner times
-them alone); ``--search-attention`` times the step with each of the KV decode kernel's candidate configs
-(:func:`search_attention`); ``--against-tuner`` times it again with the tuner's own picks where
+``g32_norms_unfolded`` / ``qwen_g128_norms_unfolded`` every norm (``norm_in_gemv=False``), while the default stacks'
+down projections also leave the next layer's input-norm statistics for its q/k/v GEMV and ``g32_no_qkv_statistics`` /
+``qwen_g128_no_qkv_statistics`` fold that norm in every layer's q/k/v GEMV (``qkv_norm_statistics=False``); the keys of
+``_PINNED`` pin some GEMVs to given configs, against the tuner's picks in one process; ``g32_norms_free`` /
+``g32_combine_free`` / ``qwen_g128_combine_free`` time a step with its norms or its attention combines replaced by
+nothing (``_FREE``: wrong outputs, a bound on what fusing them away could gain); ``--step-only`` measures ``step_ms``
+alone (one call to tune and capture, then the replays); ``--search`` then chooses each step GEMV's config by timing the
+replayed step itself (:func:`search_step`: what the step reaches when its configs are ranked as the step runs them, not
+as the tuner times them alone); ``--search-attention`` times the step with each of the KV decode kernel's candidate
+configs (:func:`search_attention`); ``--against-tuner`` times it again with the tuner's own picks where
 mmsdk.kernels.step_configs answered (benchmarks/_step_against_tuner.py).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
@@ -130,7 +129,7 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     outside = RMSNormRoPEFusionConfig(rope_in_attention=False)
     qkv_only = RMSNormRoPEFusionConfig(mlp_norm_in_gemv=False)
     unfolded = RMSNormRoPEFusionConfig(norm_in_gemv=False)
-    chained = RMSNormRoPEFusionConfig(qkv_norm_statistics=True)
+    unchained = RMSNormRoPEFusionConfig(qkv_norm_statistics=False)
     g128 = Int4WeightConfig(group_size=128)
     g32_head, g128_head = Int4WeightConfig(lm_head=True), Int4WeightConfig(group_size=128, lm_head=True)
     # each model's default stack (label, passes), which the timing-only and pinned stacks run
@@ -141,9 +140,7 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
            for key, (model, kind) in _FREE.items()},
         **{key: (f"{default[model][0]}, pinned: {pins}", model, default[model][1])
            for key, (model, pins) in _PINNED.items()},
-        **{key: (f"{default[model][0]}, qkv_norm_statistics=True, pinned: {pins}", model,
-                 (*default[model][1][:2], chained))
-           for key, (model, pins) in _CHAINED_PINNED.items()},
+
         "g32": ("qkv-fuse + int4-weight (g32) + rmsnorm-rope-fusion + int4-kv", "llava",
                 ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
         "g128": ("same with int4-weight g128", "llava", ("qkv-fuse", g128, "rmsnorm-rope-fusion")),
@@ -151,10 +148,10 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
                                  ("qkv-fuse", "int4-weight", qkv_only)),
         "qwen_g128_norm_in_qkv_only": ("Qwen2-VL-7B shapes, g128, the post-attention RMSNorm a launch", "qwen2-vl",
                                        ("qkv-fuse", g128, qkv_only)),
-        "g32_qkv_statistics": ("g32, each down store leaving the next input norm's statistics for q/k/v "
-                               "(qkv_norm_statistics=True)", "llava", ("qkv-fuse", "int4-weight", chained)),
-        "qwen_g128_qkv_statistics": ("Qwen2-VL-7B shapes, g128, each down store leaving the next input norm's "
-                                     "statistics for q/k/v", "qwen2-vl", ("qkv-fuse", g128, chained)),
+        "g32_no_qkv_statistics": ("g32, q/k/v folding the input norm in every layer (qkv_norm_statistics=False)",
+                                  "llava", ("qkv-fuse", "int4-weight", unchained)),
+        "qwen_g128_no_qkv_statistics": ("Qwen2-VL-7B shapes, g128, q/k/v folding the input norm in every layer",
+                                        "qwen2-vl", ("qkv-fuse", g128, unchained)),
         "g32_norms_unfolded": ("g32, every RMSNorm a launch of its own (norm_in_gemv=False)", "llava",
                                ("qkv-fuse", "int4-weight", unfolded)),
         "qwen_g128_norms_unfolded": ("Qwen2-VL-7B shapes, g128, every RMSNorm a launch of its own", "qwen2-vl",
@@ -176,12 +173,17 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
 
 # The tuner's key of each decode-step GEMV: ("gemv", rows bucket, N, K groups, group, bias, norm folded) or ("gated",
 # N, K groups, group, norm folded), dtype bf16 and no zero points added by pinned_configs (the pinned stacks run
-# rmsnorm-rope-fusion's defaults: the input norm folded into q/k/v; the gated GEMV's key is that of a plain gated GEMV
-# when o_proj leaves it the post-attention norm's statistics).
+# rmsnorm-rope-fusion's defaults: the input norm folded into the first layer's q/k/v, its statistics handed to the
+# others' ("qkv_statistics"); the gated GEMV's key is that of a plain gated GEMV when o_proj leaves it the
+# post-attention norm's statistics).
 _SHAPE_KEYS = {
-    "llava": {"qkv": ("gemv", 1, 12288, 128, 32, False, True), "o_proj": ("gemv", 1, 4096, 128, 32, False, False),
+    "llava": {"qkv": ("gemv", 1, 12288, 128, 32, False, True),
+              "qkv_statistics": ("gemv", 1, 12288, 128, 32, False, "statistics"),
+              "o_proj": ("gemv", 1, 4096, 128, 32, False, False),
               "down": ("gemv", 1, 4096, 344, 32, False, False), "gated": ("gated", 11008, 128, 32, False)},
-    "qwen2-vl": {"qkv": ("gemv", 1, 4608, 28, 128, True, True), "o_proj": ("gemv", 1, 3584, 28, 128, False, False),
+    "qwen2-vl": {"qkv": ("gemv", 1, 4608, 28, 128, True, True),
+                 "qkv_statistics": ("gemv", 1, 4608, 28, 128, True, "statistics"),
+                 "o_proj": ("gemv", 1, 3584, 28, 128, False, False),
                  "down": ("gemv", 1, 3584, 148, 128, False, False), "gated": ("gated", 18944, 28, 128, False)},
 }
 # stack key -> (model, {projection: pinned config}). The one-slice configs (264 target programs) are what the tuner
@@ -205,17 +207,9 @@ def _tuner_key(shape: tuple[Any, ...]) -> tuple[Any, ...]:
             else (*shape[:4], torch.bfloat16, False, shape[4]))
 
 
-# The same for stacks whose layers hand the next input norm's statistics to its q/k/v GEMV (qkv_norm_statistics=True):
-# q/k/v on the "idotr" tiles the step search picked with them on an H100 (h100_step_search_qkv_statistics_42.json).
-_CHAINED_PINNED = {
-    "g32_qkv_statistics_idotr": ("llava", {"qkv": (16, 32, 2, 1, "idotr", 528)}),
-    "qwen_g128_qkv_statistics_idotr": ("qwen2-vl", {"qkv": (16, 64, 4, 1, "idotr", 528)}),
-}
-
-
 def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
     """The tuner's table entries (key -> config) a stack pins; empty for the stacks that let the tuner pick."""
-    model, pins = {**_PINNED, **_CHAINED_PINNED}.get(stack, ("llava", {}))
+    model, pins = _PINNED.get(stack, ("llava", {}))
     return {_tuner_key(_SHAPE_KEYS[model][projection]): cfg for projection, cfg in pins.items()}
 
 
@@ -247,9 +241,10 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str, projections
     """The step's GEMV configs chosen by timing the replayed step itself (one round of coordinate descent,
     :func:`descend_step`).
 
-    Per projection (qkv, o_proj, down, gated), each of its candidates (:func:`search_candidates`) is pinned in the
-    tuner's table in turn, the others as chosen so far. The tuner times each GEMV alone (followed by a norm launch),
-    which does not rank its configs as the step does: this measures what the step reaches with step-ranked configs.
+    Per projection (qkv, qkv_statistics, o_proj, down, gated), each of its candidates (:func:`search_candidates`) is
+    pinned in the tuner's table in turn, the others as chosen so far. The tuner times each GEMV alone (followed by a
+    norm launch), which does not rank its configs as the step does: this measures what the step reaches with
+    step-ranked configs.
     ``projections`` limits the search to those keys of ``_SHAPE_KEYS``, ``kinds`` the candidates to those kinds (all
     by default).
     """
@@ -466,7 +461,7 @@ def main() -> None:
     parser.add_argument("--search", action="store_true",
                         help="then choose the step's GEMV configs by timing the replayed step (search_step)")
     parser.add_argument("--projections", default="", help="with --search: comma-separated projections to search "
-                        "(qkv, o_proj, down, gated; all by default)")
+                        "(qkv, qkv_statistics, o_proj, down, gated; all by default)")
     parser.add_argument("--kinds", default="", help="with --search: comma-separated GEMV kinds to try (all by "
                         "default)")
     parser.add_argument("--search-attention", action="store_true",

@@ -23,9 +23,10 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
     table = tuning().chosen
     saved = dict(table)
     try:
-        for name in ("qkv", "o_proj", "gated"):  # down: not run by this "step" (no tuner entry)
+        for name in ("qkv", "o_proj", "gated"):  # down, q/k/v with statistics: not run by this "step" (no tuner entry)
             table[keys[name]] = candidates[name][0]
         table.pop(keys["down"], None)
+        table.pop(keys["qkv_statistics"], None)
         faster = {("qkv", candidates["qkv"][2]): 0.05, ("gated", candidates["gated"][-1]): 0.03}
         failing = ("o_proj", candidates["o_proj"][1])
         captured = []
@@ -47,8 +48,9 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
             table[keys[name]] = candidates[name][0]
         captured.clear()
         out = reuse.search_step(object(), {}, "llava")
-        assert out["kept"] == {"qkv": candidates["qkv"][2], "o_proj": candidates["o_proj"][0],
-                               "down": "not run by this step (no such tuner key)", "gated": candidates["gated"][-1]}
+        unrun = "not run by this step (no such tuner key)"
+        assert out["kept"] == {"qkv": candidates["qkv"][2], "qkv_statistics": unrun, "o_proj": candidates["o_proj"][0],
+                               "down": unrun, "gated": candidates["gated"][-1]}
         assert out["start_ms"] == 2.0 and out["final_ms"] == pytest.approx(1.92)
         assert [t for t in out["trials"] if "error" in t] == [
             {"projection": "o_proj", "cfg": failing[1], "error": "RuntimeError('out of resources')"}]

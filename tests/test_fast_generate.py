@@ -728,7 +728,8 @@ def test_input_norm_statistics_handed_between_layers_keep_the_answers(name, sess
     """With qkv_norm_statistics each layer's down-projection store leaves the next layer's input-norm statistics,
     and that layer's q/k/v GEMV (one-row GEMVs on the integer-dot kinds here) scales its sums by them instead of
     reading the row for the norm: every decode step's layers but the first took them, the q/k/v GEMVs applied them,
-    and the logits are those of the run that folds the norm, compared at every step while the answers agree."""
+    and the logits are those of the run that folds the norm, compared at every step while the answers agree. With
+    the float kinds, which fold the norm instead, the statistics are left for the first step only."""
     from mmsdk.kernels import w4a16
     from mmsdk.kernels.gemv_launch import IDOT_KINDS
     from mmsdk.kernels.w4a16_tuning import tuning
@@ -763,6 +764,20 @@ def test_input_norm_statistics_handed_between_layers_keep_the_answers(name, sess
         tuning().chosen.clear()
         tuning().chosen.update(saved)
     _assert_same_logits_while_answers_agree(*runs)
+    monkeypatch.setattr(w4a16, "gemv_candidates", lambda bucket, group: tuple(
+        c for c in every_config(bucket, group) if bucket > 1 or (len(c) > 4 and c[4] in ("quad", "quadp"))))
+    try:
+        tuning().chosen.clear()
+        taken.clear()
+        opt, inputs = _bf16_decode_stack(tiny, session, name, RMSNormRoPEFusionConfig(), QUESTIONS[:1])
+        with torch.no_grad():
+            opt.model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        layers = len(opt.adapter.decoder_layers(opt.model))
+        # the first decode step's layers after the first take them, unread; no later step is handed any
+        assert [t is not None for t in taken] == [False] + [True] * (layers - 1) + [False] * (len(taken) - layers)
+    finally:
+        tuning().chosen.clear()
+        tuning().chosen.update(saved)
 
 
 @pytest.mark.cuda

@@ -428,8 +428,8 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_integer_dot_gemv_scales_by(tar
     slices' sum of every kind, the one-slice store of the "quad" and integer-dot kinds); the next q/k/v GEMV, of kind
     "idot" or "idotr", reads ``weight * sum`` with the plain K loop and scales its sums by ``1 / rms`` before the bias
     (one slice or several, K padded past in_features): both kinds give the same output bit for bit, the normalized
-    product to the dtype's rounding. Other kinds fold the norm the statistics stand in for; statistics without that norm, with an
-    AWQ pre-scale, or of another row are refused."""
+    product to the dtype's rounding. Other kinds fold the norm the statistics stand in for (and leave them marked
+    unread); statistics without that norm, with an AWQ pre-scale, or of another row are refused."""
     from mmsdk.kernels.gemv_launch import launch_gemv
     from mmsdk.kernels.norm_fold import InputNorm, NormRequest, quad_factors
     from mmsdk.kernels.w4a16 import w4a16_gemv
@@ -463,9 +463,11 @@ def test_gemv_store_leaves_rmsnorm_statistics_the_integer_dot_gemv_scales_by(tar
                    for kind in ("idot", "idotr")]
         assert torch.equal(*outputs), qkv_config
         assert _rel(outputs[0], expected) < tol, (down_config, qkv_config)
+        assert statistics.read  # what the writer learns: they are worth leaving
+        statistics.read = False
         folded = w4a16_gemv(total, qkv.qweight, qkv.scales, qkv.zero_points, group, bias, config=(8, 4, 2, 1, "quad"),
                             norm=norm, statistics=statistics)  # a kind that cannot read them folds the norm
-        assert _rel(folded, expected) < tol
+        assert _rel(folded, expected) < tol and not statistics.read
     with pytest.raises(ValueError, match="pass that norm as well"):
         w4a16_gemv(total, qkv.qweight, qkv.scales, qkv.zero_points, group, config=qkv_config, statistics=statistics)
     with pytest.raises(ValueError, match="pass that norm as well"):
@@ -746,9 +748,15 @@ def test_step_measured_configs_answer_for_their_gpu_untimed(monkeypatch):
     gpu_name["name"] = "NVIDIA H100 80GB HBM3"  # a GPU with entries of its own (measured there)
     assert step_configs.step_measured_config(key, cuda.device, candidates) == step_configs._measured()[
         "NVIDIA H100 80GB HBM3"][key] != measured
+    # handed its input norm's statistics: the H100's entry of its own, the H200's folded-norm entry (none of its own)
+    handed = (*key[:-1], "statistics")
+    assert step_configs.step_measured_config(handed, cuda.device, candidates) == step_configs._measured()[
+        "NVIDIA H100 80GB HBM3"][handed] != step_configs._measured()["NVIDIA H100 80GB HBM3"][key]
     gpu_name["name"] = "NVIDIA A100-SXM4-80GB"  # a GPU without entries
     assert step_configs.step_measured_config(key, cuda.device, candidates) is None
     gpu_name["name"] = "NVIDIA H200"
+    assert handed not in step_configs._measured()["NVIDIA H200"]
+    assert step_configs.step_measured_config(handed, cuda.device, candidates) == measured
 
     def never_timed(*args):
         raise AssertionError("a step-measured config is taken untimed")

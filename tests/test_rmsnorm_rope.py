@@ -291,6 +291,8 @@ def test_input_norm_statistics_go_to_the_next_folded_layer_for_its_input_only():
     first, second, third = (NormFolding(torch.nn.Identity(), None, "input_layernorm", None) for _ in range(3))
     chain_input_norm_statistics([first, second, None, third])
     assert first.next is second and second.next is None and third.next is None
+    assert first.previous is None and second.previous is first and third.previous is None
+    assert all(f.leave_for_next for f in (first, second, third))  # until a reader says it did not read them
     assert first.hand_off is second.hand_off is third.hand_off and isinstance(first.hand_off, InputNormHandOff)
     hand_off, x, other, left = InputNormHandOff(), torch.zeros(1), torch.zeros(1), object()
     hand_off.put(x, left)

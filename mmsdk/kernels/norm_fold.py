@@ -89,16 +89,18 @@ def norm_arguments(norm: InputNorm | None, x: torch.Tensor, warps: int, whole_ro
                 NORM_BLOCK=min(triton.next_power_of_2(x.shape[1]), 1024 * warps))
 
 
-@dataclass(frozen=True)
+@dataclass
 class NormStatistics:
     """What a store left for the RMSNorm that reads its output ``x`` (``[M, N]``): ``scaled = weight * x``, rounded
     to the model dtype, and ``squares`` ``[M, parts]``, fp32 sums of ``x**2`` over disjoint column blocks. Then
     ``rms_norm(x) @ W.T == (scaled @ W.T) / sqrt(squares.sum(1) / N + eps)`` up to roundings (the reference rounds
-    ``x * r`` before the weight multiplies it)."""
+    ``x * r`` before the weight multiplies it). ``read``: set once a GEMV chose to apply them (one handed them with a
+    folded norm may fold the norm instead: mmsdk.kernels.w4a16.w4a16_gemv), so their writer can stop leaving them."""
 
     scaled: torch.Tensor
     squares: torch.Tensor
     eps: float
+    read: bool = False
 
 
 class NormRequest:

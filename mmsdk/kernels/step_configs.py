@@ -10,7 +10,10 @@ down and the gated MLP); the tuner returns them for these keys on that GPU inste
 GPUs are timed as before. ``MMSDK_STEP_CONFIGS=0`` turns the table off (to measure the tuner's own picks).
 
 Keys are the tuner's: ``("gemv", rows bucket, N, K groups, group, dtype, zero points, bias, norm folded)`` and
-``("gated", N, K groups, group, dtype, zero points, norm folded)``.
+``("gated", N, K groups, group, dtype, zero points, norm folded)``. A one-row GEMV handed the statistics of its input
+norm ("norm folded" = "statistics": the q/k/v GEMVs after the first layer with rmsnorm-rope-fusion's
+``qkv_norm_statistics``) takes the entry of the same GEMV with the norm folded (True) where the table has none of its
+own: its kind then decides whether it reads them (mmsdk.kernels.w4a16.w4a16_gemv), as it was measured without them.
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
             # within the ~8 µs spread; the gated MLP stays on "gated" 8x32x1, the "idot" tiles +63-146 µs. A fresh
             # process, h100_step_against_tuner_38.json: 2.035 ms against 2.049 with the tuner's picks)
             ("gemv", 1, 12288, 128, 32, bf16, False, False, True): (16, 32, 2, 1, "idot", 528),
+            # q/k/v handed the input norm's statistics: "idotr" (forty-second pass,
+            # h100_step_search_qkv_statistics_42.json: 2.007 ms against 2.030 with "idot" 16x32x2, the other "idot" /
+            # "idotr" tiles 2.035-2.100; against the unchained step in one process, h100_qkv_statistics_ab_42.json:
+            # 2.006-2.012 against 2.042-2.047 over four processes)
+            ("gemv", 1, 12288, 128, 32, bf16, False, False, "statistics"): (16, 32, 2, 1, "idotr", 528),
             ("gemv", 1, 4096, 128, 32, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
             # down: kind "idotr" (forty-first pass, h100_step_search_g32_idotr_41.json: the step 1.995 ms against
             # 2.025 with "quad" 8x128x4; "idot" 16x32x2 2.061, "idotr" 16x32x2 and 16x64x4 2.032)
@@ -70,6 +78,10 @@ def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
             # q/k/v 8x128x4 at 528 programs -82 µs against the tuner's 8x64x2, the rest within ~5 µs; a fresh
             # process: 2.178 against 2.260)
             ("gemv", 1, 4608, 28, 128, bf16, False, True, True): (8, 128, 4, 1, "quad", 528),
+            # handed the statistics: "idotr" (h100_step_search_qkv_statistics_42.json: 2.177 ms against 2.207 with
+            # "quad" 8x128x4, which folds the norm; the other tiles 2.216-2.239; in one process against the unchained
+            # step: 2.175-2.178 against 2.194-2.196)
+            ("gemv", 1, 4608, 28, 128, bf16, False, True, "statistics"): (16, 64, 4, 1, "idotr", 528),
             ("gemv", 1, 3584, 28, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
             # down: kind "idotr" (forty-first pass, h100_step_search_down_idotr_41.json: the step 2.155 ms against 2.177
             # with "idot" 16x64x4, the earlier pick; "quad" 8x128x4 2.162, "idotr" 32x32x4 2.160)
@@ -86,5 +98,8 @@ def step_measured_config(key: tuple[Any, ...], device: torch.device,
     measured, so the tuner times them instead)."""
     if device.type != "cuda" or os.environ.get(STEP_CONFIGS_ENV, "1") == "0":
         return None
-    config = _measured().get(torch.cuda.get_device_name(device), {}).get(key)
+    table = _measured().get(torch.cuda.get_device_name(device), {})
+    config = table.get(key)
+    if config is None and key[0] == "gemv" and key[-1] == "statistics":
+        config = table.get((*key[:-1], True))
     return config if config in candidates else None

@@ -253,8 +253,9 @@ def w4a16_gemv(
     "fma" or "dot" (see ``_GEMV_CANDIDATES``); ``splits`` the number of K slices (derived from the
     shape when None). ``residual`` (contiguous ``[M, N]``, x's dtype) is added to the product and ``norm``
     applied to ``x`` first, and ``leave`` asked for, as :func:`int4_linear` describes. ``statistics`` (with ``norm``):
-    what the store of ``x`` left for that norm, read by the "idot" / "idotr" configs instead of ``x`` and the norm;
-    the tuning key is the folded norm's either way (the others fold ``norm``).
+    what the store of ``x`` left for that norm, read by the "idot" / "idotr" configs instead of ``x`` and the norm
+    (the others fold ``norm``; ``statistics.read`` says which ran). Such a GEMV has a tuning key of its own (its last
+    item "statistics" instead of True).
     """
     m, k_in = x.shape
     if statistics is not None:
@@ -263,7 +264,7 @@ def w4a16_gemv(
     check_columns(k_in, k_blocks * block_size)
     bucket = gemv_row_bucket(m)
     key = ("gemv", bucket, n, k_blocks, block_size, x.dtype, zero_points is not None, bias is not None,
-           norm is not None)
+           "statistics" if statistics is not None else norm is not None)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
 
     def launch(cfg: tuple[Any, ...], weight: PackedWeight) -> None:
@@ -282,6 +283,8 @@ def w4a16_gemv(
     chosen = config or tuned_config(key, timed, gemv_candidates(bucket, block_size), block_size, weight)
     if leave is not None:
         leave.statistics = None  # the tuner's trial launches (on copies of the weight) may have set them
+    if statistics is not None:  # q, k and v as three GEMVs get the same statistics: any one reading them counts
+        statistics.read = statistics.read or (len(chosen) > 4 and chosen[4] in IDOT_KINDS)
     launch(chosen, weight)
     return out
 

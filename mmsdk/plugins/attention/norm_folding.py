@@ -29,7 +29,8 @@ the statistics of the next layer's input norm, handed to that layer's step (:cla
 tensor they were left for. A q/k/v GEMV of an integer-dot kind ("idot" / "idotr", mmsdk.kernels.gemv_idot) then scales
 its sums by the row's ``1 / rms`` from them instead of reading the whole row for it (kind "idotr" read it in each of
 its programs); the other kinds fold the norm as before. The first layer, and a layer whose input came some other way,
-fold the norm as before too.
+fold the norm as before too. Where a layer's q/k/v GEMVs did not read the statistics (their tuned kind folds the norm),
+the layer before stops leaving them (``leave_for_next``): its store does no work for nothing in the steps after.
 
 What cannot take its part runs as before (a torch add, a norm kernel). Nothing else may read the normalized input:
 the fold is skipped while hooks or wrappers observe the attention or the MLP, and a step whose attention did not
@@ -96,9 +97,12 @@ class NormFolding:
         # False: only the input norm moves into the q/k/v GEMV; the attention's residual add and the post-attention
         # norm stay one add + RMSNorm launch, as in the unfolded layer (rmsnorm-rope-fusion's mlp_norm_in_gemv)
         self.fold_mlp = fold_mlp
-        # set by chain_input_norm_statistics: the next layer's folding, and where the statistics go between the two
+        # set by chain_input_norm_statistics: the layers before and after, and where the statistics go between them
+        self.previous: NormFolding | None = None
         self.next: NormFolding | None = None
         self.hand_off: InputNormHandOff | None = None
+        # False once the next layer's q/k/v GEMVs were handed this layer's statistics and applied the norm instead
+        self.leave_for_next = True
 
     def readers(self, attention: nn.Module) -> tuple[list[Int4Linear], Int4Linear | None] | None:
         """(the distinct INT4 layers behind q, k and v; o_proj if it is INT4), or None when the input norm cannot be
@@ -128,6 +132,8 @@ class NormFolding:
             h, residual = self.post_norm(out, hidden_states)
             return plus_residual(mlp, h, residual)
         out, added = self._attend(hidden_states, norm, qkv, o_proj, attention, attention_kwargs, handed)
+        if handed is not None and self.previous is not None:
+            self.previous.leave_for_next = handed.read
         total = out if added else hidden_states + out
         statistics = o_proj.left_statistics() if added and o_proj is not None else None
         fold_mlp = normed_residual_body(mlp)
@@ -143,7 +149,7 @@ class NormFolding:
         """(the next layer's input norm, this layer's down projection) when the down projection's store is to leave
         that norm's statistics (chained, bf16 as for o_proj's, an INT4 down projection nothing observes), else
         (None, None)."""
-        if self.next is None or dtype != torch.bfloat16:
+        if self.next is None or not self.leave_for_next or dtype != torch.bfloat16:
             return None, None
         next_norm = getattr(self.next.layer, self.next.input_norm, None)
         down = getattr(mlp, self.adapter.mlp_projections(mlp).down or "", None)
@@ -181,9 +187,9 @@ def chain_input_norm_statistics(foldings: list[NormFolding | None]) -> None:
     layer that folds nothing): each layer's down-projection store leaves the next layer's input-norm statistics,
     handed over through one :class:`InputNormHandOff` (module docstring)."""
     hand_off = InputNormHandOff()
-    for folding, after in zip(foldings, [*foldings[1:], None]):
+    for before, folding, after in zip([None, *foldings[:-1]], foldings, [*foldings[1:], None]):
         if folding is not None:
-            folding.next, folding.hand_off = after, hand_off
+            folding.previous, folding.next, folding.hand_off = before, after, hand_off
 
 
 def folds_now(layer: nn.Module, adapter: ModelAdapter) -> bool:

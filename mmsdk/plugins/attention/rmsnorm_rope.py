@@ -20,9 +20,11 @@
   projections are INT4 (``int4-weight``), each layer's input norm runs inside its q/k/v GEMV
   (mmsdk/plugins/attention/norm_folding.py), and with ``mlp_norm_in_gemv`` (also on by default) the
   attention's residual add runs in o_proj's GEMV, whose store leaves the post-attention norm's
-  statistics for the gated MLP's gate/up GEMV: no norm launch left between a layer's GEMVs. On CUDA
-  this is not bitwise the unfolded layer: the folded kernels skip the rounding of the normalized
-  activations (mmsdk/kernels/norm_fold.py).
+  statistics for the gated MLP's gate/up GEMV: no norm launch left between a layer's GEMVs. With
+  ``qkv_norm_statistics`` (on by default) the down projection's store leaves the next layer's
+  input-norm statistics the same way, for an integer-dot q/k/v GEMV. On CUDA this is not bitwise
+  the unfolded layer: the folded kernels skip the rounding of the normalized activations
+  (mmsdk/kernels/norm_fold.py).
 
 Every replacement is checked on a probe against the module it replaces (bitwise in the model's
 dtype) and skipped, with the reason in the records, if it would not be exact (the folded norms
@@ -102,10 +104,12 @@ class RMSNormRoPEFusionConfig(PassConfig):
                                    "in o_proj's GEMV, whose store leaves the post-attention RMSNorm's statistics for "
                                    "the gated MLP's GEMV: no norm launch left between GEMVs (H200: 27-31 µs less per "
                                    "7B step, docs/benchmarks.md). fp16 keeps the launch (weight * input may overflow).")
-    qkv_norm_statistics: bool = Field(False, description="With mlp_norm_in_gemv: each layer's down-projection store "
+    qkv_norm_statistics: bool = Field(True, description="With mlp_norm_in_gemv: each layer's down-projection store "
                                       "also leaves the next layer's input-norm statistics, and a q/k/v GEMV of an "
                                       "integer-dot kind ('idot' / 'idotr') scales its sums by them instead of reading "
-                                      "the whole row for the norm (the other kinds fold the norm as before).")
+                                      "the whole row for the norm (H100: 34 µs less per LLaVA-1.5-7B g32 step, 19 on "
+                                      "Qwen2-VL-7B g128, docs/benchmarks.md). Where the q/k/v GEMV's kind folds the "
+                                      "norm instead, the store stops leaving them after the first step.")
 
 
 def _eps(norm: nn.Module) -> float | None:
