@@ -37,10 +37,10 @@ def launch_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     shape and dtype, contiguous) ``out = residual + x W.T``, added in the last store ("quad" kinds, or the K
     slices' sum); with ``norm`` ``x`` is normalized first, inside the "quad" kinds' programs
     (mmsdk.kernels.norm_fold) or "idot"'s rounding kernel ("idotr": its own programs), by the norm kernel for the
-    others. ``leave``: the "quad" kinds' store or the K slices' sum leaves the statistics of the RMSNorm that reads
-    ``out`` (one row; others leave none); ``row_scale`` (a paired GEMV, or one of kind "idot" / "idotr"): ``x`` is an
-    RMSNorm's input times its weight and these its statistics, applied to the finished sums
-    (mmsdk.kernels.norm_fold.NormStatistics)."""
+    others. ``leave``: the one-slice store of the "quad" and integer-dot kinds, or the K slices' sum, leaves the
+    statistics of the RMSNorm that reads ``out`` (one row, a GEMV that reads no norm itself; others leave none);
+    ``row_scale`` (a paired GEMV, or one of kind "idot" / "idotr"): ``x`` is an RMSNorm's input times its weight and
+    these its statistics, applied to the finished sums (mmsdk.kernels.norm_fold.NormStatistics)."""
     block_n, block_g, warps, block_m, kind = cfg[:5]
     target_programs = cfg[5] if len(cfg) > 5 else TARGET_PROGRAMS
     paired = second is not None
