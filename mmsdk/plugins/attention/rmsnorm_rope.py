@@ -107,9 +107,9 @@ class RMSNormRoPEFusionConfig(PassConfig):
     qkv_norm_statistics: bool = Field(True, description="With mlp_norm_in_gemv: each layer's down-projection store "
                                       "also leaves the next layer's input-norm statistics, and a q/k/v GEMV of an "
                                       "integer-dot kind ('idot' / 'idotr') scales its sums by them instead of reading "
-                                      "the whole row for the norm (H100: 34 µs less per LLaVA-1.5-7B g32 step, 19 on "
-                                      "Qwen2-VL-7B g128, docs/benchmarks.md). Where the q/k/v GEMV's kind folds the "
-                                      "norm instead, the store stops leaving them after the first step.")
+                                      "the whole row for the norm (H100: 34-41 µs less per LLaVA-1.5-7B g32 step, "
+                                      "8-19 on Qwen2-VL-7B g128, docs/benchmarks.md). Where the q/k/v GEMV's kind "
+                                      "folds the norm instead, the store stops leaving them after the first step.")
 
 
 def _eps(norm: nn.Module) -> float | None:
