@@ -171,21 +171,32 @@ def stacks() -> dict[str, tuple[str, str, tuple[Any, ...]]]:
     }
 
 
-# The tuner's key of each decode-step GEMV: ("gemv", rows bucket, N, K groups, group, bias, norm folded) or ("gated",
-# N, K groups, group, norm folded), dtype bf16 and no zero points added by pinned_configs (the pinned stacks run
-# rmsnorm-rope-fusion's defaults: the input norm folded into the first layer's q/k/v, its statistics handed to the
-# others' ("qkv_statistics"); the gated GEMV's key is that of a plain gated GEMV when o_proj leaves it the
-# post-attention norm's statistics).
-_SHAPE_KEYS = {
-    "llava": {"qkv": ("gemv", 1, 12288, 128, 32, False, True),
-              "qkv_statistics": ("gemv", 1, 12288, 128, 32, False, "statistics"),
-              "o_proj": ("gemv", 1, 4096, 128, 32, False, False),
-              "down": ("gemv", 1, 4096, 344, 32, False, False), "gated": ("gated", 11008, 128, 32, False)},
-    "qwen2-vl": {"qkv": ("gemv", 1, 4608, 28, 128, True, True),
-                 "qkv_statistics": ("gemv", 1, 4608, 28, 128, True, "statistics"),
-                 "o_proj": ("gemv", 1, 3584, 28, 128, False, False),
-                 "down": ("gemv", 1, 3584, 148, 128, False, False), "gated": ("gated", 18944, 28, 128, False)},
-}
+# Per model of the step benchmarks: hidden size, MLP width, q/k/v rows (qkv-fuse) and whether q/k/v has a bias.
+_DIMENSIONS = {"llava": (4096, 11008, 12288, False), "qwen2-vl": (3584, 18944, 4608, True)}
+
+
+def shape_keys(model_name: str, group: int) -> dict[str, tuple[Any, ...]]:
+    """Projection -> the tuner's key of that decode-step GEMV for ``model_name`` with int4-weight groups of ``group``:
+    ("gemv", rows bucket, N, K groups, group, bias, norm folded) or ("gated", N, K groups, group, norm folded); dtype
+    bf16 and no zero points are added by :func:`_tuner_key`. With rmsnorm-rope-fusion's defaults the input norm is
+    folded into the first layer's q/k/v ("qkv") and its statistics handed to the others' ("qkv_statistics"); the
+    gated GEMV's key is that of a plain gated GEMV when o_proj leaves it the post-attention norm's statistics."""
+    hidden, width, qkv_rows, qkv_bias = _DIMENSIONS[model_name]
+    return {"qkv": ("gemv", 1, qkv_rows, hidden // group, group, qkv_bias, True),
+            "qkv_statistics": ("gemv", 1, qkv_rows, hidden // group, group, qkv_bias, "statistics"),
+            "o_proj": ("gemv", 1, hidden, hidden // group, group, False, False),
+            "down": ("gemv", 1, hidden, width // group, group, False, False),
+            "gated": ("gated", width, hidden // group, group, False)}
+
+
+def stack_group(passes: tuple[Any, ...]) -> int:
+    """The int4-weight group size a stack's passes quantize with (the pass's default where it is named by string)."""
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    configs = [p for p in passes if isinstance(p, Int4WeightConfig)]
+    return (configs[0] if configs else Int4WeightConfig()).group_size
+
+
 # stack key -> (model, {projection: pinned config}). The one-slice configs (264 target programs) are what the tuner
 # picked on the H200 when a trial candidate list led with them and was timed back to back
 # (benchmarks/results/h200_decode_reuse_one_slice_ab.json): in the step they gained LLaVA-1.5-7B g32 about 30 µs and
@@ -202,15 +213,16 @@ _PINNED = {
 
 
 def _tuner_key(shape: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A ``_SHAPE_KEYS`` entry as the tuner's table keys it (bf16, no zero points)."""
+    """A :func:`shape_keys` entry as the tuner's table keys it (bf16, no zero points)."""
     return ((*shape[:5], torch.bfloat16, False, *shape[5:]) if shape[0] == "gemv"
             else (*shape[:4], torch.bfloat16, False, shape[4]))
 
 
-def pinned_configs(stack: str) -> dict[tuple[Any, ...], tuple[Any, ...]]:
-    """The tuner's table entries (key -> config) a stack pins; empty for the stacks that let the tuner pick."""
+def pinned_configs(stack: str, group: int) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """The tuner's table entries (key -> config) a stack pins, its weights in groups of ``group``; empty for the
+    stacks that let the tuner pick."""
     model, pins = _PINNED.get(stack, ("llava", {}))
-    return {_tuner_key(_SHAPE_KEYS[model][projection]): cfg for projection, cfg in pins.items()}
+    return {_tuner_key(shape_keys(model, group)[projection]): cfg for projection, cfg in pins.items()}
 
 
 def search_candidates(shape: tuple[Any, ...], kinds: tuple[str, ...] | None = None) -> tuple[tuple[Any, ...], ...]:
@@ -236,8 +248,8 @@ def step_ms_recaptured(model: Any, inputs: dict[str, Any]) -> float:
     return statistics.median(_replay_after_call(model, inputs) for _ in range(3))
 
 
-def search_step(model: Any, inputs: dict[str, Any], model_name: str, projections: tuple[str, ...] | None = None,
-                kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
+def search_step(model: Any, inputs: dict[str, Any], model_name: str, group: int,
+                projections: tuple[str, ...] | None = None, kinds: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The step's GEMV configs chosen by timing the replayed step itself (one round of coordinate descent,
     :func:`descend_step`).
 
@@ -245,14 +257,15 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str, projections
     pinned in the tuner's table in turn, the others as chosen so far. The tuner times each GEMV alone (followed by a
     norm launch), which does not rank its configs as the step does: this measures what the step reaches with
     step-ranked configs.
-    ``projections`` limits the search to those keys of ``_SHAPE_KEYS``, ``kinds`` the candidates to those kinds (all
-    by default).
+    ``group`` is the stack's int4-weight group size, ``projections`` limits the search to those keys of
+    :func:`shape_keys`, ``kinds`` the candidates to those kinds (all by default).
     """
-    unknown = set(projections or ()) - set(_SHAPE_KEYS[model_name])
+    shapes = shape_keys(model_name, group)
+    unknown = set(projections or ()) - set(shapes)
     if unknown:
-        raise ValueError(f"--projections {sorted(unknown)}: the step's projections are {list(_SHAPE_KEYS[model_name])}")
+        raise ValueError(f"--projections {sorted(unknown)}: the step's projections are {list(shapes)}")
     trials = {projection: (_tuner_key(shape), search_candidates(shape, kinds))
-              for projection, shape in _SHAPE_KEYS[model_name].items()
+              for projection, shape in shapes.items()
               if projections is None or projection in projections}
     return descend_step(model, inputs, trials)
 
@@ -481,7 +494,8 @@ def main() -> None:
     for key, (name, model_name, passes) in chosen.items():
         model, inputs, kv_bytes = _model_and_inputs(model_name, passes)
         floor_ms = suite.lm_bytes(model, kv_bytes, 1024 + 128) / suite.speed_limit() * 1e3
-        pins = pinned_configs(key)
+        group = stack_group(passes)
+        pins = pinned_configs(key, group)
         for shape in pins:  # a pinned stack and the stacks after it tune these shapes afresh
             tuning().chosen.pop(shape, None)
         before = set(tuning().chosen)
@@ -496,7 +510,7 @@ def main() -> None:
         row["step_over_floor"] = row["step_ms"] / floor_ms
         row["gemv_configs"] = {str(shape): cfg for shape, cfg in tuning().chosen.items() if shape not in before}
         if args.search:
-            row["search"] = search_step(model, inputs, model_name,
+            row["search"] = search_step(model, inputs, model_name, group,
                                         tuple(args.projections.split(",")) if args.projections else None,
                                         tuple(args.kinds.split(",")) if args.kinds else None)
             row["search"]["floor_ms"] = floor_ms

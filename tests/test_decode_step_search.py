@@ -12,7 +12,7 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
     from mmsdk.kernels import fast_generate
     from mmsdk.kernels.w4a16_tuning import tuning
 
-    shapes = reuse._SHAPE_KEYS["llava"]
+    shapes = reuse.shape_keys("llava", 32)
     keys = {name: reuse._tuner_key(shape) for name, shape in shapes.items()}
     candidates = {name: reuse.search_candidates(shape) for name, shape in shapes.items()}
     assert all(len(c) >= 4 for c in candidates.values())
@@ -39,15 +39,15 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
 
         monkeypatch.setattr(reuse, "_replay_after_call", step_ms)
         monkeypatch.setattr(fast_generate, "release", lambda model: None)
-        only = reuse.search_step(object(), {}, "llava", projections=("o_proj",), kinds=("idot",))
+        only = reuse.search_step(object(), {}, "llava", 32, projections=("o_proj",), kinds=("idot",))
         assert list(only["kept"]) == ["o_proj"]
         assert [(t["projection"], t["cfg"]) for t in only["trials"]] == [("o_proj", c) for c in only_idot["o_proj"]]
         with pytest.raises(ValueError, match="the step's projections are"):
-            reuse.search_step(object(), {}, "llava", projections=("o-proj",))
+            reuse.search_step(object(), {}, "llava", 32, projections=("o-proj",))
         for name in ("qkv", "o_proj", "gated"):
             table[keys[name]] = candidates[name][0]
         captured.clear()
-        out = reuse.search_step(object(), {}, "llava")
+        out = reuse.search_step(object(), {}, "llava", 32)
         unrun = "not run by this step (no such tuner key)"
         assert out["kept"] == {"qkv": candidates["qkv"][2], "qkv_statistics": unrun, "o_proj": candidates["o_proj"][0],
                                "down": unrun, "gated": candidates["gated"][-1]}
@@ -63,6 +63,31 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
     finally:
         table.clear()
         table.update(saved)
+
+
+def test_step_shape_keys_follow_the_group_size_and_name_the_step_tables_entries():
+    """The search's tuner keys for each model and group size: K counted in groups of the stack's size, and for the
+    (model, group) pairs the step-measured tables cover, exactly the keys those tables answer."""
+    import benchmarks.gpu_decode_reuse as reuse
+    from mmsdk.kernels.step_configs import _measured
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    assert reuse.stack_group(reuse.stacks()["g128"][2]) == 128
+    assert reuse.stack_group(reuse.stacks()["g32"][2]) == Int4WeightConfig().group_size == 32
+    assert reuse.stack_group(reuse.stacks()["qwen_g128"][2]) == 128
+    g128 = reuse.shape_keys("llava", 128)
+    assert g128["down"] == ("gemv", 1, 4096, 86, 128, False, False)
+    assert g128["gated"] == ("gated", 11008, 32, 128, False)
+    assert reuse.shape_keys("llava", 32)["down"][3] == 344 and reuse.shape_keys("qwen2-vl", 128)["qkv"][5] is True
+    for model, group in (("llava", 32), ("qwen2-vl", 128)):
+        keys = {reuse._tuner_key(shape) for shape in reuse.shape_keys(model, group).values()}
+        for gpu, table in _measured().items():
+            # ("gemv", rows, N, K groups, group, ...) / ("gated", N, K groups, group, ...)
+            mine = {key for key in table if (key[2:5:2] if key[0] == "gemv" else key[1:4:2])
+                    in {(n, group) for n in reuse._DIMENSIONS[model][:3]}}
+            assert mine and mine <= keys, (gpu, model, mine - keys)
+    pinned = reuse.pinned_configs("qwen_g128_one_slice_down", 128)
+    assert list(pinned) == [reuse._tuner_key(reuse.shape_keys("qwen2-vl", 128)["down"])]
 
 
 def test_attention_search_times_each_kv_config_and_restores_the_kernel(monkeypatch):
