@@ -729,7 +729,8 @@ def test_input_norm_statistics_handed_between_layers_keep_the_answers(name, sess
     and that layer's q/k/v GEMV (one-row GEMVs on the integer-dot kinds here) scales its sums by them instead of
     reading the row for the norm: every decode step's layers but the first took them, the q/k/v GEMVs applied them,
     and the logits are those of the run that folds the norm, compared at every step while the answers agree. With
-    the float kinds, which fold the norm instead, the statistics are left for the first step only."""
+    the float kinds, which fold the norm instead, the statistics are left for the first step only, until the next
+    prompt learns it again."""
     from mmsdk.kernels import w4a16
     from mmsdk.kernels.gemv_launch import IDOT_KINDS
     from mmsdk.kernels.w4a16_tuning import tuning
@@ -737,8 +738,11 @@ def test_input_norm_statistics_handed_between_layers_keep_the_answers(name, sess
     from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
 
     every_config, take, launch = w4a16.gemv_candidates, InputNormHandOff.take, w4a16.launch_gemv
-    monkeypatch.setattr(w4a16, "gemv_candidates", lambda bucket, group: tuple(
-        c for c in every_config(bucket, group) if bucket > 1 or (len(c) > 4 and c[4] in IDOT_KINDS)))
+
+    def integer_dot_only(bucket, group):
+        return tuple(c for c in every_config(bucket, group) if bucket > 1 or (len(c) > 4 and c[4] in IDOT_KINDS))
+
+    monkeypatch.setattr(w4a16, "gemv_candidates", integer_dot_only)
     taken, applied = [], []
     monkeypatch.setattr(InputNormHandOff, "take", lambda self, x: taken.append(take(self, x)) or taken[-1])
     monkeypatch.setattr(w4a16, "launch_gemv", lambda *a, **k: applied.append(
@@ -775,6 +779,16 @@ def test_input_norm_statistics_handed_between_layers_keep_the_answers(name, sess
         layers = len(opt.adapter.decoder_layers(opt.model))
         # the first decode step's layers after the first take them, unread; no later step is handed any
         assert [t is not None for t in taken] == [False] + [True] * (layers - 1) + [False] * (len(taken) - layers)
+        # the next prompt learns it again: with the integer-dot kinds back (and the kept step dropped, since its
+        # GEMVs changed) every step of the next call is handed them
+        monkeypatch.setattr(w4a16, "gemv_candidates", integer_dot_only)
+        tuning().chosen.clear()
+        taken.clear()
+        release(opt.model)
+        with torch.no_grad():
+            opt.model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        got = [t is not None for t in taken]
+        assert got and got == ([False] + [True] * (layers - 1)) * (len(got) // layers), got
     finally:
         tuning().chosen.clear()
         tuning().chosen.update(saved)

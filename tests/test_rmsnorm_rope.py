@@ -285,7 +285,8 @@ def test_decode_steps_fold_the_norms_into_the_int4_gemvs(name, order, mlp, dtype
 def test_input_norm_statistics_go_to_the_next_folded_layer_for_its_input_only():
     """qkv_norm_statistics chains consecutive folded layers through one hand-off (a layer that folds nothing breaks
     the chain); the hand-off gives the statistics a store left only to a step whose input is the tensor they were left
-    for, once, and drops them at the next look either way."""
+    for, once, and drops them at the next look either way. Whether the next layer reads them is learnt again at each
+    prompt."""
     from mmsdk.plugins.attention.norm_folding import InputNormHandOff, NormFolding, chain_input_norm_statistics
 
     first, second, third = (NormFolding(torch.nn.Identity(), None, "input_layernorm", None) for _ in range(3))
@@ -301,6 +302,9 @@ def test_input_norm_statistics_go_to_the_next_folded_layer_for_its_input_only():
     assert hand_off.take(x) is left and hand_off.take(x) is None
     hand_off.put(x, None)  # the store could not leave them
     assert hand_off.take(x) is None
+    first.leave_for_next = False  # the next layer's q/k/v did not read them
+    assert first.step(torch.zeros(1, 4, 8), None, None, {}) is None  # a prompt: not folded, and learnt again
+    assert first.leave_for_next
 
 
 def test_an_int4_residual_forward_asked_to_leave_statistics_is_the_plain_sum_on_cpu():

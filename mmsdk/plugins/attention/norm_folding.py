@@ -30,7 +30,8 @@ tensor they were left for. A q/k/v GEMV of an integer-dot kind ("idot" / "idotr"
 its sums by the row's ``1 / rms`` from them instead of reading the whole row for it (kind "idotr" read it in each of
 its programs); the other kinds fold the norm as before. The first layer, and a layer whose input came some other way,
 fold the norm as before too. Where a layer's q/k/v GEMVs did not read the statistics (their tuned kind folds the norm),
-the layer before stops leaving them (``leave_for_next``): its store does no work for nothing in the steps after.
+the layer before stops leaving them (``leave_for_next``): its store does no work for nothing in the steps after, until
+the next prompt, whose decode steps learn it again.
 
 What cannot take its part runs as before (a torch add, a norm kernel). Nothing else may read the normalized input:
 the fold is skipped while hooks or wrappers observe the attention or the MLP, and a step whose attention did not
@@ -102,6 +103,7 @@ class NormFolding:
         self.next: NormFolding | None = None
         self.hand_off: InputNormHandOff | None = None
         # False once the next layer's q/k/v GEMVs were handed this layer's statistics and applied the norm instead
+        # (True again at each prompt)
         self.leave_for_next = True
 
     def readers(self, attention: nn.Module) -> tuple[list[Int4Linear], Int4Linear | None] | None:
@@ -119,6 +121,11 @@ class NormFolding:
              attention_kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The layer's output for one decode step with its norms folded, or None where this call cannot fold (not a
         decode step, or the input norm's readers cannot take it): the caller then runs the unfolded layer."""
+        if hidden_states.dim() == 3 and hidden_states.shape[1] > 1:
+            # a prompt: the decode steps after it learn again whether the next layer reads the statistics, so an
+            # answer learned under other GEMV configs (a tuning table changed between calls) does not stay
+            self.leave_for_next = True
+            return None
         norm = getattr(self.layer, self.input_norm)
         if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or not isinstance(norm, FusedAddRMSNorm):
             return None
