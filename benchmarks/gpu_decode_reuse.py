@@ -297,46 +297,17 @@ def row_bucket_trials(bucket: int,
 
 def descend_step(model: Any, inputs: dict[str, Any],
                  trials: dict[str, tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...]]]) -> dict[str, Any]:
-    """One round of coordinate descent over the tuner's table: per label of ``trials`` (tuner key, candidates), each
-    candidate is pinned for that key in turn, the others as chosen so far; the graph is captured again and the step
-    timed (median of three replays after a call); the fastest stays. The candidates were compiled when the first call
-    tuned them (others compile on first use)."""
+    """mmsdk.kernels.step_search's coordinate descent over ``trials`` (label -> tuner key, candidates), each trial
+    timed by :func:`step_ms_recaptured` (the graph captured again, median of three replays after a call), as a row of
+    this script's JSON; the kept graph is dropped afterwards."""
     from mmsdk.kernels.fast_generate import release
-    from mmsdk.kernels.w4a16_tuning import tuning
+    from mmsdk.kernels.step_search import descend
 
-    table = tuning().chosen
-
-    def step_ms() -> float:
-        return step_ms_recaptured(model, inputs)  # with the table as it is now
-
-    out: dict[str, Any] = {"start_ms": step_ms(), "trials": [], "kept": {}}
-    best_ms = out["start_ms"]
-    for label, (key, candidates) in trials.items():
-        if key not in table:
-            out["kept"][label] = "not run by this step (no such tuner key)"
-            continue
-        best_cfg = table[key]
-        out.setdefault("started_with", {})[label] = best_cfg
-        for cfg in candidates:
-            if cfg == best_cfg:
-                continue
-            table[key] = cfg
-            try:
-                ms = step_ms()
-            except Exception as error:  # a config that cannot run here is no candidate
-                out["trials"].append({"projection": label, "cfg": cfg, "error": repr(error)[:200]})
-                continue
-            finally:
-                table[key] = best_cfg
-            out["trials"].append({"projection": label, "cfg": cfg, "step_ms": ms})
-            print(label, cfg, f"{ms:.4f} ms (best {best_ms:.4f})", flush=True)
-            if ms < best_ms:
-                best_ms, best_cfg = ms, cfg
-        table[key] = best_cfg
-        out["kept"][label] = best_cfg
-    out["final_ms"] = step_ms()
+    found = descend(trials, lambda: step_ms_recaptured(model, inputs), lambda line: print(line, flush=True))
     release(model)
-    return out
+    return {"start_ms": found.start_ms, "started_with": found.started_with,
+            "trials": [{"projection": t.pop("label"), **t} for t in found.trials], "kept": found.kept,
+            "final_ms": found.final_ms}
 
 
 # What ``--search-attention`` tries for the step's int4 KV decode kernel (decode_attention's ``config``; None = its

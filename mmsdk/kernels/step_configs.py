@@ -7,7 +7,9 @@ the next. On an H200 the step's q/k/v pick alone moved Qwen2-VL-7B's step by ~45
 (docs/benchmarks.md, seventeenth pass). The configurations below were each chosen by timing the replayed step itself
 with every candidate pinned in turn (benchmarks/gpu_decode_reuse.py ``--search``: coordinate descent over q/k/v, o_proj,
 down and the gated MLP); the tuner returns them for these keys on that GPU instead of timing. Other shapes, dtypes and
-GPUs are timed as before. ``MMSDK_STEP_CONFIGS=0`` turns the table off (to measure the tuner's own picks).
+GPUs are timed as before. ``MMSDK_STEP_CONFIGS=0`` turns the table off (to measure the tuner's own picks);
+``MMSDK_STEP_CONFIGS=<path>`` adds the configs a JSON file holds for this GPU, ahead of the built-in ones: what
+mmsdk.kernels.step_search found on another GPU, model or group size (:func:`write_step_configs` writes it).
 
 Keys are the tuner's: ``("gemv", rows bucket, N, K groups, group, dtype, zero points, bias, norm folded)`` and
 ``("gated", N, K groups, group, dtype, zero points, norm folded)``. A one-row GEMV handed the statistics of its input
@@ -18,14 +20,18 @@ own: its kind then decides whether it reads them (mmsdk.kernels.w4a16.w4a16_gemv
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["STEP_CONFIGS_ENV", "step_measured_config"]
+__all__ = ["STEP_CONFIGS_ENV", "read_step_configs", "step_measured_config", "write_step_configs"]
 
-STEP_CONFIGS_ENV = "MMSDK_STEP_CONFIGS"  # "0" turns the table off
+STEP_CONFIGS_ENV = "MMSDK_STEP_CONFIGS"  # "0" turns the table off, a file path adds that file's configs
+FILE_FORMAT = "mmsdk-step-configs/1"
 
 
 def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
@@ -93,13 +99,79 @@ def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
 
 def step_measured_config(key: tuple[Any, ...], device: torch.device,
                          candidates: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...] | None:
-    """The step-measured configuration for ``key`` on ``device``'s GPU, or None (not CUDA, no entry, the table off
-    with ``MMSDK_STEP_CONFIGS=0``, or an entry that is not among ``candidates``: the candidates changed since it was
-    measured, so the tuner times them instead)."""
-    if device.type != "cuda" or os.environ.get(STEP_CONFIGS_ENV, "1") == "0":
+    """The step-measured configuration for ``key`` on ``device``'s GPU (from the file ``MMSDK_STEP_CONFIGS`` names,
+    else the built-in table), or None (not CUDA, no entry, the table off with ``MMSDK_STEP_CONFIGS=0``, or an entry
+    that is not among ``candidates``: the candidates changed since it was measured, so the tuner times them
+    instead)."""
+    setting = os.environ.get(STEP_CONFIGS_ENV, "1")
+    if device.type != "cuda" or setting == "0":
         return None
-    table = _measured().get(torch.cuda.get_device_name(device), {})
+    name = torch.cuda.get_device_name(device)
+    table = _measured().get(name, {})
+    if setting != "1":
+        table = {**table, **read_step_configs(setting).get(name, {})}
     config = table.get(key)
     if config is None and key[0] == "gemv" and key[-1] == "statistics":
         config = table.get((*key[:-1], True))
     return config if config in candidates else None
+
+
+def _encode(item: Any) -> Any:
+    """A key or config element as JSON holds it (dtypes by name)."""
+    if isinstance(item, torch.dtype):
+        return {"dtype": str(item).removeprefix("torch.")}
+    if item is None or isinstance(item, (bool, int, float, str)):
+        return item
+    raise TypeError(f"a step config key or value holds {item!r}, which a step-configs file cannot store")
+
+
+def _decode(item: Any, path: Path) -> Any:
+    if isinstance(item, dict):
+        dtype = getattr(torch, str(item.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{path}: {item} names no torch dtype; write the file with write_step_configs")
+        return dtype
+    return item
+
+
+def read_step_configs(path: str | Path) -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
+    """GPU name -> tuner key -> config, from a file :func:`write_step_configs` wrote."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{STEP_CONFIGS_ENV}={path}: no such file. Point it at a file that "
+                                "mmsdk.kernels.step_search's StepSearch.save wrote, or set it to 0 or 1.") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{STEP_CONFIGS_ENV}={path} is not JSON ({error}): write it with StepSearch.save") from None
+    if not isinstance(data, dict) or data.get("format") != FILE_FORMAT or not isinstance(data.get("gpus"), dict):
+        raise ValueError(f"{STEP_CONFIGS_ENV}={path} is not a step-configs file (format {FILE_FORMAT!r}): write it "
+                         "with StepSearch.save (mmsdk.kernels.step_search)")
+    return {gpu: {tuple(_decode(i, path) for i in entry["key"]): tuple(_decode(i, path) for i in entry["config"])
+                  for entry in entries}
+            for gpu, entries in data["gpus"].items()}
+
+
+def write_step_configs(path: str | Path, gpu: str, configs: dict[tuple[Any, ...], tuple[Any, ...]]) -> Path:
+    """Put ``configs`` (tuner key -> config) for the GPU named ``gpu`` (``torch.cuda.get_device_name``) into the file at
+    ``path``: a new file, or one this wrote before, whose other GPUs' entries and this GPU's other keys stay. Written
+    to a temporary file beside it, then renamed, so a reader never sees half a file."""
+    path = Path(path)
+    existing = read_step_configs(path) if path.exists() else {}
+    merged = {**existing.get(gpu, {}), **configs}
+    existing[gpu] = merged
+    data = {"format": FILE_FORMAT,
+            "gpus": {name: [{"key": [_encode(i) for i in key], "config": [_encode(i) for i in config]}
+                            for key, config in table.items()]
+                     for name, table in existing.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                     delete=False) as handle:
+        try:
+            json.dump(data, handle, indent=1)
+        except BaseException:
+            handle.close()
+            os.unlink(handle.name)
+            raise
+    os.replace(handle.name, path)
+    return path

@@ -1,0 +1,174 @@
+"""Choose a batch-1 decode step's GEMV configurations by timing the step itself, and keep them for later processes.
+
+The tuner (mmsdk.kernels.w4a16_tuning) times each candidate of a GEMV alone. Inside a decode step the candidates do not
+rank that way: what runs before and after a GEMV overlaps its first and last programs, and a config that needs a
+second launch to sum its K slices costs more there than alone. mmsdk.kernels.step_configs holds what a search of the
+step found for LLaVA-1.5-7B and Qwen2-VL-7B shapes on the H100 and H200 (1-4% off their steps). For another GPU,
+model or group size :func:`search_decode_step` runs that search on the model itself: one round of coordinate descent
+over every one-row GEMV the step runs (the plain GEMVs and the paired gate / up), each candidate pinned in the tuner's
+table in turn, the step captured again and its graph replayed. :meth:`StepSearch.save` writes what it chose to a JSON
+file; a process started with ``MMSDK_STEP_CONFIGS=<that file>`` takes those configs untimed for that GPU::
+
+    result = search_decode_step(opt.model, inputs)   # a few minutes on a 7B model
+    result.save("step_configs.json")
+
+It needs CUDA, fast generate (``opt.model.generate`` taking its CUDA-graph path) and a batch-1 prompt.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_trials", "search_decode_step"]
+
+Key = tuple[Any, ...]
+Config = tuple[Any, ...]
+Trials = dict[str, tuple[Key, tuple[Config, ...]]]
+
+
+@dataclass
+class StepSearch:
+    """What :func:`descend` measured: the step before and after (ms), the config kept per label, every trial."""
+
+    start_ms: float
+    final_ms: float
+    kept: dict[str, Config | str]
+    trials: list[dict[str, Any]]
+    # label -> the config the tuner's table held when the search came to it
+    started_with: dict[str, Config] = field(default_factory=dict)
+    # tuner key -> the config kept for it (the keys the step ran)
+    chosen: dict[Key, Config] = field(default_factory=dict)
+    device_name: str = ""
+
+    def save(self, path: str | Path) -> Path:
+        """Write the kept configs for this GPU into the JSON file at ``path`` (entries of other GPUs, and of this GPU's
+        other keys, stay), as mmsdk.kernels.step_configs reads it with ``MMSDK_STEP_CONFIGS=<path>``."""
+        from mmsdk.kernels.step_configs import write_step_configs
+
+        if not self.device_name:
+            raise ValueError("this search names no GPU (device_name is empty): run it with search_decode_step on CUDA")
+        return write_step_configs(path, self.device_name, self.chosen)
+
+
+def one_row_trials(kinds: tuple[str, ...] | None = None) -> Trials:
+    """Label -> (tuner key, candidates) for every one-row GEMV this process has tuned: the plain GEMVs' split-K
+    candidates and the paired gate / up GEMV's (the tuner's own lists, fused-kernel configs left out; ``kinds``:
+    only those kinds)."""
+    from mmsdk.kernels.w4a16 import gemv_candidates
+    from mmsdk.kernels.w4a16_gated import _paired_candidates
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    trials: Trials = {}
+    for key in list(tuning().chosen):
+        if key[0] == "gemv" and key[1] == 1:  # ("gemv", rows bucket, N, K groups, group, dtype, ...)
+            candidates, label = gemv_candidates(1, key[4]), f"gemv {key[2]}x{key[3] * key[4]} norm={key[-1]}"
+        elif key[0] == "gated" and len(key) == 7:  # ("gated", N, K groups, group, dtype, zero points, norm)
+            candidates, label = _paired_candidates(key[3]), f"gated {key[1]}x{key[2] * key[3]} norm={key[-1]}"
+        else:
+            continue
+        candidates = tuple(c for c in candidates if len(c) > 4 and (kinds is None or c[4] in kinds))
+        if candidates:
+            trials[label] = (key, candidates)
+    return trials
+
+
+def descend(trials: Trials, step_ms: Callable[[], float],
+            report: Callable[[str], None] | None = None) -> StepSearch:
+    """One round of coordinate descent over the tuner's table: per label of ``trials`` (tuner key, candidates), each
+    candidate is pinned for that key in turn, the others as chosen so far, and ``step_ms()`` times the step with the
+    table as it is then; the fastest stays. A candidate that fails to run is recorded and skipped; a key the table does
+    not hold (the step did not run that GEMV) is left alone. The table keeps the choices."""
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    table = tuning().chosen
+    start_ms = step_ms()
+    out = StepSearch(start_ms=start_ms, final_ms=start_ms, kept={}, trials=[])
+    best_ms = start_ms
+    for label, (key, candidates) in trials.items():
+        if key not in table:
+            out.kept[label] = "not run by this step (no such tuner key)"
+            continue
+        best_cfg = out.started_with[label] = table[key]
+        for cfg in candidates:
+            if cfg == best_cfg:
+                continue
+            table[key] = cfg
+            try:
+                ms = step_ms()
+            except Exception as error:  # a config that cannot run here is no candidate
+                out.trials.append({"label": label, "cfg": cfg, "error": repr(error)[:200]})
+                continue
+            finally:
+                table[key] = best_cfg
+            out.trials.append({"label": label, "cfg": cfg, "step_ms": ms})
+            if report is not None:
+                report(f"{label} {cfg}: {ms:.4f} ms (best {best_ms:.4f})")
+            if ms < best_ms:
+                best_ms, best_cfg = ms, cfg
+        table[key] = best_cfg
+        out.kept[label] = best_cfg
+        out.chosen[key] = best_cfg
+    out.final_ms = step_ms()
+    return out
+
+
+def kept_step_ms(model: torch.nn.Module, inputs: dict[str, Any], replays: int = 64, rounds: int = 3,
+                 min_new_tokens: int = 8) -> float:
+    """Milliseconds per decode step of ``model``'s kept CUDA graph, the median of ``rounds``: each round drops the kept
+    graph, runs a greedy generate call (so the step is captured with the tuner's table as it is now), then replays
+    the step ``replays`` times, timed with CUDA events. The call's new tokens are chosen so the cache it sizes has
+    room for exactly those replays after it."""
+    from mmsdk.kernels.decode_state import capacity_for, kept
+    from mmsdk.kernels.fast_generate import release
+
+    prompt = inputs["input_ids"].shape[1]
+    # the cache holds capacity_for(prompt + new + 1) slots; the replays write the slots after the call's
+    new_tokens = capacity_for(prompt + min_new_tokens + replays + 1) - prompt - replays - 1
+    times = []
+    for _ in range(rounds):
+        release(model)
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+        state = kept(model)
+        if state is None or state.step is None:
+            raise RuntimeError("generate() kept no decode step: fast generate did not run on this model and input "
+                               "(the mmsdk.kernels log says why); the step search needs it.")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            state.step.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    release(model)
+    return statistics.median(times)
+
+
+def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tuple[str, ...] | None = None,
+                       report: Callable[[str], None] | None = print) -> StepSearch:
+    """The batch-1 decode step's GEMV configs chosen by timing the step itself (module docstring). ``inputs`` are a
+    batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds; ``report``
+    gets a line per trial (None: quiet). The tuner's table keeps the choices for the rest of the process."""
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError("search_decode_step times a batch-1 decode step: pass inputs with input_ids of shape "
+                         "[1, prompt length] (one prompt, as the processor returns it).")
+    if not ids.is_cuda:
+        raise ValueError("search_decode_step needs the model and inputs on a CUDA device: move both with .to('cuda').")
+
+    def step_ms() -> float:
+        return kept_step_ms(model, inputs)
+
+    step_ms()  # the first call tunes every GEMV the step runs, so the table names them
+    trials = one_row_trials(kinds)
+    if not trials:
+        raise RuntimeError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
+    result = descend(trials, step_ms, report)
+    result.device_name = torch.cuda.get_device_name(ids.device)
+    return result

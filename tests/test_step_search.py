@@ -1,0 +1,199 @@
+"""mmsdk.kernels.step_search and the step-configs file: the decode step's GEMV configs chosen by timing the step, saved
+for later processes. On CPU the step's time is made up (the real one needs a GPU); the CUDA test searches a tiny
+model's step for real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmsdk.kernels import step_configs
+from mmsdk.kernels.step_configs import (STEP_CONFIGS_ENV, read_step_configs, step_measured_config,
+                                        write_step_configs)
+from mmsdk.kernels.step_search import StepSearch, descend, kept_step_ms, one_row_trials, search_decode_step
+from mmsdk.kernels.w4a16_tuning import tuning
+
+GEMV = ("gemv", 1, 96, 4, 32, torch.bfloat16, False, False, True)
+GATED = ("gated", 128, 4, 32, torch.bfloat16, False, False)
+
+
+@pytest.fixture()
+def table():
+    """The tuner's table, emptied for the test and restored after it."""
+    chosen = tuning().chosen
+    saved = dict(chosen)
+    chosen.clear()
+    yield chosen
+    chosen.clear()
+    chosen.update(saved)
+
+
+def test_the_search_descends_over_the_tuned_one_row_gemvs_and_keeps_the_fastest(table):
+    """one_row_trials names every one-row GEMV the tuner chose for (plain and paired, the tuner's own split-K
+    candidates, ``kinds`` filtering them), not the batched or fused ones; descend pins each candidate in turn, keeps
+    the fastest per key, records a failing one and leaves the table with its choices."""
+    from mmsdk.kernels.w4a16 import gemv_candidates
+    from mmsdk.kernels.w4a16_gated import _paired_candidates
+
+    batched = ("gemv", 4, 96, 4, 32, torch.bfloat16, False, False, False)
+    table.update({GEMV: gemv_candidates(1, 32)[0], GATED: _paired_candidates(32)[0], batched: (1, 2, 3, 4, "mma")})
+    trials = one_row_trials()
+    assert [key for key, _ in trials.values()] == [GEMV, GATED]
+    plain, paired = (candidates for _, candidates in trials.values())
+    assert plain == tuple(c for c in gemv_candidates(1, 32) if len(c) > 4) and len(plain) >= 4
+    assert paired == tuple(c for c in _paired_candidates(32) if len(c) > 4)
+    only = one_row_trials(("idotr",))
+    assert all({c[4] for c in candidates} == {"idotr"} for _, candidates in only.values())
+
+    faster = {(GEMV, plain[2]): 0.05, (GATED, paired[-1]): 0.02}
+    failing = (GEMV, plain[1])
+    seen = []
+
+    def step_ms():
+        if table[GEMV] == failing[1]:
+            raise RuntimeError("out of resources")
+        seen.append((table[GEMV], table[GATED]))
+        return 2.0 - sum(gain for (key, cfg), gain in faster.items() if table[key] == cfg)
+
+    lines = []
+    found = descend(trials, step_ms, lines.append)
+    assert found.start_ms == 2.0 and found.final_ms == pytest.approx(1.93)
+    assert found.chosen == {GEMV: plain[2], GATED: paired[-1]} and table[GEMV] == plain[2]
+    assert found.started_with == {label: candidates[0] for label, (_, candidates) in trials.items()}
+    assert [t for t in found.trials if "error" in t] == [
+        {"label": next(iter(trials)), "cfg": plain[1], "error": "RuntimeError('out of resources')"}]
+    assert len(found.trials) == len(plain) - 1 + len(paired) - 1 and len(lines) == len(found.trials) - 1
+    # each timing changed at most one key from the choices so far
+    assert all(g in (plain[0], plain[2]) or p == paired[0] for g, p in seen)
+    table.pop(GATED)
+    assert descend(trials, lambda: 1.0).kept[list(trials)[1]] == "not run by this step (no such tuner key)"
+
+
+def test_kept_step_ms_sizes_the_call_so_the_cache_has_room_for_the_replays(monkeypatch):
+    """Each round drops the kept graph, runs one greedy call whose new tokens leave exactly ``replays`` free slots in
+    the cache that call sizes, and replays the kept step that many times; no kept step is an error that says why."""
+    from mmsdk.kernels import decode_state, fast_generate
+    from mmsdk.kernels.decode_state import capacity_for
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = len(replayed)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 0.5 * (end.at - self.at)
+
+    replayed, calls, released = [], [], []
+    state = type("State", (), {"step": type("Step", (), {"replay": lambda self: replayed.append(1)})()})()
+    model = type("Model", (), {"generate": lambda self, **kw: calls.append(kw)})()
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(fast_generate, "release", lambda m: released.append(m))
+    monkeypatch.setattr(decode_state, "kept", lambda m: state)
+    for prompt in (5, 1000, 1024 - 73, 1024 - 72):
+        calls.clear()
+        ms = kept_step_ms(model, {"input_ids": torch.zeros(1, prompt, dtype=torch.long)}, replays=64, rounds=3)
+        assert ms == 0.5 and len(calls) == 3
+        new = calls[0]["max_new_tokens"]
+        assert new >= 8 and calls[0]["do_sample"] is False
+        assert capacity_for(prompt + new + 1) - prompt - new - 1 == 64  # the cache fast generate sizes for it
+    assert len(released) == 4 * 4  # before each round, and after the last
+    monkeypatch.setattr(decode_state, "kept", lambda m: None)
+    with pytest.raises(RuntimeError, match="fast generate did not run"):
+        kept_step_ms(model, {"input_ids": torch.zeros(1, 5, dtype=torch.long)})
+
+
+def test_search_decode_step_refuses_what_it_cannot_time():
+    with pytest.raises(ValueError, match="batch-1"):
+        search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(2, 5, dtype=torch.long)})
+    with pytest.raises(ValueError, match="CUDA device"):
+        search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)})
+    with pytest.raises(ValueError, match="names no GPU"):
+        StepSearch(1.0, 1.0, {}, []).save("unused.json")
+
+
+def test_saved_step_configs_are_what_a_later_process_takes_for_its_gpu(tmp_path, monkeypatch):
+    """StepSearch.save writes its choices for its GPU beside the file's other GPUs and keys (temporary file, then a
+    rename: nothing else left in the folder); with MMSDK_STEP_CONFIGS=<file> the tuner takes them untimed for that GPU
+    only, ahead of the built-in table, and only while they are among the candidates."""
+    path = tmp_path / "configs" / "step.json"
+    cfg, other = (16, 32, 2, 1, "idotr", 528), (8, 128, 4, 1, "quad", 264)
+    StepSearch(2.0, 1.9, {}, [], chosen={GEMV: cfg}, device_name="GPU A").save(path)
+    write_step_configs(path, "GPU B", {GEMV: other})
+    StepSearch(2.0, 1.9, {}, [], chosen={GATED: other}, device_name="GPU A").save(path)
+    assert read_step_configs(path) == {"GPU A": {GEMV: cfg, GATED: other}, "GPU B": {GEMV: other}}
+    assert [p.name for p in path.parent.iterdir()] == ["step.json"]
+    assert json.loads(path.read_text())["format"] == "mmsdk-step-configs/1"
+
+    names = {0: "GPU A", 1: "GPU B", 2: "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[device.index])
+    built_in_key = next(iter(step_configs._measured()["NVIDIA H100 80GB HBM3"]))
+    built_in = step_configs._measured()["NVIDIA H100 80GB HBM3"][built_in_key]
+    monkeypatch.setenv(STEP_CONFIGS_ENV, str(path))
+    assert step_measured_config(GEMV, torch.device("cuda", 0), (other, cfg)) == cfg
+    assert step_measured_config(GEMV, torch.device("cuda", 1), (other, cfg)) == other
+    assert step_measured_config(GEMV, torch.device("cuda", 0), (other,)) is None  # no longer a candidate
+    assert step_measured_config(built_in_key, torch.device("cuda", 2), (built_in,)) == built_in  # built-ins stay
+    assert step_measured_config(GEMV, torch.device("cpu"), (cfg,)) is None
+    monkeypatch.setenv(STEP_CONFIGS_ENV, "0")
+    assert step_measured_config(GEMV, torch.device("cuda", 0), (cfg,)) is None
+
+
+def test_a_bad_step_configs_file_is_an_error_that_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "GPU A")
+    monkeypatch.setenv(STEP_CONFIGS_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="StepSearch.save wrote"):
+        step_measured_config(GEMV, torch.device("cuda", 0), ())
+    for text, match in (("{not json", "is not JSON"), ('{"gpus": {}}', "is not a step-configs file"),
+                        ('{"format": "mmsdk-step-configs/1", "gpus": {"GPU A": [{"key": [{"dtype": "nope"}], '
+                         '"config": [1]}]}}', "names no torch dtype")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=match):
+            read_step_configs(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="cannot store"):
+        write_step_configs(tmp_path / "out.json", "GPU A", {GEMV: (object(),)})
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_real_step_search_on_a_tiny_model_keeps_its_answers(session, tiny, tmp_path, monkeypatch):
+    """search_decode_step on a bf16 tiny LLaVA with the full decode stack (the tuner timing, as it does outside
+    tests): it times the real kept step, tries the "idotr" candidates of every one-row GEMV the step ran, and what it
+    saves is what the tuner takes in a fresh table with the file named."""
+    from mmsdk import Optimizer
+    from mmsdk.kernels import TUNE_ENV
+    from mmsdk.kernels.fast_generate import release
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+    from mmsdk.testing import tiny_inputs
+
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+    opt.apply("qkv-fuse", Int4WeightConfig(indivisible="pad"), "rmsnorm-rope-fusion", "int4-kv")
+    inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, ("what digit is this ?",)).items()}
+    monkeypatch.setenv(TUNE_ENV, "1")  # untimed, the tuner keeps no choice to search from
+    chosen = tuning().chosen
+    saved = dict(chosen)
+    try:
+        chosen.clear()
+        found = search_decode_step(opt.model, inputs, kinds=("idotr",), report=None)
+        assert found.start_ms > 0 and found.final_ms > 0 and found.chosen
+        assert found.device_name == torch.cuda.get_device_name()
+        assert all(chosen[key] == cfg for key, cfg in found.chosen.items())
+        assert len(found.trials) >= len(found.chosen)
+        path = found.save(tmp_path / "step.json")
+        chosen.clear()
+        monkeypatch.setenv(STEP_CONFIGS_ENV, str(path))
+        release(opt.model)
+        with torch.no_grad():
+            opt.model.generate(**inputs, max_new_tokens=6, do_sample=False)
+        assert all(chosen[key] == cfg for key, cfg in found.chosen.items())
+    finally:
+        chosen.clear()
+        chosen.update(saved)
