@@ -41,6 +41,7 @@ def test_the_search_descends_over_the_tuned_one_row_gemvs_and_keeps_the_fastest(
     table.update({GEMV: gemv_candidates(1, 32)[0], GATED: _paired_candidates(32)[0], batched: (1, 2, 3, 4, "mma")})
     trials = one_row_trials()
     assert [key for key, _ in trials.values()] == [GEMV, GATED]
+    assert list(trials)[0] == "gemv 1 96 4 32 bfloat16 False False True"
     plain, paired = (candidates for _, candidates in trials.values())
     assert plain == tuple(c for c in gemv_candidates(1, 32) if len(c) > 4) and len(plain) >= 4
     assert paired == tuple(c for c in _paired_candidates(32) if len(c) > 4)
@@ -182,7 +183,7 @@ def test_a_real_step_search_on_a_tiny_model_keeps_its_answers(session, tiny, tmp
     saved = dict(chosen)
     try:
         chosen.clear()
-        found = search_decode_step(opt.model, inputs, kinds=("idotr",), report=None)
+        found = search_decode_step(opt.model, inputs, kinds=("idotr",))
         assert found.start_ms > 0 and found.final_ms > 0 and found.chosen
         assert found.device_name == torch.cuda.get_device_name()
         assert all(chosen[key] == cfg for key, cfg in found.chosen.items())

@@ -17,6 +17,7 @@ It needs CUDA, fast generate (``opt.model.generate`` taking its CUDA-graph path)
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,14 +68,14 @@ def one_row_trials(kinds: tuple[str, ...] | None = None) -> Trials:
     trials: Trials = {}
     for key in list(tuning().chosen):
         if key[0] == "gemv" and key[1] == 1:  # ("gemv", rows bucket, N, K groups, group, dtype, ...)
-            candidates, label = gemv_candidates(1, key[4]), f"gemv {key[2]}x{key[3] * key[4]} norm={key[-1]}"
+            candidates = gemv_candidates(1, key[4])
         elif key[0] == "gated" and len(key) == 7:  # ("gated", N, K groups, group, dtype, zero points, norm)
-            candidates, label = _paired_candidates(key[3]), f"gated {key[1]}x{key[2] * key[3]} norm={key[-1]}"
+            candidates = _paired_candidates(key[3])
         else:
             continue
         candidates = tuple(c for c in candidates if len(c) > 4 and (kinds is None or c[4] in kinds))
-        if candidates:
-            trials[label] = (key, candidates)
+        if candidates:  # labelled by the whole key: two GEMVs of one shape may differ in bias or zero points
+            trials[" ".join(str(part).removeprefix("torch.") for part in key)] = (key, candidates)
     return trials
 
 
@@ -150,11 +151,12 @@ def kept_step_ms(model: torch.nn.Module, inputs: dict[str, Any], replays: int = 
     return statistics.median(times)
 
 
-def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tuple[str, ...] | None = None,
-                       report: Callable[[str], None] | None = print) -> StepSearch:
+def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
+                       kinds: tuple[str, ...] | None = None) -> StepSearch:
     """The batch-1 decode step's GEMV configs chosen by timing the step itself (module docstring). ``inputs`` are a
-    batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds; ``report``
-    gets a line per trial (None: quiet). The tuner's table keeps the choices for the rest of the process."""
+    batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds. Each trial is
+    logged at INFO in the ``mmsdk.kernels`` logger. The tuner's table keeps the choices for the rest of the
+    process."""
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError("search_decode_step times a batch-1 decode step: pass inputs with input_ids of shape "
@@ -169,6 +171,6 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
     trials = one_row_trials(kinds)
     if not trials:
         raise RuntimeError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
-    result = descend(trials, step_ms, report)
+    result = descend(trials, step_ms, logging.getLogger("mmsdk.kernels").info)
     result.device_name = torch.cuda.get_device_name(ids.device)
     return result
