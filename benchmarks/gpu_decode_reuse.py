@@ -33,6 +33,7 @@ mmsdk.kernels.step_configs answered (benchmarks/_step_against_tuner.py).
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
     python benchmarks/gpu_decode_reuse.py --stacks qwen_g128 --step-only --search --out search.json
+    python benchmarks/gpu_decode_reuse.py --stacks g128 --step-only --search --save step_configs.json
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import torch
 import benchmarks.gpu_suite as suite
 from benchmarks._step_against_tuner import step_with_tuner_picks
 from benchmarks.gpu_tune import NoLaunch
+from mmsdk.kernels.step_configs import write_step_configs
 
 REPLAYS = 64
 
@@ -270,6 +272,13 @@ def search_step(model: Any, inputs: dict[str, Any], model_name: str, group: int,
     return descend_step(model, inputs, trials)
 
 
+def kept_configs(search: dict[str, Any], model_name: str, group: int) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Tuner key -> config kept by a :func:`search_step` row, for the projections the step ran (what ``--save``
+    writes)."""
+    shapes = shape_keys(model_name, group)
+    return {_tuner_key(shapes[label]): tuple(cfg) for label, cfg in search["kept"].items() if not isinstance(cfg, str)}
+
+
 def search_step_rows(model: Any, inputs: dict[str, Any], bucket: int) -> dict[str, Any]:
     """:func:`search_step` for a batched decode step: every GEMV the step ran for a rows ``bucket`` (the tuner's keys
     of that bucket after a call: the plain GEMVs and the paired gate / up), each over the tensor-core ("mma")
@@ -448,6 +457,8 @@ def main() -> None:
                         "(qkv, qkv_statistics, o_proj, down, gated; all by default)")
     parser.add_argument("--kinds", default="", help="with --search: comma-separated GEMV kinds to try (all by "
                         "default)")
+    parser.add_argument("--save", default="", help="with --search: write the kept configs for this GPU into this "
+                        "step-configs file (MMSDK_STEP_CONFIGS=<file> makes a process take them)")
     parser.add_argument("--search-attention", action="store_true",
                         help="then time the step with each of the KV decode kernel's candidate configs")
     parser.add_argument("--against-tuner", action="store_true",
@@ -458,6 +469,7 @@ def main() -> None:
     command += (" --step-only" if args.step_only else "") + (" --search" if args.search else "")
     command += f" --projections {args.projections}" if args.projections else ""
     command += f" --kinds {args.kinds}" if args.kinds else ""
+    command += f" --save {args.save}" if args.save else ""
     command += (" --search-attention" if args.search_attention else "") + (" --against-tuner" if args.against_tuner
                                                                            else "")
     results: dict[str, Any] = {"command": command,
@@ -485,6 +497,9 @@ def main() -> None:
                                         tuple(args.projections.split(",")) if args.projections else None,
                                         tuple(args.kinds.split(",")) if args.kinds else None)
             row["search"]["floor_ms"] = floor_ms
+            if args.save:
+                write_step_configs(args.save, torch.cuda.get_device_name(),
+                                   kept_configs(row["search"], model_name, group))
         if args.search_attention:
             row["search_attention"] = search_attention(model, inputs, model_name)
         if args.against_tuner:

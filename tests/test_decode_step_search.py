@@ -60,6 +60,10 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
         assert all(sum(trial[keys[n]] != captured[0][keys[n]] for n in ("qkv", "o_proj", "gated")) <= 2
                    for trial in captured)
         assert table[keys["qkv"]] == candidates["qkv"][2] and table[keys["gated"]] == candidates["gated"][-1]
+        # what --save writes: the kept configs of the projections the step ran, by their tuner keys
+        assert reuse.kept_configs(out, "llava", 32) == {keys["qkv"]: candidates["qkv"][2],
+                                                        keys["o_proj"]: candidates["o_proj"][0],
+                                                        keys["gated"]: candidates["gated"][-1]}
     finally:
         table.clear()
         table.update(saved)
