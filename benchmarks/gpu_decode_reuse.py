@@ -75,18 +75,9 @@ def call_ms(model: Any, inputs: dict[str, Any], new: int, reps: int, cold: bool 
 
 def replay_step_ms(model: Any) -> float:
     """Milliseconds per replay of the kept decode-step graph (the cache has room: see ``measure``)."""
-    from mmsdk.kernels.decode_state import kept
+    from mmsdk.kernels.step_search import replay_kept_step_ms
 
-    state = kept(model)
-    if state is None or state.step is None:
-        raise RuntimeError("no kept decode step: fast generate did not run (see the mmsdk.kernels log)")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        state.step.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / REPLAYS
+    return replay_kept_step_ms(model, REPLAYS)
 
 
 def measure(model: Any, inputs: dict[str, Any], reps: int) -> dict[str, Any]:

@@ -102,24 +102,15 @@ VARIANTS = {"before (perceiver + projections every step)": (True, True),
 
 def replay_ms(model: Any, inputs: dict[str, Any]) -> tuple[float, torch.Tensor]:
     """(ms per replay of the kept step after a fresh capture, the capturing call's answer)."""
-    from mmsdk.kernels.decode_state import kept
     from mmsdk.kernels.fast_generate import release
+    from mmsdk.kernels.step_search import replay_kept_step_ms
 
     release(model)
     answer = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
     times = []
     for _ in range(3):
         model.generate(**inputs, max_new_tokens=NEW, do_sample=False)  # refills the kept step
-        step = kept(model).step if kept(model) is not None else None
-        if step is None:
-            raise RuntimeError("no kept decode step: fast generate did not run (see the mmsdk.kernels log)")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            step.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / REPLAYS)
+        times.append(replay_kept_step_ms(model, REPLAYS))
     return statistics.median(times), answer
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_trials", "search_decode_step"]
+__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_trials", "replay_kept_step_ms", "search_decode_step"]
 
 Key = tuple[Any, ...]
 Config = tuple[Any, ...]
@@ -125,7 +125,7 @@ def kept_step_ms(model: torch.nn.Module, inputs: dict[str, Any], replays: int = 
     graph, runs a greedy generate call (so the step is captured with the tuner's table as it is now), then replays
     the step ``replays`` times, timed with CUDA events. The call's new tokens are chosen so the cache it sizes has
     room for exactly those replays after it."""
-    from mmsdk.kernels.decode_state import capacity_for, kept
+    from mmsdk.kernels.decode_state import capacity_for
     from mmsdk.kernels.fast_generate import release
 
     prompt = inputs["input_ids"].shape[1]
@@ -136,19 +136,27 @@ def kept_step_ms(model: torch.nn.Module, inputs: dict[str, Any], replays: int = 
         release(model)
         with torch.no_grad():
             model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
-        state = kept(model)
-        if state is None or state.step is None:
-            raise RuntimeError("generate() kept no decode step: fast generate did not run on this model and input "
-                               "(the mmsdk.kernels log says why); the step search needs it.")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            state.step.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
+        times.append(replay_kept_step_ms(model, replays))
     release(model)
     return statistics.median(times)
+
+
+def replay_kept_step_ms(model: torch.nn.Module, replays: int) -> float:
+    """Milliseconds per replay of ``model``'s kept decode step, replayed ``replays`` times after a generate call and
+    timed with CUDA events (the caller leaves the cache room for them: :func:`kept_step_ms`)."""
+    from mmsdk.kernels.decode_state import kept
+
+    state = kept(model)
+    if state is None or state.step is None:
+        raise RuntimeError("generate() kept no decode step: fast generate did not run on this model and input (the "
+                           "mmsdk.kernels log says why); timing the step needs it.")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        state.step.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
