@@ -110,7 +110,14 @@ def test_kept_step_ms_sizes_the_call_so_the_cache_has_room_for_the_replays(monke
         kept_step_ms(model, {"input_ids": torch.zeros(1, 5, dtype=torch.long)})
 
 
-def test_search_decode_step_refuses_what_it_cannot_time():
+def test_search_decode_step_refuses_what_it_cannot_time(monkeypatch):
+    from mmsdk.kernels import TUNE_ENV
+
+    monkeypatch.setenv(TUNE_ENV, "0")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # past the device check
+    with pytest.raises(ValueError, match="unset MMSDK_TUNE"):
+        search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)})
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="batch-1"):
         search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(2, 5, dtype=torch.long)})
     with pytest.raises(ValueError, match="CUDA device"):
@@ -181,9 +188,12 @@ def test_a_real_step_search_on_a_tiny_model_keeps_its_answers(session, tiny, tmp
     monkeypatch.setenv(TUNE_ENV, "1")  # untimed, the tuner keeps no choice to search from
     chosen = tuning().chosen
     saved = dict(chosen)
+    stale = ("gemv", 1, 8, 1, 32, torch.bfloat16, False, False, False)  # another model's GEMV, tuned earlier
     try:
         chosen.clear()
+        chosen[stale] = (8, 128, 4, 1, "quad", 528)
         found = search_decode_step(opt.model, inputs, kinds=("idotr",))
+        assert chosen[stale] == (8, 128, 4, 1, "quad", 528) and stale not in found.chosen
         assert found.start_ms > 0 and found.final_ms > 0 and found.chosen
         assert found.device_name == torch.cuda.get_device_name()
         assert all(chosen[key] == cfg for key, cfg in found.chosen.items())

@@ -163,22 +163,36 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
                        kinds: tuple[str, ...] | None = None) -> StepSearch:
     """The batch-1 decode step's GEMV configs chosen by timing the step itself (module docstring). ``inputs`` are a
     batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds. Each trial is
-    logged at INFO in the ``mmsdk.kernels`` logger. The tuner's table keeps the choices for the rest of the
-    process."""
+    logged at INFO in the ``mmsdk.kernels`` logger. The GEMVs this step runs are tuned afresh first (so the search
+    covers them and nothing else); the tuner's table keeps the choices for the rest of the process, and its entries
+    for other GEMVs."""
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError("search_decode_step times a batch-1 decode step: pass inputs with input_ids of shape "
                          "[1, prompt length] (one prompt, as the processor returns it).")
     if not ids.is_cuda:
         raise ValueError("search_decode_step needs the model and inputs on a CUDA device: move both with .to('cuda').")
+    from mmsdk.kernels import TUNE_ENV, timing_enabled
+    from mmsdk.kernels.w4a16_tuning import tuning
+
+    if not timing_enabled():
+        raise ValueError(f"search_decode_step needs the GEMV tuner timing ({TUNE_ENV}=0 or the Triton interpreter "
+                         f"turns it off): unset {TUNE_ENV} and run on a GPU.")
 
     def step_ms() -> float:
         return kept_step_ms(model, inputs)
 
-    step_ms()  # the first call tunes every GEMV the step runs, so the table names them
-    trials = one_row_trials(kinds)
-    if not trials:
-        raise RuntimeError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
-    result = descend(trials, step_ms, logging.getLogger("mmsdk.kernels").info)
+    table = tuning().chosen
+    others = dict(table)  # what the process chose for other GEMVs (other models): kept, not searched
+    table.clear()
+    try:
+        step_ms()  # tunes exactly the GEMVs this step runs, so the table names them
+        trials = one_row_trials(kinds)
+        if not trials:
+            raise RuntimeError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
+        result = descend(trials, step_ms, logging.getLogger("mmsdk.kernels").info)
+    finally:
+        for key, cfg in others.items():
+            table.setdefault(key, cfg)
     result.device_name = torch.cuda.get_device_name(ids.device)
     return result
