@@ -1,8 +1,8 @@
 """Choose a batch-1 decode step's GEMV configurations by timing the step itself, and keep them for later processes.
 
 The tuner (mmsdk.kernels.w4a16_tuning) times each candidate of a GEMV alone. Inside a decode step the candidates do not
-rank that way: what runs before and after a GEMV overlaps its first and last programs, and a config that needs a
-second launch to sum its K slices costs more there than alone. mmsdk.kernels.step_configs holds what a search of the
+rank that way: what runs before and after a GEMV overlaps its first and last programs, and the candidates that sum
+their K slices in a second launch can rank differently there than alone. mmsdk.kernels.step_configs holds what a search of the
 step found for LLaVA-1.5-7B and Qwen2-VL-7B shapes on the H100 and H200 (1-4% off their steps). For another GPU,
 model or group size :func:`search_decode_step` runs that search on the model itself: one round of coordinate descent
 over every one-row GEMV the step runs (the plain GEMVs and the paired gate / up), each candidate pinned in the tuner's
