@@ -153,6 +153,29 @@ def test_saved_step_configs_are_what_a_later_process_takes_for_its_gpu(tmp_path,
     assert step_measured_config(GEMV, torch.device("cuda", 0), (cfg,)) is None
 
 
+def test_the_tuner_reads_the_step_configs_file_once_while_it_is_unchanged(tmp_path, monkeypatch):
+    """The tuner asks for a step-measured config at each GEMV shape it meets; its StepConfigsFile reads the file the
+    first time and again only once the file changed (another search saved into it)."""
+    path = tmp_path / "step.json"
+    cfg, other = (16, 32, 2, 1, "idotr", 528), (8, 128, 4, 1, "quad", 264)
+    write_step_configs(path, "GPU A", {GEMV: cfg})
+    reads = []
+    monkeypatch.setattr(step_configs, "read_step_configs", lambda p: reads.append(p) or read_step_configs(p))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "GPU A")
+    monkeypatch.setenv(STEP_CONFIGS_ENV, str(path))
+    read = step_configs.StepConfigsFile()
+    for key in (GEMV, GATED, GEMV):
+        step_measured_config(key, torch.device("cuda", 0), (cfg, other), read)
+    assert len(reads) == 1
+    write_step_configs(path, "GPU A", {GEMV: other, GATED: other})
+    assert step_measured_config(GEMV, torch.device("cuda", 0), (cfg, other), read) == other
+    assert step_measured_config(GATED, torch.device("cuda", 0), (cfg, other), read) == other
+    assert len(reads) == 3  # once more for the change (and once inside write_step_configs, which merges)
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="StepSearch.save wrote"):
+        step_measured_config(GEMV, torch.device("cuda", 0), (cfg, other), read)
+
+
 def test_a_bad_step_configs_file_is_an_error_that_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "GPU A")
     monkeypatch.setenv(STEP_CONFIGS_ENV, str(tmp_path / "missing.json"))

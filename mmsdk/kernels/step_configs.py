@@ -24,17 +24,21 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["STEP_CONFIGS_ENV", "read_step_configs", "step_measured_config", "write_step_configs"]
+__all__ = ["STEP_CONFIGS_ENV", "StepConfigs", "StepConfigsFile", "read_step_configs", "step_measured_config",
+           "write_step_configs"]
 
 STEP_CONFIGS_ENV = "MMSDK_STEP_CONFIGS"  # "0" turns the table off, a file path adds that file's configs
 FILE_FORMAT = "mmsdk-step-configs/1"
 
+StepConfigs = dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]  # GPU name -> tuner key -> configuration
 
-def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
+
+def _measured() -> StepConfigs:
     """Device name (``torch.cuda.get_device_name``) -> tuner key -> configuration (built per call: no module state)."""
     bf16 = torch.bfloat16
     return {
@@ -97,19 +101,20 @@ def _measured() -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
     }
 
 
-def step_measured_config(key: tuple[Any, ...], device: torch.device,
-                         candidates: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...] | None:
+def step_measured_config(key: tuple[Any, ...], device: torch.device, candidates: tuple[tuple[Any, ...], ...],
+                         read: Callable[[str], StepConfigs] | None = None) -> tuple[Any, ...] | None:
     """The step-measured configuration for ``key`` on ``device``'s GPU (from the file ``MMSDK_STEP_CONFIGS`` names,
     else the built-in table), or None (not CUDA, no entry, the table off with ``MMSDK_STEP_CONFIGS=0``, or an entry
     that is not among ``candidates``: the candidates changed since it was measured, so the tuner times them
-    instead)."""
+    instead). ``read`` reads that file (default :func:`read_step_configs`; the tuner passes its own
+    :class:`StepConfigsFile`, which reads it once per process while it is unchanged)."""
     setting = os.environ.get(STEP_CONFIGS_ENV, "1")
     if device.type != "cuda" or setting == "0":
         return None
     name = torch.cuda.get_device_name(device)
     table = _measured().get(name, {})
     if setting != "1":
-        table = {**table, **read_step_configs(setting).get(name, {})}
+        table = {**table, **(read or read_step_configs)(setting).get(name, {})}
     config = table.get(key)
     if config is None and key[0] == "gemv" and key[-1] == "statistics":
         config = table.get((*key[:-1], True))
@@ -134,7 +139,7 @@ def _decode(item: Any, path: Path) -> Any:
     return item
 
 
-def read_step_configs(path: str | Path) -> dict[str, dict[tuple[Any, ...], tuple[Any, ...]]]:
+def read_step_configs(path: str | Path) -> StepConfigs:
     """GPU name -> tuner key -> config, from a file :func:`write_step_configs` wrote."""
     path = Path(path)
     try:
@@ -150,6 +155,25 @@ def read_step_configs(path: str | Path) -> dict[str, dict[tuple[Any, ...], tuple
     return {gpu: {tuple(_decode(i, path) for i in entry["key"]): tuple(_decode(i, path) for i in entry["config"])
                   for entry in entries}
             for gpu, entries in data["gpus"].items()}
+
+
+class StepConfigsFile:
+    """:func:`read_step_configs` that keeps what it read: the tuner asks once per GEMV shape it meets (about six times
+    per 7B model), and the file is read again only when its path, inode, size or modification time changes (a save
+    renames a new file into place, so it changes the inode)."""
+
+    def __init__(self) -> None:
+        self._read: tuple[tuple[str, int, int, int], StepConfigs] | None = None
+
+    def __call__(self, path: str | Path) -> StepConfigs:
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            return read_step_configs(path)  # its error names the fix
+        stamp = (os.fspath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if self._read is None or self._read[0] != stamp:
+            self._read = (stamp, read_step_configs(path))
+        return self._read[1]
 
 
 def write_step_configs(path: str | Path, gpu: str, configs: dict[tuple[Any, ...], tuple[Any, ...]]) -> Path:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
-from mmsdk.kernels.step_configs import step_measured_config
+from mmsdk.kernels.step_configs import StepConfigsFile, step_measured_config
 
 __all__ = ["NORMED_MAX_N", "Tuning", "fit_config", "followed_by_norm", "tuned_config", "tuning"]
 
@@ -32,6 +32,7 @@ class Tuning:
 
     def __init__(self) -> None:
         self.chosen: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.step_configs_file = StepConfigsFile()  # the MMSDK_STEP_CONFIGS file, read once while unchanged
 
 
 @cache
@@ -56,7 +57,7 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     table = tuning().chosen
     if key in table:
         return table[key]
-    measured = step_measured_config(key, weights[0].device, candidates)
+    measured = step_measured_config(key, weights[0].device, candidates, tuning().step_configs_file)
     if measured is not None:
         table[key] = measured
         return measured
