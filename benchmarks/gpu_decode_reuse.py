@@ -28,12 +28,15 @@ alone (one call to tune and capture, then the replays); ``--search`` then choose
 replayed step itself (:func:`search_step`: what the step reaches when its configs are ranked as the step runs them, not
 as the tuner times them alone); ``--search-attention`` times the step with each of the KV decode kernel's candidate
 configs (:func:`search_attention`); ``--against-tuner`` times it again with the tuner's own picks where
-mmsdk.kernels.step_configs answered (benchmarks/_step_against_tuner.py).
+mmsdk.kernels.step_configs answered (benchmarks/_step_against_tuner.py); ``--ab-rounds N`` with ``--save FILE`` then
+times each stack's step in 2N fresh processes, alternating without and with ``MMSDK_STEP_CONFIGS=FILE``
+(:func:`fresh_process_ab`: whether what the search kept beats the tuner's own picks in a process that did not search,
+the test a built-in table entry has to pass).
 
     python benchmarks/gpu_decode_reuse.py --out reuse.json
     python benchmarks/gpu_decode_reuse.py --stacks g32,g32_rope_outside --step-only --out rope.json
     python benchmarks/gpu_decode_reuse.py --stacks qwen_g128 --step-only --search --out search.json
-    python benchmarks/gpu_decode_reuse.py --stacks g128 --step-only --search --save step_configs.json
+    python benchmarks/gpu_decode_reuse.py --stacks g128 --step-only --search --save step_configs.json --ab-rounds 2
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +60,7 @@ import torch
 import benchmarks.gpu_suite as suite
 from benchmarks._step_against_tuner import step_with_tuner_picks
 from benchmarks.gpu_tune import NoLaunch
-from mmsdk.kernels.step_configs import write_step_configs
+from mmsdk.kernels.step_configs import STEP_CONFIGS_ENV, write_step_configs
 
 REPLAYS = 64
 
@@ -434,6 +442,40 @@ def _model_and_inputs(name: str, passes: tuple[Any, ...]) -> tuple[Any, dict[str
     return suite.optimized(suite.build_qwen2_vl(), passes, kv=True), text_prompt(name), kv_int4
 
 
+def fresh_step_ms(stack: str, configs: str | None, reps: int,
+                  run: Any = subprocess.run) -> float:
+    """The replayed step of ``stack`` in a new process (``--step-only``), with ``MMSDK_STEP_CONFIGS`` set to the file
+    ``configs``, or unset (the built-in table and the tuner's own picks) when ``configs`` is None."""
+    env = dict(os.environ)
+    env.pop(STEP_CONFIGS_ENV, None)
+    if configs is not None:
+        env[STEP_CONFIGS_ENV] = configs
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "step.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--reps", str(reps), "--stacks", stack,
+                   "--step-only", "--out", str(out)]
+        finished = run(command, env=env, capture_output=True, text=True)
+        if finished.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{' '.join(command)} failed ({finished.returncode}):\n{finished.stderr[-2000:]}")
+        return json.loads(out.read_text())["rows"][0]["step_ms"]
+
+
+def fresh_process_ab(stacks: list[str], configs: str, rounds: int, reps: int,
+                     run: Any = subprocess.run) -> dict[str, Any]:
+    """Per stack, ``rounds`` pairs of fresh processes, each pair without then with the step-configs file ``configs``
+    (alternating, so a drift of the machine falls on both): their step times and medians."""
+    out: dict[str, Any] = {"configs": configs, "rounds": rounds}
+    for stack in stacks:
+        tuner, saved = [], []
+        for _ in range(rounds):
+            tuner.append(fresh_step_ms(stack, None, reps, run))
+            saved.append(fresh_step_ms(stack, configs, reps, run))
+            print(f"fresh processes, {stack}: tuner {tuner[-1]:.4f} ms, saved configs {saved[-1]:.4f} ms", flush=True)
+        out[stack] = {"tuner_ms": tuner, "saved_ms": saved, "tuner_median_ms": statistics.median(tuner),
+                      "saved_median_ms": statistics.median(saved)}
+    return out
+
+
 def main() -> None:
     from mmsdk.kernels.w4a16_tuning import tuning
 
@@ -450,17 +492,22 @@ def main() -> None:
                         "default)")
     parser.add_argument("--save", default="", help="with --search: write the kept configs for this GPU into this "
                         "step-configs file (MMSDK_STEP_CONFIGS=<file> makes a process take them)")
+    parser.add_argument("--ab-rounds", type=int, default=0, help="with --save: then time each stack's step in this "
+                        "many pairs of fresh processes, without and with MMSDK_STEP_CONFIGS=<the saved file>")
     parser.add_argument("--search-attention", action="store_true",
                         help="then time the step with each of the KV decode kernel's candidate configs")
     parser.add_argument("--against-tuner", action="store_true",
                         help="then time the step with the tuner's own picks where the step-measured table answered")
     args = parser.parse_args()
+    if args.ab_rounds and not (args.search and args.save):
+        parser.error("--ab-rounds compares a saved search with the tuner: give it with --search --save FILE")
     chosen = {key: stacks()[key] for key in args.stacks.split(",")}
     command = f"python benchmarks/gpu_decode_reuse.py --reps {args.reps} --stacks {args.stacks}"
     command += (" --step-only" if args.step_only else "") + (" --search" if args.search else "")
     command += f" --projections {args.projections}" if args.projections else ""
     command += f" --kinds {args.kinds}" if args.kinds else ""
     command += f" --save {args.save}" if args.save else ""
+    command += f" --ab-rounds {args.ab_rounds}" if args.ab_rounds else ""
     command += (" --search-attention" if args.search_attention else "") + (" --against-tuner" if args.against_tuner
                                                                            else "")
     results: dict[str, Any] = {"command": command,
@@ -503,6 +550,11 @@ def main() -> None:
             json.dump(results, f, indent=1, default=str)
         del model
         suite.release_memory()
+    if args.ab_rounds:
+        results["fresh_process_ab"] = fresh_process_ab(list(chosen), str(Path(args.save).resolve()), args.ab_rounds,
+                                                       args.reps)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -199,3 +199,42 @@ def test_against_tuner_times_the_step_with_the_tuners_own_picks_and_restores_the
     finally:
         table.pop(answered, None)
         table.pop(other, None)
+
+
+def test_fresh_process_ab_alternates_processes_without_and_with_the_saved_configs(monkeypatch):
+    """--ab-rounds: per stack, pairs of new processes of this benchmark (--step-only), the first of each pair with
+    MMSDK_STEP_CONFIGS unset (even where this process had it set), the second with the saved file; a child that
+    fails is an error that shows its output."""
+    import json
+    from pathlib import Path
+
+    import benchmarks.gpu_decode_reuse as reuse
+    from mmsdk.kernels.step_configs import STEP_CONFIGS_ENV
+
+    monkeypatch.setenv(STEP_CONFIGS_ENV, "0")
+    calls = []
+
+    class Finished:
+        returncode, stderr = 0, ""
+
+    def run(command, env, capture_output, text):
+        stack = command[command.index("--stacks") + 1]
+        configs = env.get(STEP_CONFIGS_ENV)
+        calls.append((stack, configs))
+        assert command[-3:-1] == ["--step-only", "--out"] and Path(command[1]).name == "gpu_decode_reuse.py"
+        step = {"g32": 2.0, "g128": 2.1}[stack] - (0.05 if configs else 0.0) + 0.001 * len(calls)
+        Path(command[-1]).write_text(json.dumps({"rows": [{"step_ms": step}]}))
+        return Finished()
+
+    out = reuse.fresh_process_ab(["g32", "g128"], "/tmp/saved.json", 2, 5, run)
+    assert calls == [("g32", None), ("g32", "/tmp/saved.json")] * 2 + [("g128", None), ("g128", "/tmp/saved.json")] * 2
+    assert out["g32"]["tuner_ms"] == pytest.approx([2.001, 2.003])
+    assert out["g32"]["saved_ms"] == pytest.approx([1.952, 1.954])
+    assert out["g128"]["saved_median_ms"] == pytest.approx(2.057)
+    assert out["g128"]["tuner_median_ms"] == pytest.approx(2.106)
+
+    class Failed:
+        returncode, stderr = 1, "CUDA out of memory"
+
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        reuse.fresh_step_ms("g32", None, 5, lambda command, **kwargs: Failed())
