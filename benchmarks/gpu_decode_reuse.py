@@ -227,17 +227,16 @@ def pinned_configs(stack: str, group: int) -> dict[tuple[Any, ...], tuple[Any, .
 
 
 def search_candidates(shape: tuple[Any, ...], kinds: tuple[str, ...] | None = None) -> tuple[tuple[Any, ...], ...]:
-    """What ``--search`` tries for one step GEMV: the one-row tuner's "quad", "idot" and "idotr" candidates, or the
-    gated MLP's "gated", "idot" and "idotr" tiles (``kinds``: only those kinds)."""
+    """What ``--search`` tries for one step GEMV (mmsdk.kernels.step_search's list for its tuner key): by default the
+    one-row tuner's "quad", "quadp", "idot" and "idotr" candidates, or the gated MLP's "gated", "idot" and "idotr"
+    tiles (the library's search also tries the "fma" GEMVs and the gated MLP as two "quad" GEMVs, which the benchmark
+    leaves out to keep a search within one device call); ``kinds``: those kinds instead."""
     from mmsdk.kernels.gemv_launch import IDOT_KINDS
-    from mmsdk.kernels.w4a16 import QUAD_KINDS, gemv_candidates
-    from mmsdk.kernels.w4a16_gated import _paired_candidates
+    from mmsdk.kernels.step_search import one_row_candidates
+    from mmsdk.kernels.w4a16 import QUAD_KINDS
 
-    if shape[0] == "gemv":
-        found = tuple(c for c in gemv_candidates(1, shape[4]) if len(c) > 4 and c[4] in (*QUAD_KINDS, *IDOT_KINDS))
-    else:
-        found = tuple(c for c in _paired_candidates(shape[3]) if c[4] in ("gated", *IDOT_KINDS))
-    return tuple(c for c in found if kinds is None or c[4] in kinds)
+    searched = (*QUAD_KINDS, *IDOT_KINDS) if shape[0] == "gemv" else ("gated", *IDOT_KINDS)
+    return one_row_candidates(_tuner_key(shape), kinds or searched)
 
 
 def step_ms_recaptured(model: Any, inputs: dict[str, Any]) -> float:

@@ -2,12 +2,13 @@
 
 The tuner (mmsdk.kernels.w4a16_tuning) times each candidate of a GEMV alone. Inside a decode step the candidates do not
 rank that way: what runs before and after a GEMV overlaps its first and last programs, and the candidates that sum
-their K slices in a second launch can rank differently there than alone. mmsdk.kernels.step_configs holds what a search of the
-step found for LLaVA-1.5-7B and Qwen2-VL-7B shapes on the H100 and H200 (1-4% off their steps). For another GPU,
-model or group size :func:`search_decode_step` runs that search on the model itself: one round of coordinate descent
-over every one-row GEMV the step runs (the plain GEMVs and the paired gate / up), each candidate pinned in the tuner's
-table in turn, the step captured again and its graph replayed. :meth:`StepSearch.save` writes what it chose to a JSON
-file; a process started with ``MMSDK_STEP_CONFIGS=<that file>`` takes those configs untimed for that GPU::
+their K slices in a second launch can rank differently there than alone. mmsdk.kernels.step_configs holds what a
+search of the step found for LLaVA-1.5-7B and Qwen2-VL-7B shapes on the H100 and H200 (1-4% off their steps). For
+another GPU, model or group size :func:`search_decode_step` runs that search on the model itself: one round of
+coordinate descent over every one-row GEMV the step runs (the plain GEMVs and the paired gate / up), each candidate
+pinned in the tuner's table in turn, the step captured again and its graph replayed. :meth:`StepSearch.save` writes
+what it chose to a JSON file; a process started with ``MMSDK_STEP_CONFIGS=<that file>`` takes those configs untimed
+for that GPU::
 
     result = search_decode_step(opt.model, inputs)   # a few minutes on a 7B model
     result.save("step_configs.json")
@@ -26,7 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_trials", "replay_kept_step_ms", "search_decode_step"]
+__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_candidates", "one_row_trials", "replay_kept_step_ms",
+           "search_decode_step"]
 
 Key = tuple[Any, ...]
 Config = tuple[Any, ...]
@@ -57,23 +59,28 @@ class StepSearch:
         return write_step_configs(path, self.device_name, self.chosen)
 
 
-def one_row_trials(kinds: tuple[str, ...] | None = None) -> Trials:
-    """Label -> (tuner key, candidates) for every one-row GEMV this process has tuned: the plain GEMVs' split-K
-    candidates and the paired gate / up GEMV's (the tuner's own lists, fused-kernel configs left out; ``kinds``:
-    only those kinds)."""
+def one_row_candidates(key: Key, kinds: tuple[str, ...] | None = None) -> tuple[Config, ...]:
+    """The tuner's candidates for a one-row GEMV key: the plain GEMV's split-K configs or the paired gate / up GEMV's
+    (fused-kernel configs left out; ``kinds``: only those kinds); empty for any other key."""
     from mmsdk.kernels.w4a16 import gemv_candidates
     from mmsdk.kernels.w4a16_gated import _paired_candidates
+
+    if key[0] == "gemv" and key[1] == 1:  # ("gemv", rows bucket, N, K groups, group, dtype, ...)
+        candidates = gemv_candidates(1, key[4])
+    elif key[0] == "gated" and len(key) == 7:  # ("gated", N, K groups, group, dtype, zero points, norm)
+        candidates = _paired_candidates(key[3])
+    else:
+        return ()
+    return tuple(c for c in candidates if len(c) > 4 and (kinds is None or c[4] in kinds))
+
+
+def one_row_trials(kinds: tuple[str, ...] | None = None) -> Trials:
+    """Label -> (tuner key, candidates) for every one-row GEMV this process has tuned (:func:`one_row_candidates`)."""
     from mmsdk.kernels.w4a16_tuning import tuning
 
     trials: Trials = {}
     for key in list(tuning().chosen):
-        if key[0] == "gemv" and key[1] == 1:  # ("gemv", rows bucket, N, K groups, group, dtype, ...)
-            candidates = gemv_candidates(1, key[4])
-        elif key[0] == "gated" and len(key) == 7:  # ("gated", N, K groups, group, dtype, zero points, norm)
-            candidates = _paired_candidates(key[3])
-        else:
-            continue
-        candidates = tuple(c for c in candidates if len(c) > 4 and (kinds is None or c[4] in kinds))
+        candidates = one_row_candidates(key, kinds)
         if candidates:  # labelled by the whole key: two GEMVs of one shape may differ in bias or zero points
             trials[" ".join(str(part).removeprefix("torch.") for part in key)] = (key, candidates)
     return trials
