@@ -65,7 +65,8 @@ def test_the_search_descends_over_the_tuned_one_row_gemvs_and_keeps_the_fastest(
     assert found.started_with == {label: candidates[0] for label, (_, candidates) in trials.items()}
     assert [t for t in found.trials if "error" in t] == [
         {"label": next(iter(trials)), "cfg": plain[1], "error": "RuntimeError('out of resources')"}]
-    assert len(found.trials) == len(plain) - 1 + len(paired) - 1 and len(lines) == len(found.trials) - 1
+    assert len(found.trials) == len(plain) - 1 + len(paired) - 1 and len(lines) == len(found.trials)
+    assert f"{plain[1]}: failed, RuntimeError('out of resources')" in lines[0]  # the log says which did not run
     # each timing changed at most one key from the choices so far
     assert all(g in (plain[0], plain[2]) or p == paired[0] for g, p in seen)
     table.pop(GATED)

@@ -90,8 +90,8 @@ def descend(trials: Trials, step_ms: Callable[[], float],
             report: Callable[[str], None] | None = None) -> StepSearch:
     """One round of coordinate descent over the tuner's table: per label of ``trials`` (tuner key, candidates), each
     candidate is pinned for that key in turn, the others as chosen so far, and ``step_ms()`` times the step with the
-    table as it is then; the fastest stays. A candidate that fails to run is recorded and skipped; a key the table does
-    not hold (the step did not run that GEMV) is left alone. The table keeps the choices."""
+    table as it is then; the fastest stays. A candidate that fails to run is recorded, reported and skipped; a key the
+    table does not hold (the step did not run that GEMV) is left alone. The table keeps the choices."""
     from mmsdk.kernels.w4a16_tuning import tuning
 
     table = tuning().chosen
@@ -111,6 +111,8 @@ def descend(trials: Trials, step_ms: Callable[[], float],
                 ms = step_ms()
             except Exception as error:  # a config that cannot run here is no candidate
                 out.trials.append({"label": label, "cfg": cfg, "error": repr(error)[:200]})
+                if report is not None:
+                    report(f"{label} {cfg}: failed, {repr(error)[:200]}")
                 continue
             finally:
                 table[key] = best_cfg
