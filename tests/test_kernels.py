@@ -92,20 +92,21 @@ def test_w4a16_split_k_gemv_matches_dequantized_matmul(target, symmetric):
     # with K not a multiple of the group (padded layers), also with the next step's weights prefetched ("quadp") and on
     # integer dots with rounded activations ("idot"); the "mma" kernel (16-bit nibbles on the tensor cores) for 1, 5
     # and 16 rows, several groups per step or one
-    for m, n, k, group, config, splits in ((1, 40, 512, 64, (8, 4, 4, 1, "fma"), 3),
-                                           (3, 33, 200, 32, (16, 2, 4, 4, "fma"), 2),
-                                           (5, 24, 256, 16, (16, 2, 4, 16, "dot"), 1),
-                                           (1, 40, 512, 64, (16, 4, 4, 1, "quad"), 2),
-                                           (1, 33, 296, 128, (16, 8, 4, 1, "quad", 64), None),
-                                           (2, 24, 296, 32, (8, 8, 2, 1, "quad", 64), None),
-                                           (1, 40, 512, 64, (16, 2, 4, 1, "quadp"), 2),
-                                           (2, 33, 296, 32, (16, 1, 4, 1, "quadp", 64), None),
-                                           (1, 40, 512, 64, (16, 4, 4, 1, "idot"), 2),
-                                           (1, 33, 296, 128, (16, 8, 4, 1, "idot", 64), None),
-                                           (2, 24, 296, 32, (8, 8, 2, 1, "idot", 64), None),
-                                           (1, 40, 512, 64, (32, 128, 4, 16, "mma"), 3),
-                                           (5, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None),
-                                           (16, 24, 256, 128, (16, 256, 1, 16, "mma"), 1)):
+    cases = ((1, 40, 512, 64, (8, 4, 4, 1, "fma"), 3),
+             (3, 33, 200, 32, (16, 2, 4, 4, "fma"), 2),
+             (5, 24, 256, 16, (16, 2, 4, 16, "dot"), 1),
+             (1, 40, 512, 64, (16, 4, 4, 1, "quad"), 2),
+             (1, 33, 296, 128, (16, 8, 4, 1, "quad", 64), None),
+             (2, 24, 296, 32, (8, 8, 2, 1, "quad", 64), None),
+             (1, 40, 512, 64, (16, 2, 4, 1, "quadp"), 2),
+             (2, 33, 296, 32, (16, 1, 4, 1, "quadp", 64), None),
+             (1, 40, 512, 64, (16, 4, 4, 1, "idot"), 2),
+             (1, 33, 296, 128, (16, 8, 4, 1, "idot", 64), None),
+             (2, 24, 296, 32, (8, 8, 2, 1, "idot", 64), None),
+             (1, 40, 512, 64, (32, 128, 4, 16, "mma"), 3),
+             (5, 33, 296, 32, (16, 64, 2, 16, "mma", 64, 2), None),
+             (16, 24, 256, 128, (16, 256, 1, 16, "mma"), 1))
+    for m, n, k, group, config, splits in _cases_here(cases, symmetric, device):
         packed = quantize_int4(torch.randn(n, k, device=device), group, symmetric=symmetric, scale_dtype=dtype)
         x = torch.randn(m, k, device=device).to(dtype)
         bias = torch.randn(n, device=device).to(dtype)
@@ -546,13 +547,14 @@ def test_w4a16_gated_kind_stores_silu_itself_with_one_k_slice(target, symmetric,
     # in_features (296 of 384 or 320), slices given or derived from the target programs (counted from N rows: 33 rows
     # in 8-row blocks are 5 programs, target 1 -> one slice, target 64 -> two)
     # kind "idot" the same, its activations rounded by a launch of their own
-    for n, k, group, config, splits, sliced in ((40, 512, 64, (16, 4, 4, 1, "gated"), 1, None),
-                                                (33, 296, 128, (8, 2, 2, 1, "gated", 1), None, None),
-                                                (40, 512, 64, (16, 1, 4, 1, "gated"), 3, 3),
-                                                (33, 296, 32, (8, 8, 2, 1, "gated", 64), None, 2),
-                                                (40, 512, 64, (16, 4, 4, 1, "idot"), 1, None),
-                                                (33, 296, 128, (8, 1, 2, 1, "idot"), 3, 3),
-                                                (33, 296, 32, (8, 8, 2, 1, "idot", 64), None, 2)):
+    cases = ((40, 512, 64, (16, 4, 4, 1, "gated"), 1, None),
+             (33, 296, 128, (8, 2, 2, 1, "gated", 1), None, None),
+             (40, 512, 64, (16, 1, 4, 1, "gated"), 3, 3),
+             (33, 296, 32, (8, 8, 2, 1, "gated", 64), None, 2),
+             (40, 512, 64, (16, 4, 4, 1, "idot"), 1, None),
+             (33, 296, 128, (8, 1, 2, 1, "idot"), 3, 3),
+             (33, 296, 32, (8, 8, 2, 1, "idot", 64), None, 2))
+    for n, k, group, config, splits, sliced in _cases_here(cases, symmetric, device):
         x, parts, expected = _gated_problem(n, k, group, symmetric, device, dtype)
         epilogues.clear()
         out = w4a16_gated.w4a16_gated_silu(x, parts[0], parts[1], k, group, config=config, splits=splits)
