@@ -87,8 +87,8 @@ def _measured() -> StepConfigs:
             # LLaVA-1.5-7B g128, o_proj (forty-fifth pass, h100_step_search_g128_45.json: the step 1.968 ms against
             # 1.994 with the tuner's "idotr" 16x64x4; "quad" 8x128x4 at 528 programs and 8x128x2 at 264 within 2 µs,
             # the other tiles 2.020-2.089; the forty-third pass's unchained search had the same lead, -33-42 µs. Fresh
-            # processes with this and down's "idotr" 16x64x4 (-15 µs, within its tiles' ~8 µs spread, so not kept
-            # here): 1.974 ms against 2.001)
+            # processes with this and down's "idotr" 16x64x4 (-15 µs, under twice the 8 µs between its "idot" and
+            # "idotr" tiles of that size, so not kept here): 1.974 ms against 2.001)
             ("gemv", 1, 4096, 32, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
             # Qwen2-VL-7B g128 (h100_step_search_qwen_38.json: 2.258 ms with the tuner's picks, 2.169 with these;
             # q/k/v 8x128x4 at 528 programs -82 µs against the tuner's 8x64x2, the rest within ~5 µs; a fresh
