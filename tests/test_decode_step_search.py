@@ -70,8 +70,8 @@ def test_search_keeps_the_fastest_config_of_each_step_gemv(monkeypatch):
 
 
 def test_step_shape_keys_follow_the_group_size_and_name_the_step_tables_entries():
-    """The search's tuner keys for each model and group size: K counted in groups of the stack's size; for the
-    every key the step-measured tables answer is one the search tries for a benchmarked model and group size."""
+    """The search's tuner keys for each model and group size: K counted in groups of the stack's size; and every key
+    the step-measured tables answer is one the search tries for a benchmarked model and group size."""
     import benchmarks.gpu_decode_reuse as reuse
     from mmsdk.kernels.step_configs import _measured
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
