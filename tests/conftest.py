@@ -22,9 +22,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put the Triton-interpreter checks first. Each runs kernel tests in a subprocess for one to three minutes; with
-    pytest-xdist dealing tests out in this order, they start at once on both workers and the short tests fill in
-    around them, instead of one starting late and leaving the other worker idle at the end."""
+    """Put the Triton-interpreter checks first. Each runs kernel tests in a subprocess for two to four minutes, so
+    they must start at once on both workers, with the short tests filling in around them, rather than one starting
+    late and leaving the other worker idle at the end. pytest-xdist's default deals each worker a block of
+    consecutive tests at the start (a quarter of its share), which would give one worker all of these; the README's
+    ``--maxschedchunk 1`` makes it deal two tests to each worker and then one at a time."""
     items.sort(key=lambda item: not getattr(item, "originalname", item.name).endswith("under_the_interpreter"))
 
 
