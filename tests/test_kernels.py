@@ -945,10 +945,10 @@ def test_bad_inputs_fall_back_or_refuse():
     assert "group size" in unsupported_reason(x.half(), packed.qweight, packed.scales, 24)
 
 
-# The interpreter checks run in three processes (2-3.5 min each on two busy cores), so that a run over two workers
-# (pytest -n 2, the README's command) spreads them. As one process they were the suite's longest test by far: 5.3 of
-# the 9.6 minutes of a run without workers on two cores. The self-rounding checks (which fold a norm too) share the
-# norm-fold process, which keeps the three about even.
+# The interpreter checks run in three processes (2-4 min each on two busy cores), so that a run over two workers
+# (the README's `pytest -n 2 --maxschedchunk 1`) spreads them. As one process they were the suite's longest test by
+# far: 5.3 of the 9.6 minutes of a run without workers on two cores. The self-rounding checks (which fold a norm too)
+# share the norm-fold process, which keeps the three about even.
 _NORM_STORE = "gemv_store_leaves_rmsnorm_statistics"
 _NORM_FOLD = "(gemvs_fold_an_rmsnorm or self_rounding_integer_dot)"
 
