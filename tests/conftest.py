@@ -22,7 +22,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put the Triton-interpreter checks first. Each runs kernel tests in a subprocess for two to four minutes, so
+    """Put the Triton-interpreter checks first. Each runs kernel tests in a subprocess for up to four minutes, so
     they must start at once on both workers, with the short tests filling in around them, rather than one starting
     late and leaving the other worker idle at the end. pytest-xdist's default deals each worker a block of
     consecutive tests at the start (a quarter of its share), which would give one worker all of these; the README's
