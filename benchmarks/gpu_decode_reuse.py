@@ -441,10 +441,11 @@ def _model_and_inputs(name: str, passes: tuple[Any, ...]) -> tuple[Any, dict[str
     return suite.optimized(suite.build_qwen2_vl(), passes, kv=True), text_prompt(name), kv_int4
 
 
-def fresh_step_ms(stack: str, configs: str | None, reps: int,
-                  run: Any = subprocess.run) -> float:
+def fresh_step(stack: str, configs: str | None, reps: int,
+               run: Any = subprocess.run) -> tuple[float, dict[str, Any]]:
     """The replayed step of ``stack`` in a new process (``--step-only``), with ``MMSDK_STEP_CONFIGS`` set to the file
-    ``configs``, or unset (the built-in table and the tuner's own picks) when ``configs`` is None."""
+    ``configs``, or unset (the built-in table and the tuner's own picks) when ``configs`` is None: its step time and the
+    GEMV configs that process ran (the tuner's picks for the shapes no table answers can differ between processes)."""
     env = dict(os.environ)
     env.pop(STEP_CONFIGS_ENV, None)
     if configs is not None:
@@ -456,22 +457,38 @@ def fresh_step_ms(stack: str, configs: str | None, reps: int,
         finished = run(command, env=env, capture_output=True, text=True)
         if finished.returncode != 0 or not out.exists():
             raise RuntimeError(f"{' '.join(command)} failed ({finished.returncode}):\n{finished.stderr[-2000:]}")
-        return json.loads(out.read_text())["rows"][0]["step_ms"]
+        row = json.loads(out.read_text())["rows"][0]
+        return row["step_ms"], row.get("gemv_configs", {})
+
+
+def varied_shapes(picks: list[dict[str, Any]]) -> list[str]:
+    """The shapes whose config was not the same in every one of ``picks`` (one dict of shape -> config per process):
+    where fresh processes of one arm disagree, their step times differ for that reason as well as by chance."""
+    shapes = sorted({shape for pick in picks for shape in pick})
+    return [shape for shape in shapes if len({json.dumps(pick.get(shape)) for pick in picks}) > 1]
 
 
 def fresh_process_ab(stacks: list[str], configs: str, rounds: int, reps: int,
                      run: Any = subprocess.run) -> dict[str, Any]:
     """Per stack, ``rounds`` pairs of fresh processes, each pair without then with the step-configs file ``configs``
-    (alternating, so a drift of the machine falls on both): their step times and medians."""
+    (alternating, so a drift of the machine falls on both): their step times, medians, the configs each process ran
+    and the shapes whose config varied between the processes of one arm."""
     out: dict[str, Any] = {"configs": configs, "rounds": rounds}
     for stack in stacks:
-        tuner, saved = [], []
+        arms: dict[str, tuple[list[float], list[dict[str, Any]]]] = {"tuner": ([], []), "saved": ([], [])}
         for _ in range(rounds):
-            tuner.append(fresh_step_ms(stack, None, reps, run))
-            saved.append(fresh_step_ms(stack, configs, reps, run))
-            print(f"fresh processes, {stack}: tuner {tuner[-1]:.4f} ms, saved configs {saved[-1]:.4f} ms", flush=True)
-        out[stack] = {"tuner_ms": tuner, "saved_ms": saved, "tuner_median_ms": statistics.median(tuner),
-                      "saved_median_ms": statistics.median(saved)}
+            for arm, file in (("tuner", None), ("saved", configs)):
+                step_ms, picks = fresh_step(stack, file, reps, run)
+                arms[arm][0].append(step_ms)
+                arms[arm][1].append(picks)
+            print(f"fresh processes, {stack}: tuner {arms['tuner'][0][-1]:.4f} ms, "
+                  f"saved configs {arms['saved'][0][-1]:.4f} ms", flush=True)
+        out[stack] = {}
+        for arm, (times, picks) in arms.items():
+            out[stack].update({f"{arm}_ms": times, f"{arm}_median_ms": statistics.median(times),
+                               f"{arm}_configs": picks, f"{arm}_varied": varied_shapes(picks)})
+            if out[stack][f"{arm}_varied"]:
+                print(f"fresh processes, {stack}, {arm}: configs varied for {out[stack][f'{arm}_varied']}", flush=True)
     return out
 
 

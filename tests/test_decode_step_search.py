@@ -201,7 +201,8 @@ def test_against_tuner_times_the_step_with_the_tuners_own_picks_and_restores_the
 def test_fresh_process_ab_alternates_processes_without_and_with_the_saved_configs(monkeypatch):
     """--ab-rounds: per stack, pairs of new processes of this benchmark (--step-only), the first of each pair with
     MMSDK_STEP_CONFIGS unset (even where this process had it set), the second with the saved file; a child that
-    fails is an error that shows its output."""
+    fails is an error that shows its output. Each process's configs are kept, and the shapes whose config varied
+    between the processes of one arm are named."""
     import json
     from pathlib import Path
 
@@ -220,7 +221,11 @@ def test_fresh_process_ab_alternates_processes_without_and_with_the_saved_config
         calls.append((stack, configs))
         assert command[-3:-1] == ["--step-only", "--out"] and Path(command[1]).name == "gpu_decode_reuse.py"
         step = {"g32": 2.0, "g128": 2.1}[stack] - (0.05 if configs else 0.0) + 0.001 * len(calls)
-        Path(command[-1]).write_text(json.dumps({"rows": [{"step_ms": step}]}))
+        # the saved file answers "down"; the tuner's "o_proj" pick differs in the third g128 process without the file
+        picks = {"down": [16, 64, 4, 1, "idotr" if configs else "quad", 528], "o_proj": [8, 128, 4, 1, "quad", 264]}
+        if stack == "g128" and not configs and len(calls) == 7:
+            picks["o_proj"] = [16, 64, 4, 1, "idotr", 528]
+        Path(command[-1]).write_text(json.dumps({"rows": [{"step_ms": step, "gemv_configs": picks}]}))
         return Finished()
 
     out = reuse.fresh_process_ab(["g32", "g128"], "/tmp/saved.json", 2, 5, run)
@@ -229,9 +234,12 @@ def test_fresh_process_ab_alternates_processes_without_and_with_the_saved_config
     assert out["g32"]["saved_ms"] == pytest.approx([1.952, 1.954])
     assert out["g128"]["saved_median_ms"] == pytest.approx(2.057)
     assert out["g128"]["tuner_median_ms"] == pytest.approx(2.106)
+    assert out["g32"]["tuner_configs"][0]["down"][4] == "quad" and out["g32"]["saved_configs"][1]["down"][4] == "idotr"
+    assert out["g32"]["tuner_varied"] == out["g32"]["saved_varied"] == out["g128"]["saved_varied"] == []
+    assert out["g128"]["tuner_varied"] == ["o_proj"]
 
     class Failed:
         returncode, stderr = 1, "CUDA out of memory"
 
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
-        reuse.fresh_step_ms("g32", None, 5, lambda command, **kwargs: Failed())
+        reuse.fresh_step("g32", None, 5, lambda command, **kwargs: Failed())
