@@ -90,6 +90,10 @@ def _measured() -> StepConfigs:
             # processes with this and down's "idotr" 16x64x4 (-15 µs, under twice the 8 µs between its "idot" and
             # "idotr" tiles of that size, so not kept here): 1.974 ms against 2.001)
             ("gemv", 1, 4096, 32, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
+            # g128, the gated MLP: "gated" 8x32x1 (forty-eighth pass, h100_step_search_g128_gated_48.json: the step
+            # 1.905 ms, no candidate nearer than +10 µs; the tuner's pick changed between fresh processes, 1.903-1.904
+            # ms with 8x32x1, 1.951 with "idotr" 8x64x4, 1.977-1.981 with "gated" 8x128x4; with this entry 1.906 twice)
+            ("gated", 11008, 32, 128, bf16, False, False): (8, 32, 1, 1, "gated", 528),
             # Qwen2-VL-7B g128 (h100_step_search_qwen_38.json: 2.258 ms with the tuner's picks, 2.169 with these;
             # q/k/v 8x128x4 at 528 programs -82 µs against the tuner's 8x64x2, the rest within ~5 µs; a fresh
             # process: 2.178 against 2.260)
