@@ -221,7 +221,7 @@ def test_fresh_process_ab_alternates_processes_without_and_with_the_saved_config
         calls.append((stack, configs))
         assert command[-3:-1] == ["--step-only", "--out"] and Path(command[1]).name == "gpu_decode_reuse.py"
         step = {"g32": 2.0, "g128": 2.1}[stack] - (0.05 if configs else 0.0) + 0.001 * len(calls)
-        # the saved file answers "down"; the tuner's "o_proj" pick differs in the third g128 process without the file
+        # the saved file answers "down"; the tuner's "o_proj" pick differs in the second g128 process without the file
         picks = {"down": [16, 64, 4, 1, "idotr" if configs else "quad", 528], "o_proj": [8, 128, 4, 1, "quad", 264]}
         if stack == "g128" and not configs and len(calls) == 7:
             picks["o_proj"] = [16, 64, 4, 1, "idotr", 528]
