@@ -485,10 +485,11 @@ def fresh_process_ab(stacks: list[str], configs: str, rounds: int, reps: int,
                   f"saved configs {arms['saved'][0][-1]:.4f} ms", flush=True)
         out[stack] = {}
         for arm, (times, picks) in arms.items():
+            varied = varied_shapes(picks)
             out[stack].update({f"{arm}_ms": times, f"{arm}_median_ms": statistics.median(times),
-                               f"{arm}_configs": picks, f"{arm}_varied": varied_shapes(picks)})
-            if out[stack][f"{arm}_varied"]:
-                print(f"fresh processes, {stack}, {arm}: configs varied for {out[stack][f'{arm}_varied']}", flush=True)
+                               f"{arm}_configs": picks, f"{arm}_varied": varied})
+            if varied:
+                print(f"fresh processes, {stack}, {arm}: configs varied for {varied}", flush=True)
     return out
 
 
