@@ -90,6 +90,11 @@ def _measured() -> StepConfigs:
             # processes with this and down's "idotr" 16x64x4 (-15 µs, under twice the 8 µs between its "idot" and
             # "idotr" tiles of that size, so not kept here): 1.974 ms against 2.001)
             ("gemv", 1, 4096, 32, 128, bf16, False, False, False): (8, 128, 4, 1, "quad", 264),
+            # g128, q/k/v handed the statistics: "idotr" 16x32x2 (forty-ninth pass,
+            # h100_step_search_g128_qkv_statistics_49.json: the step 1.903 ms against 1.906-1.910 with the tuner's
+            # "idotr" 32x32x4, "idotr" 16x64x4 1.915, the "idot" / "quad" tiles 1.931-1.988; the tuner had picked
+            # 16x32x2 in the forty-fifth pass and 32x32x4 here. Fresh processes: 1.901-1.903 ms against 1.910-1.911)
+            ("gemv", 1, 12288, 32, 128, bf16, False, False, "statistics"): (16, 32, 2, 1, "idotr", 528),
             # g128, the gated MLP: "gated" 8x32x1 (forty-eighth pass, h100_step_search_g128_gated_48.json: the step
             # 1.905 ms, no candidate nearer than +10 µs; the tuner's pick changed between fresh processes, 1.903-1.904
             # ms with 8x32x1, 1.951 with "idotr" 8x64x4, 1.977-1.981 with "gated" 8x128x4; with this entry 1.906 twice)
