@@ -93,7 +93,7 @@ def _measured() -> StepConfigs:
             # g128, q/k/v handed the statistics: "idotr" 16x32x2 (forty-ninth pass,
             # h100_step_search_g128_qkv_statistics_49.json: the step 1.903 ms against 1.906-1.910 with the tuner's
             # "idotr" 32x32x4, "idotr" 16x64x4 1.915, the "idot" / "quad" tiles 1.931-1.988; the tuner had picked
-            # 16x32x2 in the forty-fifth pass and 32x32x4 here. Fresh processes: 1.901-1.903 ms against 1.910-1.911)
+            # 16x32x2 in the forty-fifth pass and 32x32x4 here. Fresh processes: 1.900-1.902 ms against 1.910-1.911)
             ("gemv", 1, 12288, 32, 128, bf16, False, False, "statistics"): (16, 32, 2, 1, "idotr", 528),
             # g128, the gated MLP: "gated" 8x32x1 (forty-eighth pass, h100_step_search_g128_gated_48.json: the step
             # 1.905 ms, no candidate nearer than +10 µs; the tuner's pick changed between fresh processes, 1.903-1.904
