@@ -370,11 +370,6 @@ def section_norm(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def timed_generate(model: Any, inputs: dict[str, Any], new: int, reps: int, generate: Any = None) -> float:
-    """Median seconds of ``reps`` generate calls (:func:`timed_calls`)."""
-    return statistics.median(timed_calls(generate or model.generate, inputs, new, reps)) / 1e3
-
-
 def timed_calls(run: Callable[..., Any], inputs: dict[str, Any], new: int, reps: int) -> list[float]:
     """Milliseconds of each of ``reps`` calls of ``run`` after one untimed call (compiles, captures, allocates)."""
     times = []
@@ -387,11 +382,16 @@ def timed_calls(run: Callable[..., Any], inputs: dict[str, Any], new: int, reps:
     return times[1:]
 
 
-def decode_rate(model: Any, inputs: dict[str, Any], new: int, reps: int, generate: Any = None) -> dict[str, float]:
-    t1 = timed_generate(model, inputs, 1, reps, generate)
-    tn = timed_generate(model, inputs, new, reps, generate)
+def decode_rate(model: Any, inputs: dict[str, Any], new: int, reps: int, generate: Any = None) -> dict[str, Any]:
+    """Decode ms per token from the medians of ``reps`` calls of ``new`` and of one new token (prefill cancels), each
+    call's milliseconds kept (``calls_ms``): on a host whose calls of one length spread (docs/benchmarks.md,
+    forty-ninth pass) the lists show how far the difference can be trusted."""
+    run = generate or model.generate
+    calls = {n: timed_calls(run, inputs, n, reps) for n in (1, new)}
+    t1, tn = statistics.median(calls[1]) / 1e3, statistics.median(calls[new]) / 1e3
     step = (tn - t1) / (new - 1)
-    return {"step_ms": step * 1e3, "tokens_per_s": 1.0 / step, "ttft_ms": t1 * 1e3}
+    return {"step_ms": step * 1e3, "tokens_per_s": 1.0 / step, "ttft_ms": t1 * 1e3,
+            "calls_ms": {str(n): times for n, times in calls.items()}}
 
 
 def against_floor(row: dict[str, Any], model: Any, kv: float, tokens: int) -> dict[str, Any]:
@@ -492,9 +492,11 @@ def section_steady_g32(quick: bool) -> list[dict[str, Any]]:
 
 def steady_rows(quick: bool, stacks: tuple[tuple[str, Any], ...], reps: int = 3) -> list[dict[str, Any]]:
     """One steady-state row per (name, passes) stack: medians of ``reps`` calls of 1, n and 2n new tokens, each
-    call's milliseconds kept (``calls_ms``), and the kept step replayed after them (``replayed_step_ms``,
-    :func:`mmsdk.kernels.step_search.kept_step_ms`), the measure that has no per-call cost at all."""
+    call's milliseconds kept (``calls_ms``), the kept step replayed after them (``replayed_step_ms``,
+    :func:`mmsdk.kernels.step_search.kept_step_ms`), the measure that has no per-call cost at all, and the tuner's
+    configurations (``tuned_configs``)."""
     from mmsdk.kernels.step_search import kept_step_ms
+    from mmsdk.kernels.w4a16_tuning import tuning
 
     inputs = llava_inputs(1, 1024, images=False)
     new, reps = (32, 1) if quick else (128, reps)
@@ -508,6 +510,8 @@ def steady_rows(quick: bool, stacks: tuple[tuple[str, Any], ...], reps: int = 3)
                "fixed_cost_per_call_ms": tn - t1 - (new - 1) * (t2n - tn) / new,
                "calls_ms": {str(n): times for n, times in calls.items()}}
         row["replayed_step_ms"] = kept_step_ms(model, inputs, rounds=5)
+        # every configuration the process's tuner holds by now (prefill over 64 rows dequantizes untuned: not there)
+        row["tuned_configs"] = {str(key): config for key, config in tuning().chosen.items()}
         row["floor_ms"] = lm_bytes(model, KV_INT4, 1024 + new) / speed_limit() * 1e3
         row["steady_over_floor"] = row["steady_step_ms"] / row["floor_ms"]
         rows.append(row)
