@@ -472,22 +472,26 @@ def section_decode(quick: bool) -> list[dict[str, Any]]:
 def section_steady(quick: bool) -> list[dict[str, Any]]:
     """mmsdk's decode step in steady state: (t(2n) - t(n)) / n, which leaves out each generate call's fixed
     cost (prefill, two eager steps and the CUDA-graph capture) that ``decode_rate`` spreads over n - 1 steps."""
-    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
-    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
-
-    return steady_rows(quick, (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv",
-                                ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
-                               ("same with int4-weight g128", int4_g128_stack()),
-                               ("same (g32) without plain-norm and gated-MLP kernels",
-                                ("qkv-fuse", Int4WeightConfig(gated_mlp_kernel=False),
-                                 RMSNormRoPEFusionConfig(plain_norms=False)))))
+    return steady_rows(quick, steady_stacks())
 
 
 def section_steady_g32(quick: bool) -> list[dict[str, Any]]:
     """The steady section's first stack alone (LLaVA-1.5-7B, full stack g32), with more calls: where whole generate
     calls disagree with the replayed step, its rows show which call lengths' times spread."""
-    return steady_rows(quick, (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv",
-                                ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),), reps=7)
+    return steady_rows(quick, steady_stacks()[:1], reps=7)
+
+
+def steady_stacks() -> tuple[tuple[str, Any], ...]:
+    """(name, passes before int4-kv) of the steady section's stacks: full stack g32, g128, g32 without the plain-norm
+    and gated-MLP kernels."""
+    from mmsdk.plugins.attention.rmsnorm_rope import RMSNormRoPEFusionConfig
+    from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+
+    return (("qkv-fuse + int4-weight + rmsnorm-rope-fusion + int4-kv",
+             ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion")),
+            ("same with int4-weight g128", int4_g128_stack()),
+            ("same (g32) without plain-norm and gated-MLP kernels",
+             ("qkv-fuse", Int4WeightConfig(gated_mlp_kernel=False), RMSNormRoPEFusionConfig(plain_norms=False))))
 
 
 def steady_rows(quick: bool, stacks: tuple[tuple[str, Any], ...], reps: int = 3) -> list[dict[str, Any]]:
