@@ -12,7 +12,8 @@ import torch
 from mmsdk.kernels import step_configs
 from mmsdk.kernels.step_configs import (STEP_CONFIGS_ENV, read_step_configs, step_measured_config,
                                         write_step_configs)
-from mmsdk.kernels.step_search import StepSearch, descend, kept_step_ms, one_row_trials, search_decode_step
+from mmsdk.kernels.step_search import (StepSearch, descend, kept_step_ms, one_row_kinds, one_row_trials,
+                                       search_decode_step)
 from mmsdk.kernels.w4a16_tuning import tuning
 
 GEMV = ("gemv", 1, 96, 4, 32, torch.bfloat16, False, False, True)
@@ -125,6 +126,30 @@ def test_search_decode_step_refuses_what_it_cannot_time(monkeypatch):
         search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)})
     with pytest.raises(ValueError, match="names no GPU"):
         StepSearch(1.0, 1.0, {}, []).save("unused.json")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr("mmsdk.kernels.timing_enabled", lambda: True)
+    assert {"quad", "idot", "idotr", "gated"} <= set(one_row_kinds())
+    with pytest.raises(ValueError, match=r"of kind \['idott'\]: name kinds among .*'idotr'"):
+        search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)},
+                           kinds=("idotr", "idott"))
+
+
+def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path, capsys):
+    """``mmsdk tune`` checks its output before loading anything, and says where it has to run."""
+    from mmsdk.cli import main as cli
+
+    assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", str(tmp_path / "no" / "f.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text('{"format": "something else"}')
+    assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", str(other)]) == 2
+    assert "not a step-configs file" in capsys.readouterr().err
+    assert other.read_text() == '{"format": "something else"}'  # left as it was
+    assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", str(tmp_path / "f.json")]) == 2
+        assert "sees no CUDA GPU" in capsys.readouterr().err and not (tmp_path / "f.json").exists()
 
 
 def test_saved_step_configs_are_what_a_later_process_takes_for_its_gpu(tmp_path, monkeypatch):
@@ -232,3 +257,36 @@ def test_a_real_step_search_on_a_tiny_model_keeps_its_answers(session, tiny, tmp
     finally:
         chosen.clear()
         chosen.update(saved)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_the_tune_verb_searches_a_tiny_model_and_writes_what_a_later_process_takes(tmp_path, monkeypatch, capsys):
+    """``mmsdk tune`` on a tiny LLaVA with the full decode stack ("idotr" candidates only, to keep it short): the file
+    it writes holds this GPU's kept configs, which the tuner then takes untimed; an unknown kind is refused."""
+    from mmsdk.cli import main as cli
+    from mmsdk.kernels import TUNE_ENV
+
+    monkeypatch.setenv(TUNE_ENV, "1")
+    passes = "qkv-fuse,int4-weight(indivisible=pad),rmsnorm-rope-fusion,int4-kv"
+    out = tmp_path / "step.json"
+    saved = dict(tuning().chosen)
+    tuning().chosen.clear()  # so the table afterwards holds this step's GEMVs only
+    try:
+        assert cli(["tune", "tiny:llava", "--apply", passes, "--kinds", "idotr", "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert f"{STEP_CONFIGS_ENV}={out.resolve()}" in printed and "idotr" in printed
+        kept = read_step_configs(out)[torch.cuda.get_device_name()]
+        # every one-row GEMV the step ran is in the file, with the choice the search left in the table
+        assert kept and set(kept) == {key for key, _ in one_row_trials(("idotr",)).values()}
+        assert all(tuning().chosen[key] == config for key, config in kept.items())
+        tuning().chosen.clear()
+        monkeypatch.setenv(STEP_CONFIGS_ENV, str(out))
+        for key, config in kept.items():
+            assert step_measured_config(key, torch.device("cuda"), (config,)) == config
+        assert cli(["tune", "tiny:llava", "--apply", passes, "--kinds", "nope", "--out", str(out)]) == 2
+        assert "name kinds among" in capsys.readouterr().err
+        assert read_step_configs(out)[torch.cuda.get_device_name()] == kept  # the refused run left the file alone
+    finally:
+        tuning().chosen.clear()
+        tuning().chosen.update(saved)

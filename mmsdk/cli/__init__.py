@@ -12,7 +12,7 @@ from mmsdk.core.errors import MmsdkError
 __all__ = ["VERBS", "build_parser", "main"]
 
 # verb -> module under mmsdk.cli; each module has add_parser(subparsers) and run(args) -> int.
-VERBS = ("plugins", "optimize", "run", "demo", "validate", "profile", "eval")
+VERBS = ("plugins", "optimize", "run", "demo", "validate", "profile", "eval", "tune")
 
 
 def build_parser() -> argparse.ArgumentParser:

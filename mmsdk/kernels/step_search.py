@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_candidates", "one_row_trials", "replay_kept_step_ms",
-           "search_decode_step"]
+__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_candidates", "one_row_kinds", "one_row_trials",
+           "replay_kept_step_ms", "search_decode_step"]
 
 Key = tuple[Any, ...]
 Config = tuple[Any, ...]
@@ -72,6 +72,15 @@ def one_row_candidates(key: Key, kinds: tuple[str, ...] | None = None) -> tuple[
     else:
         return ()
     return tuple(c for c in candidates if len(c) > 4 and (kinds is None or c[4] in kinds))
+
+
+def one_row_kinds() -> tuple[str, ...]:
+    """Every kind among the one-row candidates of the plain and the paired gate / up GEMV, any group size."""
+    from mmsdk.kernels.w4a16 import gemv_candidates
+    from mmsdk.kernels.w4a16_gated import _paired_candidates
+
+    candidates = (*gemv_candidates(1, 128), *_paired_candidates(128), *_paired_candidates(32))
+    return tuple(dict.fromkeys(c[4] for c in candidates if len(c) > 4))
 
 
 def one_row_trials(kinds: tuple[str, ...] | None = None) -> Trials:
@@ -187,6 +196,9 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
     if not timing_enabled():
         raise ValueError(f"search_decode_step needs the GEMV tuner timing ({TUNE_ENV}=0 or the Triton interpreter "
                          f"turns it off): unset {TUNE_ENV} and run on a GPU.")
+    unknown = sorted(set(kinds or ()) - set(one_row_kinds()))
+    if unknown:
+        raise ValueError(f"no one-row GEMV candidate is of kind {unknown}: name kinds among {one_row_kinds()}.")
 
     def step_ms() -> float:
         return kept_step_ms(model, inputs)
@@ -198,7 +210,7 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
         step_ms()  # tunes exactly the GEMVs this step runs, so the table names them
         trials = one_row_trials(kinds)
         if not trials:
-            raise RuntimeError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
+            raise ValueError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
         result = descend(trials, step_ms, logging.getLogger("mmsdk.kernels").info)
     finally:
         for key, cfg in others.items():

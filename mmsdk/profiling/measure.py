@@ -85,7 +85,7 @@ def measure_run(
     from mmsdk.telemetry import span
 
     model.to(device).eval()
-    inputs = _inputs(model, processor, adapter, sample, device)
+    inputs = prompt_inputs(model, processor, adapter, sample, device)
     cuda = device.startswith("cuda")
     weights = module_bytes(model)
     if cuda:
@@ -122,7 +122,9 @@ def _held_tensors(model: nn.Module) -> list[Any]:
     return held
 
 
-def _inputs(model: nn.Module, processor: Any, adapter: ModelAdapter, sample: ProfileSample, device: str) -> dict:
+def prompt_inputs(model: nn.Module, processor: Any, adapter: ModelAdapter, sample: ProfileSample, device: str) -> dict:
+    """``sample`` as ``model.generate`` takes it: the adapter's prompt through the processor, tensors on ``device``,
+    floating ones in the model's dtype."""
     if processor is None:
         raise UnsupportedInputError(
             "profiling generates from an image and a prompt, but this model came without a processor.",

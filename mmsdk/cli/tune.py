@@ -1,0 +1,110 @@
+"""``mmsdk tune MODEL --apply a,b --out FILE``: choose the decode step's INT4 GEMV configurations on this GPU.
+
+The W4A16 tuner times each GEMV candidate alone; inside the batch-1 decode step they do not rank that way, and the
+built-in step tables (mmsdk.kernels.step_configs) cover only the benchmarked 7B models on an H100 and an H200. This verb
+runs :func:`mmsdk.kernels.step_search.search_decode_step` on the optimized model itself, on the GPU that will serve it,
+and writes what it chose into a step-configs file; processes started with ``MMSDK_STEP_CONFIGS=FILE`` take those
+configurations untimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from mmsdk.cli._common import add_model_arguments, console, print_table, split_list
+from mmsdk.core.errors import UnsupportedInputError
+
+__all__ = ["add_parser", "run"]
+
+DTYPES = ("bfloat16", "float16")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "tune", help="choose the decode step's INT4 GEMV configs on this GPU by timing the step (writes a JSON file)"
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--out", required=True, type=Path, metavar="FILE",
+                        help="step-configs JSON to write (a file this wrote before keeps its other GPUs' entries)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                        help="the dtype the model will be served in (default bfloat16; configs are kept per dtype)")
+    parser.add_argument("--kinds", default="", metavar="K,K",
+                        help="only these GEMV kinds, comma separated (e.g. idot,idotr; default: every kind)")
+    parser.add_argument("--image", type=Path, default=None, metavar="FILE",
+                        help="image of the prompt (PNG/JPEG via Pillow, or .npy); default: a digits test image")
+    parser.add_argument("--prompt", default=None, metavar="TEXT", help="question of the prompt (default: the sample's)")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from mmsdk.core.optimizer import Optimizer
+    from mmsdk.core.session import Session
+    from mmsdk.core.sources import load_model
+    from mmsdk.kernels.step_search import search_decode_step
+    from mmsdk.profiling.measure import prompt_inputs, resolve_sample
+
+    _check_out(args.out)  # refuse before minutes of timing
+    if not torch.cuda.is_available():
+        raise UnsupportedInputError(
+            f"mmsdk tune times the decode step on a GPU, but torch {torch.__version__} sees no CUDA GPU here.",
+            fix="run it on the machine (GPU model) that will serve the model: the configurations are kept per GPU.",
+        )
+    kinds = tuple(split_list(args.kinds)) or None
+    session = Session.create()
+    loaded = load_model(args.model, session=session)
+    # the passes pack the weights where the model is: on the GPU, in the dtype it will be served in
+    loaded.model.to("cuda", getattr(torch, args.dtype))
+    opt = Optimizer(loaded, adapter=args.adapter, session=session)
+    opt.apply(*split_list(args.apply))
+    model = opt.model
+    sample = resolve_sample(None, opt.session)
+    if args.image is not None or args.prompt:
+        from mmsdk.tasks import read_image
+
+        sample = resolve_sample((read_image(args.image) if args.image is not None else sample.image,
+                                 args.prompt or sample.question), opt.session)
+    inputs = prompt_inputs(model, opt.processor, opt.adapter, sample, "cuda")
+    try:
+        result = search_decode_step(model, inputs, kinds)
+    except ValueError as error:  # what the search cannot time (tuner timing off, no INT4 GEMV in the step)
+        raise UnsupportedInputError(str(error), fix="see the message above.") from None
+    path = result.save(args.out)
+    _print(result, path)
+    return 0
+
+
+def _check_out(path: Path) -> None:
+    """The output file must be new or a step-configs file (its other entries are kept), in an existing folder."""
+    from mmsdk.kernels.step_configs import read_step_configs
+
+    if not path.parent.is_dir():
+        raise UnsupportedInputError(f"--out {path}: the folder {path.parent} does not exist.",
+                                    fix="create it first, or name a file in an existing folder.")
+    if path.is_dir():
+        raise UnsupportedInputError(f"--out {path} is a folder.", fix="name a JSON file, e.g. step_configs.json.")
+    if path.exists():
+        try:
+            read_step_configs(path)
+        except (ValueError, KeyError, TypeError) as error:
+            raise UnsupportedInputError(
+                f"--out {path} exists and is not a step-configs file ({error}).",
+                fix="name a new file, or one mmsdk tune wrote before (it keeps that file's other GPUs' entries).",
+            ) from None
+
+
+def _print(result: Any, path: Path) -> None:
+    from rich.markup import escape
+
+    from mmsdk.kernels.step_configs import STEP_CONFIGS_ENV
+
+    rows = [(label, result.started_with.get(label, "-"), kept) for label, kept in result.kept.items()]
+    print_table(f"decode step on {result.device_name}: {result.start_ms:.4f} -> {result.final_ms:.4f} ms "
+                f"({len(result.trials)} trials)", ("GEMV (tuner key)", "tuner's pick", "kept"), rows)
+    out = console()
+    out.print(escape(f"wrote {path}"))
+    out.print(escape(f"later processes take these configs with {STEP_CONFIGS_ENV}={os.fspath(path.resolve())}"))
