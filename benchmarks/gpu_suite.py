@@ -497,8 +497,9 @@ def steady_stacks() -> tuple[tuple[str, Any], ...]:
 def steady_rows(quick: bool, stacks: tuple[tuple[str, Any], ...], reps: int = 3) -> list[dict[str, Any]]:
     """One steady-state row per (name, passes) stack: medians of ``reps`` calls of 1, n and 2n new tokens, each
     call's milliseconds kept (``calls_ms``), the kept step replayed after them (``replayed_step_ms``,
-    :func:`mmsdk.kernels.step_search.kept_step_ms`), the measure that has no per-call cost at all, and the tuner's
-    configurations (``tuned_configs``)."""
+    :func:`mmsdk.kernels.step_search.kept_step_ms`), the measure that has no per-call cost at all, a one-token call's
+    GPU time per kernel (``first_token_kernels``) and the tuner's configurations (``tuned_configs``)."""
+    from benchmarks.gpu_tune import generate_kernels
     from mmsdk.kernels.step_search import kept_step_ms
     from mmsdk.kernels.w4a16_tuning import tuning
 
@@ -514,6 +515,8 @@ def steady_rows(quick: bool, stacks: tuple[tuple[str, Any], ...], reps: int = 3)
                "fixed_cost_per_call_ms": tn - t1 - (new - 1) * (t2n - tn) / new,
                "calls_ms": {str(n): times for n, times in calls.items()}}
         row["replayed_step_ms"] = kept_step_ms(model, inputs, rounds=5)
+        # a one-token call's GPU time per kernel: against t1_ms it says whether a slow first token is GPU work
+        row["first_token_kernels"] = generate_kernels(model, inputs, 1, limit=12)
         # every configuration the process's tuner holds by now (prefill over 64 rows dequantizes untuned: not there)
         row["tuned_configs"] = {str(key): config for key, config in tuning().chosen.items()}
         row["floor_ms"] = lm_bytes(model, KV_INT4, 1024 + new) / speed_limit() * 1e3
