@@ -33,6 +33,8 @@ def add_parser(subparsers: Any) -> None:
                         help="the dtype the model will be served in (default bfloat16; configs are kept per dtype)")
     parser.add_argument("--kinds", default="", metavar="K,K",
                         help="only these GEMV kinds, comma separated (e.g. idot,idotr; default: every kind)")
+    parser.add_argument("--calibrate", default=None, metavar="DATASET", help="calibration data for passes that need it")
+    parser.add_argument("--calibration-limit", type=int, default=None, metavar="N", help="use at most N samples")
     parser.add_argument("--image", type=Path, default=None, metavar="FILE",
                         help="image of the prompt (PNG/JPEG via Pillow, or .npy); default: a digits test image")
     parser.add_argument("--prompt", default=None, metavar="TEXT", help="question of the prompt (default: the sample's)")
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     # the passes pack the weights where the model is: on the GPU, in the dtype it will be served in
     loaded.model.to("cuda", getattr(torch, args.dtype))
     opt = Optimizer(loaded, adapter=args.adapter, session=session)
+    if args.calibrate:
+        opt.calibrate(args.calibrate, limit=args.calibration_limit)
     opt.apply(*split_list(args.apply))
     model = opt.model
     sample = resolve_sample(None, opt.session)
