@@ -134,10 +134,13 @@ def test_search_decode_step_refuses_what_it_cannot_time(monkeypatch):
                            kinds=("idotr", "idott"))
 
 
-def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path, capsys):
-    """``mmsdk tune`` checks its output before loading anything, and says where it has to run."""
+def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """``mmsdk tune`` checks its output and its search's settings before loading anything, and says where it has to
+    run."""
     from mmsdk.cli import main as cli
+    from mmsdk.kernels import TUNE_ENV
 
+    monkeypatch.delenv(TUNE_ENV, raising=False)
     assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", str(tmp_path / "no" / "f.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
     other = tmp_path / "other.json"
@@ -147,8 +150,15 @@ def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path
     assert other.read_text() == '{"format": "something else"}'  # left as it was
     assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+    new = str(tmp_path / "f.json")
+    assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--kinds", "idotr,nope", "--out", new]) == 2
+    assert "--kinds names ['nope']" in capsys.readouterr().err
+    monkeypatch.setenv(TUNE_ENV, "0")
+    assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", new]) == 2
+    assert f"unset {TUNE_ENV}" in capsys.readouterr().err
+    monkeypatch.delenv(TUNE_ENV)
     if not torch.cuda.is_available():
-        assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", str(tmp_path / "f.json")]) == 2
+        assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", new]) == 2
         assert "sees no CUDA GPU" in capsys.readouterr().err and not (tmp_path / "f.json").exists()
 
 

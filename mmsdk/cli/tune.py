@@ -51,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
     from mmsdk.profiling.measure import prompt_inputs, resolve_sample
 
     _check_out(args.out)  # refuse before minutes of timing
+    kinds = tuple(split_list(args.kinds)) or None
+    _check_search(kinds)
     if not torch.cuda.is_available():
         raise UnsupportedInputError(
             f"mmsdk tune times the decode step on a GPU, but torch {torch.__version__} sees no CUDA GPU here.",
             fix="run it on the machine (GPU model) that will serve the model: the configurations are kept per GPU.",
         )
-    kinds = tuple(split_list(args.kinds)) or None
     session = Session.create()
     loaded = load_model(args.model, session=session)
     # the passes pack the weights where the model is: on the GPU, in the dtype it will be served in
@@ -75,11 +76,25 @@ def run(args: argparse.Namespace) -> int:
     inputs = prompt_inputs(model, opt.processor, opt.adapter, sample, "cuda")
     try:
         result = search_decode_step(model, inputs, kinds)
-    except ValueError as error:  # what the search cannot time (tuner timing off, no INT4 GEMV in the step)
-        raise UnsupportedInputError(str(error), fix="see the message above.") from None
+    except ValueError as error:  # a step the search cannot time (no INT4 GEMV in it): the message names the fix
+        raise UnsupportedInputError(str(error)) from None
     path = result.save(args.out)
     _print(result, path)
     return 0
+
+
+def _check_search(kinds: tuple[str, ...] | None) -> None:
+    """What search_decode_step would refuse only after the model is loaded: the tuner's timing off, unknown kinds."""
+    from mmsdk.kernels import TUNE_ENV, timing_enabled
+    from mmsdk.kernels.step_search import one_row_kinds
+
+    if not timing_enabled():
+        raise UnsupportedInputError(f"mmsdk tune times the GEMV candidates, but {TUNE_ENV}=0 (or the Triton "
+                                    "interpreter) turns the tuner's timing off.", fix=f"unset {TUNE_ENV}.")
+    unknown = sorted(set(kinds or ()) - set(one_row_kinds()))
+    if unknown:
+        raise UnsupportedInputError(f"--kinds names {unknown}, which no one-row GEMV candidate is.",
+                                    fix=f"name kinds among {', '.join(one_row_kinds())}.")
 
 
 def _check_out(path: Path) -> None:
