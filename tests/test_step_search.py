@@ -152,7 +152,7 @@ def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path
     assert "is a folder" in capsys.readouterr().err
     new = str(tmp_path / "f.json")
     assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--kinds", "idotr,nope", "--out", new]) == 2
-    assert "--kinds names ['nope']" in capsys.readouterr().err
+    assert "of kind ['nope']: name kinds among" in capsys.readouterr().err
     monkeypatch.setenv(TUNE_ENV, "0")
     assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", new]) == 2
     assert f"unset {TUNE_ENV}" in capsys.readouterr().err

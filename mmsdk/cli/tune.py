@@ -47,12 +47,15 @@ def run(args: argparse.Namespace) -> int:
     from mmsdk.core.optimizer import Optimizer
     from mmsdk.core.session import Session
     from mmsdk.core.sources import load_model
-    from mmsdk.kernels.step_search import search_decode_step
+    from mmsdk.kernels.step_search import check_search_settings, search_decode_step
     from mmsdk.profiling.measure import prompt_inputs, resolve_sample
 
     _check_out(args.out)  # refuse before minutes of timing
     kinds = tuple(split_list(args.kinds)) or None
-    _check_search(kinds)
+    try:
+        check_search_settings(kinds)  # before loading the model, too
+    except ValueError as error:
+        raise UnsupportedInputError(str(error)) from None
     if not torch.cuda.is_available():
         raise UnsupportedInputError(
             f"mmsdk tune times the decode step on a GPU, but torch {torch.__version__} sees no CUDA GPU here.",
@@ -81,20 +84,6 @@ def run(args: argparse.Namespace) -> int:
     path = result.save(args.out)
     _print(result, path)
     return 0
-
-
-def _check_search(kinds: tuple[str, ...] | None) -> None:
-    """What search_decode_step would refuse only after the model is loaded: the tuner's timing off, unknown kinds."""
-    from mmsdk.kernels import TUNE_ENV, timing_enabled
-    from mmsdk.kernels.step_search import one_row_kinds
-
-    if not timing_enabled():
-        raise UnsupportedInputError(f"mmsdk tune times the GEMV candidates, but {TUNE_ENV}=0 (or the Triton "
-                                    "interpreter) turns the tuner's timing off.", fix=f"unset {TUNE_ENV}.")
-    unknown = sorted(set(kinds or ()) - set(one_row_kinds()))
-    if unknown:
-        raise UnsupportedInputError(f"--kinds names {unknown}, which no one-row GEMV candidate is.",
-                                    fix=f"name kinds among {', '.join(one_row_kinds())}.")
 
 
 def _check_out(path: Path) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepSearch", "descend", "kept_step_ms", "one_row_candidates", "one_row_kinds", "one_row_trials",
-           "replay_kept_step_ms", "search_decode_step"]
+__all__ = ["StepSearch", "check_search_settings", "descend", "kept_step_ms", "one_row_candidates", "one_row_kinds",
+           "one_row_trials", "replay_kept_step_ms", "search_decode_step"]
 
 Key = tuple[Any, ...]
 Config = tuple[Any, ...]
@@ -177,6 +177,20 @@ def replay_kept_step_ms(model: torch.nn.Module, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
+def check_search_settings(kinds: tuple[str, ...] | None) -> None:
+    """Raise ValueError, naming the fix, where :func:`search_decode_step` could not search: the tuner's timing off
+    (``MMSDK_TUNE=0`` or the Triton interpreter) or a kind no one-row candidate has. Cheap: callers that load a model
+    first (``mmsdk tune``) check before."""
+    from mmsdk.kernels import TUNE_ENV, timing_enabled
+
+    if not timing_enabled():
+        raise ValueError(f"the decode-step search needs the GEMV tuner timing ({TUNE_ENV}=0 or the Triton interpreter "
+                         f"turns it off): unset {TUNE_ENV} and run on a GPU.")
+    unknown = sorted(set(kinds or ()) - set(one_row_kinds()))
+    if unknown:
+        raise ValueError(f"no one-row GEMV candidate is of kind {unknown}: name kinds among {one_row_kinds()}.")
+
+
 def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
                        kinds: tuple[str, ...] | None = None) -> StepSearch:
     """The batch-1 decode step's GEMV configs chosen by timing the step itself (module docstring). ``inputs`` are a
@@ -190,15 +204,9 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
                          "[1, prompt length] (one prompt, as the processor returns it).")
     if not ids.is_cuda:
         raise ValueError("search_decode_step needs the model and inputs on a CUDA device: move both with .to('cuda').")
-    from mmsdk.kernels import TUNE_ENV, timing_enabled
     from mmsdk.kernels.w4a16_tuning import tuning
 
-    if not timing_enabled():
-        raise ValueError(f"search_decode_step needs the GEMV tuner timing ({TUNE_ENV}=0 or the Triton interpreter "
-                         f"turns it off): unset {TUNE_ENV} and run on a GPU.")
-    unknown = sorted(set(kinds or ()) - set(one_row_kinds()))
-    if unknown:
-        raise ValueError(f"no one-row GEMV candidate is of kind {unknown}: name kinds among {one_row_kinds()}.")
+    check_search_settings(kinds)
 
     def step_ms() -> float:
         return kept_step_ms(model, inputs)

@@ -127,7 +127,7 @@ def prompt_inputs(model: nn.Module, processor: Any, adapter: ModelAdapter, sampl
     floating ones in the model's dtype."""
     if processor is None:
         raise UnsupportedInputError(
-            "profiling generates from an image and a prompt, but this model came without a processor.",
+            "generating from an image and a prompt needs the model's processor, but this model came without one.",
             fix="pass the model's processor: Optimizer(model, processor).",
         )
     prompt = adapter.format_prompt(sample.question, processor)
