@@ -514,9 +514,10 @@ def steady_rows(quick: bool, stacks: tuple[tuple[str, Any], ...], reps: int = 3)
                "step_ms_per_call": (tn - t1) / (new - 1), "steady_step_ms": (t2n - tn) / new,
                "fixed_cost_per_call_ms": tn - t1 - (new - 1) * (t2n - tn) / new,
                "calls_ms": {str(n): times for n, times in calls.items()}}
-        row["replayed_step_ms"] = kept_step_ms(model, inputs, rounds=5)
-        # a one-token call's GPU time per kernel: against t1_ms it says whether a slow first token is GPU work
+        # a one-token call's GPU time per kernel, in the state the timed calls ran in (before kept_step_ms drops the
+        # kept graph): against t1_ms it says whether a slow first token is GPU work
         row["first_token_kernels"] = generate_kernels(model, inputs, 1, limit=12)
+        row["replayed_step_ms"] = kept_step_ms(model, inputs, rounds=5)
         # every configuration the process's tuner holds by now (prefill over 64 rows dequantizes untuned: not there)
         row["tuned_configs"] = {str(key): config for key, config in tuning().chosen.items()}
         row["floor_ms"] = lm_bytes(model, KV_INT4, 1024 + new) / speed_limit() * 1e3

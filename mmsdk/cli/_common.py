@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_model_arguments", "console", "print_table", "split_list"]
+__all__ = ["add_model_arguments", "console", "print_table", "prompt_sample", "split_list"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
@@ -18,6 +18,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool
     )
     parser.add_argument("--apply", default="", metavar="A,B", help="passes to apply, comma separated, in order")
     parser.add_argument("--adapter", default=None, help="force an adapter instead of auto-detecting one")
+
+
+def prompt_sample(image: Any, prompt: str | None, session: Any, max_new_tokens: int = 8) -> Any:
+    """The ProfileSample of ``--image`` / ``--prompt``, each one left out taken from the default sample (a digits
+    test example, or a synthetic image)."""
+    from mmsdk.profiling.measure import ProfileSample, resolve_sample
+    from mmsdk.tasks import read_image
+
+    default = resolve_sample(None, session, max_new_tokens)
+    return ProfileSample(read_image(image) if image is not None else default.image,
+                         prompt if prompt else default.question, max_new_tokens)
 
 
 def split_list(text: str | None) -> list[str]:

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mmsdk.cli._common import add_model_arguments, console, print_table, split_list
+from mmsdk.cli._common import add_model_arguments, console, print_table, prompt_sample, split_list
 from mmsdk.core.errors import UnsupportedInputError
 
 
@@ -46,23 +46,13 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         opt.calibrate(args.calibrate, limit=args.calibration_limit)
     opt.apply(*split_list(args.apply))
-    sample = _sample(args, opt.session)
+    sample = prompt_sample(args.image, args.prompt, opt.session, args.max_new_tokens)
     with _cuda_snapshot(device) as snapshot:
         profile = opt.profile(sample, device=device, max_new_tokens=args.max_new_tokens)
     files = write_profile(profile, args.out, overwrite=args.overwrite, graph_depth=args.graph_depth,
                           top=args.top, extra=snapshot)
     _print(profile, files)
     return 0
-
-
-def _sample(args: argparse.Namespace, session: Any) -> Any:
-    from mmsdk.profiling.measure import resolve_sample
-
-    default = resolve_sample(None, session, args.max_new_tokens)
-    from mmsdk.tasks import read_image
-
-    image = read_image(args.image) if args.image is not None else default.image
-    return (image, args.prompt if args.prompt else default.question)
 
 
 @contextmanager

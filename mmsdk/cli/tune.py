@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mmsdk.cli._common import add_model_arguments, console, print_table, split_list
+from mmsdk.cli._common import add_model_arguments, console, print_table, prompt_sample, split_list
 from mmsdk.core.errors import UnsupportedInputError
 
 __all__ = ["add_parser", "run"]
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from mmsdk.core.session import Session
     from mmsdk.core.sources import load_model
     from mmsdk.kernels.step_search import check_search_settings, search_decode_step
-    from mmsdk.profiling.measure import prompt_inputs, resolve_sample
+    from mmsdk.profiling.measure import prompt_inputs
 
     _check_out(args.out)  # refuse before minutes of timing
     kinds = tuple(split_list(args.kinds)) or None
@@ -70,12 +70,7 @@ def run(args: argparse.Namespace) -> int:
         opt.calibrate(args.calibrate, limit=args.calibration_limit)
     opt.apply(*split_list(args.apply))
     model = opt.model
-    sample = resolve_sample(None, opt.session)
-    if args.image is not None or args.prompt:
-        from mmsdk.tasks import read_image
-
-        sample = resolve_sample((read_image(args.image) if args.image is not None else sample.image,
-                                 args.prompt or sample.question), opt.session)
+    sample = prompt_sample(args.image, args.prompt, opt.session)
     inputs = prompt_inputs(model, opt.processor, opt.adapter, sample, "cuda")
     try:
         result = search_decode_step(model, inputs, kinds)
