@@ -132,6 +132,24 @@ def test_search_decode_step_refuses_what_it_cannot_time(monkeypatch):
     with pytest.raises(ValueError, match=r"of kind \['idott'\]: name kinds among .*'idotr'"):
         search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)},
                            kinds=("idotr", "idott"))
+    # a module whose generate is not fast generate, or one off the GPU: refused before any timing
+    with pytest.raises(ValueError, match=r"would not take: model.generate is not mmsdk's .*Optimizer\(...\).model"):
+        search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)})
+
+
+def test_the_search_names_why_a_model_would_not_take_the_fast_path(session, tiny):
+    """fast_path_refusal: None for an optimized model on the GPU (the CUDA tests below); otherwise why not, in words
+    that name the fix: a module that did not come from Optimizer.model, weights off the GPU (a pass not declared safe
+    for the fast path: the tune verb's CUDA test)."""
+    from mmsdk import Optimizer
+    from mmsdk.kernels.step_search import fast_path_refusal
+
+    loaded = tiny("tiny:llava")
+    opt = Optimizer(loaded.model, loaded.processor, session=session)
+    inputs = {"input_ids": torch.zeros(1, 5, dtype=torch.long)}
+    assert "Optimizer(...).model" in fast_path_refusal(loaded.model, inputs)
+    model = opt.model
+    assert "move the model to the GPU" in fast_path_refusal(model, inputs)
 
 
 def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path, monkeypatch, capsys):
@@ -237,6 +255,7 @@ def test_a_real_step_search_on_a_tiny_model_keeps_its_answers(session, tiny, tmp
     from mmsdk import Optimizer
     from mmsdk.kernels import TUNE_ENV
     from mmsdk.kernels.fast_generate import release
+    from mmsdk.kernels.step_search import fast_path_refusal
     from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
     from mmsdk.testing import tiny_inputs
 
@@ -251,6 +270,7 @@ def test_a_real_step_search_on_a_tiny_model_keeps_its_answers(session, tiny, tmp
     try:
         chosen.clear()
         chosen[stale] = (8, 128, 4, 1, "quad", 528)
+        assert fast_path_refusal(opt.model, inputs) is None
         found = search_decode_step(opt.model, inputs, kinds=("idotr",))
         assert chosen[stale] == (8, 128, 4, 1, "quad", 528) and stale not in found.chosen
         assert found.start_ms > 0 and found.final_ms > 0 and found.chosen
@@ -273,7 +293,8 @@ def test_a_real_step_search_on_a_tiny_model_keeps_its_answers(session, tiny, tmp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_the_tune_verb_searches_a_tiny_model_and_writes_what_a_later_process_takes(tmp_path, monkeypatch, capsys):
     """``mmsdk tune`` on a tiny LLaVA with the full decode stack ("idotr" candidates only, to keep it short): the file
-    it writes holds this GPU's kept configs, which the tuner then takes untimed; an unknown kind is refused."""
+    it writes holds this GPU's kept configs, which the tuner then takes untimed; an unknown kind, and a pass that keeps
+    transformers' generate loop, are refused."""
     from mmsdk.cli import main as cli
     from mmsdk.kernels import TUNE_ENV
 
@@ -296,7 +317,11 @@ def test_the_tune_verb_searches_a_tiny_model_and_writes_what_a_later_process_tak
             assert step_measured_config(key, torch.device("cuda"), (config,)) == config
         assert cli(["tune", "tiny:llava", "--apply", passes, "--kinds", "nope", "--out", str(out)]) == 2
         assert "name kinds among" in capsys.readouterr().err
-        assert read_step_configs(out)[torch.cuda.get_device_name()] == kept  # the refused run left the file alone
+        # a pass that keeps transformers' loop (token-prune's fastv): refused by name, after loading, before timing
+        unsafe = "int4-weight(indivisible=pad),token-prune(strategy=fastv,layer=1)"
+        assert cli(["tune", "tiny:llava", "--apply", unsafe, "--out", str(out)]) == 2
+        assert "not declared safe for the fast path" in capsys.readouterr().err
+        assert read_step_configs(out)[torch.cuda.get_device_name()] == kept  # the refused runs left the file alone
     finally:
         tuning().chosen.clear()
         tuning().chosen.update(saved)

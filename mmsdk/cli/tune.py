@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from mmsdk.core.optimizer import Optimizer
     from mmsdk.core.session import Session
     from mmsdk.core.sources import load_model
-    from mmsdk.kernels.step_search import check_search_settings, search_decode_step
+    from mmsdk.kernels.step_search import NoKeptStepError, check_search_settings, search_decode_step
     from mmsdk.profiling.measure import prompt_inputs
 
     _check_out(args.out)  # refuse before minutes of timing
@@ -74,8 +74,12 @@ def run(args: argparse.Namespace) -> int:
     inputs = prompt_inputs(model, opt.processor, opt.adapter, sample, "cuda")
     try:
         result = search_decode_step(model, inputs, kinds)
-    except ValueError as error:  # a step the search cannot time (no INT4 GEMV in it): the message names the fix
+    except ValueError as error:  # a model off the fast path, a step with no INT4 GEMV: the message names the fix
         raise UnsupportedInputError(str(error)) from None
+    except NoKeptStepError as error:  # fast generate fell back during the call; the warning above says why
+        raise UnsupportedInputError(
+            str(error), fix="tune the passes fast generate runs with (the mmsdk.kernels warning above names what "
+                            "failed), or report the failure with that warning.") from None
     path = result.save(args.out)
     _print(result, path)
     return 0

@@ -27,12 +27,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepSearch", "check_search_settings", "descend", "kept_step_ms", "one_row_candidates", "one_row_kinds",
-           "one_row_trials", "replay_kept_step_ms", "search_decode_step"]
+__all__ = ["NoKeptStepError", "StepSearch", "check_search_settings", "descend", "fast_path_refusal", "kept_step_ms",
+           "one_row_candidates", "one_row_kinds", "one_row_trials", "replay_kept_step_ms", "search_decode_step"]
 
 Key = tuple[Any, ...]
 Config = tuple[Any, ...]
 Trials = dict[str, tuple[Key, tuple[Config, ...]]]
+
+
+class NoKeptStepError(RuntimeError):
+    """A generate call kept no decode step to time: fast generate fell back to transformers' loop during the call
+    (a failed capture, a model quirk; the ``mmsdk.kernels`` log says why). What :func:`fast_path_refusal` can tell
+    before the call is refused earlier, as a ValueError."""
 
 
 @dataclass
@@ -166,8 +172,8 @@ def replay_kept_step_ms(model: torch.nn.Module, replays: int) -> float:
 
     state = kept(model)
     if state is None or state.step is None:
-        raise RuntimeError("generate() kept no decode step: fast generate did not run on this model and input (the "
-                           "mmsdk.kernels log says why); timing the step needs it.")
+        raise NoKeptStepError("generate() kept no decode step: fast generate did not run on this model and input (the "
+                              "mmsdk.kernels log says why); timing the step needs it.")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
@@ -191,11 +197,28 @@ def check_search_settings(kinds: tuple[str, ...] | None) -> None:
         raise ValueError(f"no one-row GEMV candidate is of kind {unknown}: name kinds among {one_row_kinds()}.")
 
 
+def fast_path_refusal(model: torch.nn.Module, inputs: dict[str, Any]) -> str | None:
+    """Why a greedy generate call of ``model`` on ``inputs`` would not take fast generate's CUDA-graph path, which
+    the search times (None when it would): ``model.generate`` not mmsdk's (a module that did not come from
+    ``Optimizer.model``), the model off the GPU, a pass not declared safe for the fast path, a generation setting."""
+    from mmsdk.kernels.fast_generate import ATTRIBUTE, unsupported_reason
+
+    if getattr(model, ATTRIBUTE, None) is None:
+        return ("model.generate is not mmsdk's fast generate: search the module Optimizer(...).model returns, which "
+                "installs it")
+    reason = unsupported_reason(model, (), {**inputs, "max_new_tokens": 8, "do_sample": False})
+    if reason == "cpu":
+        return "the model's weights are not on a CUDA device: move the model to the GPU with .to('cuda')"
+    return reason
+
+
 def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
                        kinds: tuple[str, ...] | None = None) -> StepSearch:
     """The batch-1 decode step's GEMV configs chosen by timing the step itself (module docstring). ``inputs`` are a
     batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds. Each trial is
-    logged at INFO in the ``mmsdk.kernels`` logger. The GEMVs this step runs are tuned afresh first (so the search
+    logged at INFO in the ``mmsdk.kernels`` logger. A model that would not take fast generate's path
+    (:func:`fast_path_refusal`) is a ValueError before any timing; a capture that fails during a call is a
+    :class:`NoKeptStepError`. The GEMVs this step runs are tuned afresh first (so the search
     covers them and nothing else); the tuner's table keeps the choices for the rest of the process, and its entries
     for other GEMVs."""
     ids = inputs.get("input_ids")
@@ -207,6 +230,10 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
     from mmsdk.kernels.w4a16_tuning import tuning
 
     check_search_settings(kinds)
+    refusal = fast_path_refusal(model, inputs)
+    if refusal is not None:
+        raise ValueError(f"the search times fast generate's CUDA-graph decode step, which this model and input would "
+                         f"not take: {refusal}.")
 
     def step_ms() -> float:
         return kept_step_ms(model, inputs)
