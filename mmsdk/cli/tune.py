@@ -32,7 +32,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="the dtype the model will be served in (default bfloat16; configs are kept per dtype)")
     parser.add_argument("--kinds", default="", metavar="K,K",
-                        help="only these GEMV kinds, comma separated (e.g. idot,idotr; default: every kind)")
+                        help="try only candidates of these GEMV kinds, comma separated (e.g. idot,idotr; default: every "
+                             "kind); where none is faster, the tuner's own pick stays")
     parser.add_argument("--calibrate", default=None, metavar="DATASET", help="calibration data for passes that need it")
     parser.add_argument("--calibration-limit", type=int, default=None, metavar="N", help="use at most N samples")
     parser.add_argument("--image", type=Path, default=None, metavar="FILE",
