@@ -137,6 +137,38 @@ def test_search_decode_step_refuses_what_it_cannot_time(monkeypatch):
         search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)})
 
 
+def test_search_decode_step_tunes_the_step_first_then_descends_and_keeps_other_models_choices(table, monkeypatch):
+    """The first timing tunes exactly the GEMVs the step runs (the table is emptied for it); the search reports what
+    it will try, then each trial, to ``report``; another model's entries come back afterwards; the result names the
+    GPU. The step's time is made up here (the CUDA test times a real one)."""
+    from mmsdk.kernels import step_search
+    from mmsdk.kernels.w4a16 import gemv_candidates
+
+    other = ("gemv", 1, 8, 1, 32, torch.bfloat16, False, False, False)
+    table[other] = (8, 128, 4, 1, "quad", 528)
+    plain = tuple(c for c in gemv_candidates(1, 32) if len(c) > 4 and c[4] == "idotr")
+    timings = []
+
+    def fake_step_ms(model, inputs):
+        assert other not in table  # only this step's GEMVs are in the table while it is searched
+        table.setdefault(GEMV, plain[0])  # the first timing tunes the step's GEMV
+        timings.append(table[GEMV])
+        return 1.0 if table[GEMV] == plain[1] else 2.0
+
+    monkeypatch.setattr(step_search, "kept_step_ms", fake_step_ms)
+    monkeypatch.setattr(step_search, "fast_path_refusal", lambda model, inputs: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr("mmsdk.kernels.timing_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    lines = []
+    found = search_decode_step(torch.nn.Linear(2, 2), {"input_ids": torch.zeros(1, 5, dtype=torch.long)},
+                               kinds=("idotr",), report=lines.append)
+    assert found.chosen == {GEMV: plain[1]} and found.final_ms == 1.0 and found.device_name == "Test GPU"
+    assert lines[0] == f"timing the decode step with up to {len(plain)} candidates over 1 one-row GEMVs"
+    assert len(lines) == 1 + len(plain) - 1 and all("ms (best" in line for line in lines[1:])
+    assert timings[:2] == [plain[0], plain[0]] and table[other] == (8, 128, 4, 1, "quad", 528)
+
+
 def test_the_search_names_why_a_model_would_not_take_the_fast_path(session, tiny):
     """fast_path_refusal: None for an optimized model on the GPU (the CUDA tests below); otherwise why not, in words
     that name the fix: a module that did not come from Optimizer.model, weights off the GPU (a pass not declared safe
@@ -305,8 +337,11 @@ def test_the_tune_verb_searches_a_tiny_model_and_writes_what_a_later_process_tak
     tuning().chosen.clear()  # so the table afterwards holds this step's GEMVs only
     try:
         assert cli(["tune", "tiny:llava", "--apply", passes, "--kinds", "idotr", "--out", str(out)]) == 0
-        printed = capsys.readouterr().out
+        captured = capsys.readouterr()
+        printed = captured.out
         assert f"{STEP_CONFIGS_ENV}={out.resolve()}" in printed and "idotr" in printed
+        # the progress goes to stderr as the search runs: what it will try, then each trial
+        assert "timing the decode step with up to" in captured.err and "ms (best" in captured.err
         kept = read_step_configs(out)[torch.cuda.get_device_name()]
         # every one-row GEMV the step ran is in the file, with the choice the search left in the table
         assert kept and set(kept) == {key for key, _ in one_row_trials(("idotr",)).values()}

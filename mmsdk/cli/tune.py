@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="the dtype the model will be served in (default bfloat16; configs are kept per dtype)")
     parser.add_argument("--kinds", default="", metavar="K,K",
-                        help="try only candidates of these GEMV kinds, comma separated (e.g. idot,idotr; default: every "
-                             "kind); where none is faster, the tuner's own pick stays")
+                        help="try only candidates of these GEMV kinds, comma separated (e.g. idot,idotr; default: "
+                             "every kind); where none is faster, the tuner's own pick stays")
     parser.add_argument("--calibrate", default=None, metavar="DATASET", help="calibration data for passes that need it")
     parser.add_argument("--calibration-limit", type=int, default=None, metavar="N", help="use at most N samples")
     parser.add_argument("--image", type=Path, default=None, metavar="FILE",
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     sample = prompt_sample(args.image, args.prompt, opt.session)
     inputs = prompt_inputs(model, opt.processor, opt.adapter, sample, "cuda")
     try:
-        result = search_decode_step(model, inputs, kinds)
+        result = search_decode_step(model, inputs, kinds, report=_progress)
     except ValueError as error:  # a model off the fast path, a step with no INT4 GEMV: the message names the fix
         raise UnsupportedInputError(str(error)) from None
     except NoKeptStepError as error:  # fast generate fell back during the call; the warning above says why
@@ -103,6 +104,11 @@ def _check_out(path: Path) -> None:
                 f"--out {path} exists and is not a step-configs file ({error}).",
                 fix="name a new file, or one mmsdk tune wrote before (it keeps that file's other GPUs' entries).",
             ) from None
+
+
+def _progress(line: str) -> None:
+    """Each trial as it ends, on stderr (stdout keeps the summary): the search runs for minutes."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _print(result: Any, path: Path) -> None:

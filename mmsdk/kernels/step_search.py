@@ -212,15 +212,16 @@ def fast_path_refusal(model: torch.nn.Module, inputs: dict[str, Any]) -> str | N
     return reason
 
 
-def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
-                       kinds: tuple[str, ...] | None = None) -> StepSearch:
+def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tuple[str, ...] | None = None,
+                       report: Callable[[str], None] | None = None) -> StepSearch:
     """The batch-1 decode step's GEMV configs chosen by timing the step itself (module docstring). ``inputs`` are a
-    batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds. Each trial is
-    logged at INFO in the ``mmsdk.kernels`` logger. A model that would not take fast generate's path
-    (:func:`fast_path_refusal`) is a ValueError before any timing; a capture that fails during a call is a
-    :class:`NoKeptStepError`. The GEMVs this step runs are tuned afresh first (so the search
-    covers them and nothing else); the tuner's table keeps the choices for the rest of the process, and its entries
-    for other GEMVs."""
+    batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds. What the
+    search is about to try, and then each trial, goes to ``report`` (default: logged at INFO in the ``mmsdk.kernels``
+    logger): a search takes minutes, most of them compiling candidates the first time. A model that would not take
+    fast generate's path (:func:`fast_path_refusal`) is a ValueError before any timing; a capture that fails during a
+    call is a :class:`NoKeptStepError`. The GEMVs this step runs are tuned afresh first (so the search covers them
+    and nothing else); the tuner's table keeps the choices for the rest of the process, and its entries for other
+    GEMVs."""
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError("search_decode_step times a batch-1 decode step: pass inputs with input_ids of shape "
@@ -246,7 +247,10 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any],
         trials = one_row_trials(kinds)
         if not trials:
             raise ValueError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
-        result = descend(trials, step_ms, logging.getLogger("mmsdk.kernels").info)
+        report = report or logging.getLogger("mmsdk.kernels").info
+        count = sum(len(candidates) for _, candidates in trials.values())
+        report(f"timing the decode step with up to {count} candidates over {len(trials)} one-row GEMVs")
+        result = descend(trials, step_ms, report)
     finally:
         for key, cfg in others.items():
             table.setdefault(key, cfg)
