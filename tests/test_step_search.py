@@ -258,14 +258,14 @@ def test_the_tuner_reads_the_step_configs_file_once_while_it_is_unchanged(tmp_pa
     assert step_measured_config(GATED, torch.device("cuda", 0), (cfg, other), read) == other
     assert len(reads) == 3  # once more for the change (and once inside write_step_configs, which merges)
     path.unlink()
-    with pytest.raises(FileNotFoundError, match="StepSearch.save wrote"):
+    with pytest.raises(FileNotFoundError, match=r"`mmsdk tune` \(or .*StepSearch.save\) wrote"):
         step_measured_config(GEMV, torch.device("cuda", 0), (cfg, other), read)
 
 
 def test_a_bad_step_configs_file_is_an_error_that_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "GPU A")
     monkeypatch.setenv(STEP_CONFIGS_ENV, str(tmp_path / "missing.json"))
-    with pytest.raises(FileNotFoundError, match="StepSearch.save wrote"):
+    with pytest.raises(FileNotFoundError, match=r"`mmsdk tune` \(or .*StepSearch.save\) wrote"):
         step_measured_config(GEMV, torch.device("cuda", 0), ())
     for text, match in (("{not json", "is not JSON"), ('{"gpus": {}}', "is not a step-configs file"),
                         ('{"format": "mmsdk-step-configs/1", "gpus": {"GPU A": [{"key": [{"dtype": "nope"}], '

@@ -161,12 +161,14 @@ def read_step_configs(path: str | Path) -> StepConfigs:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{STEP_CONFIGS_ENV}={path}: no such file. Point it at a file that "
-                                "mmsdk.kernels.step_search's StepSearch.save wrote, or set it to 0 or 1.") from None
+                                "`mmsdk tune` (or mmsdk.kernels.step_search's StepSearch.save) wrote, or set it to "
+                                "0 or 1.") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"{STEP_CONFIGS_ENV}={path} is not JSON ({error}): write it with StepSearch.save") from None
+        raise ValueError(f"{STEP_CONFIGS_ENV}={path} is not JSON ({error}): write it with `mmsdk tune` "
+                         "(or StepSearch.save)") from None
     if not isinstance(data, dict) or data.get("format") != FILE_FORMAT or not isinstance(data.get("gpus"), dict):
         raise ValueError(f"{STEP_CONFIGS_ENV}={path} is not a step-configs file (format {FILE_FORMAT!r}): write it "
-                         "with StepSearch.save (mmsdk.kernels.step_search)")
+                         "with `mmsdk tune` (or StepSearch.save, mmsdk.kernels.step_search)")
     return {gpu: {tuple(_decode(i, path) for i in entry["key"]): tuple(_decode(i, path) for i in entry["config"])
                   for entry in entries}
             for gpu, entries in data["gpus"].items()}
