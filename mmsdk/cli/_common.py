@@ -26,9 +26,11 @@ def prompt_sample(image: Any, prompt: str | None, session: Any, max_new_tokens: 
     from mmsdk.profiling.measure import ProfileSample, resolve_sample
     from mmsdk.tasks import read_image
 
+    image = read_image(image) if image is not None else None
+    if image is not None and prompt:  # both given: the default sample (a dataset read) is not needed
+        return ProfileSample(image, prompt, max_new_tokens)
     default = resolve_sample(None, session, max_new_tokens)
-    return ProfileSample(read_image(image) if image is not None else default.image,
-                         prompt if prompt else default.question, max_new_tokens)
+    return ProfileSample(image if image is not None else default.image, prompt or default.question, max_new_tokens)
 
 
 def split_list(text: str | None) -> list[str]:
