@@ -983,8 +983,13 @@ def test_the_fast_path_takes_only_passes_that_declared_it(passes, expected, tiny
     session = Session.create(autoload=False, disabled=(), extra=[Undeclared])
     loaded = tiny("tiny:llava")
     opt = Optimizer(loaded.model, loaded.processor, session=session).apply(*passes)
+    # told from the plan alone, before any pass runs (mmsdk tune refuses there, before packing weights)
+    planned = opt.fast_generate_refusal()
+    assert not opt.results
+    assert (planned is None) if expected is None else (planned is not None and expected in planned), planned
     reason = _reason_on_cuda(opt.model, loaded.processor)
     assert (reason is None) if expected is None else (reason is not None and expected in reason), reason
+    assert opt.results and opt.fast_generate_refusal() == planned  # the same once the passes have run
 
 
 def test_a_failing_fast_path_warns_and_answers_like_transformers(session, tiny, monkeypatch, caplog):

@@ -352,7 +352,7 @@ def test_the_tune_verb_searches_a_tiny_model_and_writes_what_a_later_process_tak
             assert step_measured_config(key, torch.device("cuda"), (config,)) == config
         assert cli(["tune", "tiny:llava", "--apply", passes, "--kinds", "nope", "--out", str(out)]) == 2
         assert "name kinds among" in capsys.readouterr().err
-        # a pass that keeps transformers' loop (token-prune's fastv): refused by name, after loading, before timing
+        # a pass that keeps transformers' loop (token-prune's fastv): refused by name once planned, before packing
         unsafe = "int4-weight(indivisible=pad),token-prune(strategy=fastv,layer=1)"
         assert cli(["tune", "tiny:llava", "--apply", unsafe, "--out", str(out)]) == 2
         assert "not declared safe for the fast path" in capsys.readouterr().err

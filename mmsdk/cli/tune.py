@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         opt.calibrate(args.calibrate, limit=args.calibration_limit)
     opt.apply(*split_list(args.apply))
+    refusal = opt.fast_generate_refusal()
+    if refusal is not None:  # before the passes run (minutes on a 7B model): the search times fast generate's step
+        raise UnsupportedInputError(
+            f"mmsdk tune times fast generate's CUDA-graph decode step, which this model would not take: {refusal}.",
+            fix="drop those passes from --apply (docs/gpu.md lists the passes that take the fast path).")
     model = opt.model
     sample = prompt_sample(args.image, args.prompt, opt.session)
     inputs = prompt_inputs(model, opt.processor, opt.adapter, sample, "cuda")

@@ -103,10 +103,16 @@ class Optimizer:
         self._run_pending()
         from mmsdk.kernels.fast_generate import install
 
-        unproven = [r.name for r in self.results if not self.session.passes.get(r.name).takes_fast_generate(r.config)]
-        install(self._model, self.adapter,
-                refusal=f"passes {unproven} are not declared safe for the fast path" if unproven else None)
+        install(self._model, self.adapter, refusal=self.fast_generate_refusal())
         return self._model
+
+    def fast_generate_refusal(self) -> str | None:
+        """Why the optimized model's generate() will keep transformers' loop because of its passes (applied or
+        planned; None when every one is declared safe for the fast path). Cheap: it runs no pass, so a caller that
+        needs the fast path (``mmsdk tune``) can refuse before minutes of packing weights."""
+        done = [(r.name, r.config) for r in self.results] + [(p.name, p.config) for p in self._pending]
+        unproven = [name for name, config in done if not self.session.passes.get(name).takes_fast_generate(config)]
+        return f"passes {unproven} are not declared safe for the fast path" if unproven else None
 
     def report(
         self, *, measure: bool = False, sample: Any = None, device: str | None = None, max_new_tokens: int = 8
