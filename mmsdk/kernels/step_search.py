@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,13 +216,13 @@ def fast_path_refusal(model: torch.nn.Module, inputs: dict[str, Any]) -> str | N
 def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tuple[str, ...] | None = None,
                        report: Callable[[str], None] | None = None) -> StepSearch:
     """The batch-1 decode step's GEMV configs chosen by timing the step itself (module docstring). ``inputs`` are a
-    batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds. What the
-    search is about to try, and then each trial, goes to ``report`` (default: logged at INFO in the ``mmsdk.kernels``
-    logger): a search takes minutes, most of them compiling candidates the first time. A model that would not take
-    fast generate's path (:func:`fast_path_refusal`) is a ValueError before any timing; a capture that fails during a
-    call is a :class:`NoKeptStepError`. The GEMVs this step runs are tuned afresh first (so the search covers them
-    and nothing else); the tuner's table keeps the choices for the rest of the process, and its entries for other
-    GEMVs."""
+    batch-1 prompt as ``model.generate`` takes it; ``kinds`` limits the candidates to those GEMV kinds. The tuning
+    it starts with, what it is then about to try, and each trial go to ``report`` (default: logged at INFO in the
+    ``mmsdk.kernels`` logger): a search takes minutes, most of them compiling candidates the first time. A model
+    that would not take fast generate's path (:func:`fast_path_refusal`) is a ValueError before any timing; a capture
+    that fails during a call is a :class:`NoKeptStepError`. The GEMVs this step runs are tuned afresh first (so the
+    search covers them and nothing else); the tuner's table keeps the choices for the rest of the process, and its
+    entries for other GEMVs."""
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError("search_decode_step times a batch-1 decode step: pass inputs with input_ids of shape "
@@ -239,15 +240,19 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
     def step_ms() -> float:
         return kept_step_ms(model, inputs)
 
+    report = report or logging.getLogger("mmsdk.kernels").info
     table = tuning().chosen
     others = dict(table)  # what the process chose for other GEMVs (other models): kept, not searched
     table.clear()
     try:
+        # silent otherwise for minutes: on a fresh machine this compiles every candidate of every GEMV the step runs
+        report("tuning the decode step's GEMVs on their own first (a fresh machine compiles each candidate: minutes)")
+        started = time.perf_counter()
         step_ms()  # tunes exactly the GEMVs this step runs, so the table names them
         trials = one_row_trials(kinds)
         if not trials:
             raise ValueError("the decode step ran no tuned one-row INT4 GEMV: apply int4-weight to the model first.")
-        report = report or logging.getLogger("mmsdk.kernels").info
+        report(f"tuned {len(tuning().chosen)} GEMVs and ran the step in {time.perf_counter() - started:.1f} s")
         count = sum(len(candidates) for _, candidates in trials.values())
         report(f"timing the decode step with up to {count} candidates over {len(trials)} one-row GEMVs")
         result = descend(trials, step_ms, report)
