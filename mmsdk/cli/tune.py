@@ -112,7 +112,7 @@ def _check_out(path: Path) -> None:
 
 
 def _progress(line: str) -> None:
-    """Each trial as it ends, on stderr (stdout keeps the summary): the search runs for minutes."""
+    """The search's progress (its first tuning, then each trial as it ends) on stderr; stdout keeps the summary."""
     print(line, file=sys.stderr, flush=True)
 
 

@@ -88,9 +88,13 @@ class Optimizer:
 
     def recipe(self, name: str = "custom") -> Recipe:
         """The passes applied and planned so far, with their configs, as a Recipe you can save."""
-        done = [(r.name, r.config) for r in self.results] + [(p.name, p.config) for p in self._pending]
-        steps = tuple(RecipeStep(pass_name=n, config=c.model_dump(mode="json", exclude_defaults=True)) for n, c in done)
+        steps = tuple(RecipeStep(pass_name=n, config=c.model_dump(mode="json", exclude_defaults=True))
+                      for n, c in self._passes_so_far())
         return Recipe(name=name, family=self.adapter.family, steps=steps)
+
+    def _passes_so_far(self) -> list[tuple[str, BaseModel]]:
+        """(name, config) of every pass applied, then of every pass planned, in order."""
+        return [(r.name, r.config) for r in self.results] + [(p.name, p.config) for p in self._pending]
 
     def calibrate(self, samples: Any, *, limit: int | None = None) -> Optimizer:
         """Use ``samples`` ((image, text) pairs, a Dataset, or a dataset name) for passes that need data."""
@@ -110,8 +114,8 @@ class Optimizer:
         """Why the optimized model's generate() will keep transformers' loop because of its passes (applied or
         planned; None when every one is declared safe for the fast path). Cheap: it runs no pass, so a caller that
         needs the fast path (``mmsdk tune``) can refuse before minutes of packing weights."""
-        done = [(r.name, r.config) for r in self.results] + [(p.name, p.config) for p in self._pending]
-        unproven = [name for name, config in done if not self.session.passes.get(name).takes_fast_generate(config)]
+        passes = self.session.passes
+        unproven = [name for name, config in self._passes_so_far() if not passes.get(name).takes_fast_generate(config)]
         return f"passes {unproven} are not declared safe for the fast path" if unproven else None
 
     def report(
