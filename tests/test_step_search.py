@@ -343,7 +343,8 @@ def test_the_tune_verb_searches_a_tiny_model_and_writes_what_a_later_process_tak
         captured = capsys.readouterr()
         printed = captured.out
         assert f"{STEP_CONFIGS_ENV}={out.resolve()}" in printed and "idotr" in printed
-        # the progress goes to stderr as the search runs: what it will try, then each trial
+        # the progress goes to stderr as the search runs: its first tuning, what it will try, then each trial
+        assert "tuning the decode step's GEMVs on their own first" in captured.err
         assert "timing the decode step with up to" in captured.err and "ms (best" in captured.err
         kept = read_step_configs(out)[torch.cuda.get_device_name()]
         # every one-row GEMV the step ran is in the file, with the choice the search left in the table
