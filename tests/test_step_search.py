@@ -188,8 +188,8 @@ def test_the_search_names_why_a_model_would_not_take_the_fast_path(session, tiny
 
 
 def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path, monkeypatch, capsys):
-    """``mmsdk tune`` checks its output and its search's settings before loading anything, and says where it has to
-    run."""
+    """``mmsdk tune`` checks its output, its search's settings and its passes before loading anything, and says where
+    it has to run."""
     from mmsdk.cli import main as cli
     from mmsdk.kernels import TUNE_ENV
 
@@ -210,6 +210,13 @@ def test_tune_verb_refuses_a_bad_output_file_or_a_machine_without_a_gpu(tmp_path
     assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", new]) == 2
     assert f"unset {TUNE_ENV}" in capsys.readouterr().err
     monkeypatch.delenv(TUNE_ENV)
+    # a pass that keeps transformers' generate loop, or an unknown one, is refused from its name, before the model
+    # loads (a model that does not exist shows that nothing was loaded), on any machine
+    unsafe = "int4-weight,token-prune(strategy=fastv,layer=1)"
+    assert cli(["tune", "no/such-model", "--apply", unsafe, "--out", new]) == 2
+    assert "['token-prune'] are not declared safe for the fast path" in capsys.readouterr().err
+    assert cli(["tune", "no/such-model", "--apply", "int4-weight,int9-weight", "--out", new]) == 2
+    assert "int9-weight" in capsys.readouterr().err and not (tmp_path / "f.json").exists()
     if not torch.cuda.is_available():
         assert cli(["tune", "tiny:llava", "--apply", "int4-weight", "--out", new]) == 2
         assert "sees no CUDA GPU" in capsys.readouterr().err and not (tmp_path / "f.json").exists()
@@ -356,7 +363,7 @@ def test_the_tune_verb_searches_a_tiny_model_and_writes_what_a_later_process_tak
             assert step_measured_config(key, torch.device("cuda"), (config,)) == config
         assert cli(["tune", "tiny:llava", "--apply", passes, "--kinds", "nope", "--out", str(out)]) == 2
         assert "name kinds among" in capsys.readouterr().err
-        # a pass that keeps transformers' loop (token-prune's fastv): refused by name once planned, before packing
+        # a pass that keeps transformers' loop (token-prune's fastv): refused by name before the model loads
         unsafe = "int4-weight(indivisible=pad),token-prune(strategy=fastv,layer=1)"
         assert cli(["tune", "tiny:llava", "--apply", unsafe, "--out", str(out)]) == 2
         assert "not declared safe for the fast path" in capsys.readouterr().err

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mmsdk.core.optimizer import Optimizer
+    from mmsdk.core.planning import fast_generate_refusal
     from mmsdk.core.session import Session
     from mmsdk.core.sources import load_model
     from mmsdk.kernels.step_search import NoKeptStepError, check_search_settings, search_decode_step
@@ -58,12 +59,13 @@ def run(args: argparse.Namespace) -> int:
         check_search_settings(kinds)  # before loading the model, too
     except ValueError as error:
         raise UnsupportedInputError(str(error)) from None
+    session = Session.create()
+    _refuse_slow_passes(fast_generate_refusal(session, _named_passes(session, split_list(args.apply))))
     if not torch.cuda.is_available():
         raise UnsupportedInputError(
             f"mmsdk tune times the decode step on a GPU, but torch {torch.__version__} sees no CUDA GPU here.",
             fix="run it on the machine (GPU model) that will serve the model: the configurations are kept per GPU.",
         )
-    session = Session.create()
     loaded = load_model(args.model, session=session)
     # the passes pack the weights where the model is: on the GPU, in the dtype it will be served in
     loaded.model.to("cuda", getattr(torch, args.dtype))
@@ -71,11 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         opt.calibrate(args.calibrate, limit=args.calibration_limit)
     opt.apply(*split_list(args.apply))
-    refusal = opt.fast_generate_refusal()
-    if refusal is not None:  # before the passes run (minutes on a 7B model): the search times fast generate's step
-        raise UnsupportedInputError(
-            f"mmsdk tune times fast generate's CUDA-graph decode step, which this model would not take: {refusal}.",
-            fix="drop those passes from --apply (docs/gpu.md lists the passes that take the fast path).")
+    _refuse_slow_passes(opt.fast_generate_refusal())  # a recipe's passes, known once planned
     model = opt.model
     sample = prompt_sample(args.image, args.prompt, opt.session)
     inputs = prompt_inputs(model, opt.processor, opt.adapter, sample, "cuda")
@@ -90,6 +88,24 @@ def run(args: argparse.Namespace) -> int:
     path = result.save(args.out)
     _print(result, path)
     return 0
+
+
+def _named_passes(session: Any, entries: list[str]) -> list[tuple[str, Any]]:
+    """(name, config) of every --apply entry that names a pass; a recipe's passes are known only once the model is
+    loaded (a recipe may depend on it), so those are checked after apply()."""
+    from mmsdk.core.recipes import RECIPE_PREFIX
+
+    named = [session.pass_spec(entry) for entry in entries if not entry.startswith(RECIPE_PREFIX)]
+    return [(spec.name, config) for spec, config in named]
+
+
+def _refuse_slow_passes(refusal: str | None) -> None:
+    """Refuse passes that keep transformers' generate loop: the search times fast generate's CUDA-graph step. Called
+    with the named passes before the model loads, and again with a recipe's before the passes pack any weight."""
+    if refusal is not None:
+        raise UnsupportedInputError(
+            f"mmsdk tune times fast generate's CUDA-graph decode step, which this model would not take: {refusal}.",
+            fix="drop those passes from --apply (docs/gpu.md lists the passes that take the fast path).")
 
 
 def _check_out(path: Path) -> None:

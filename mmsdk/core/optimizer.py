@@ -14,7 +14,7 @@ from mmsdk.core.exporting import default_output_path, export, merged_calibration
 from mmsdk.core.manifest import SourceModel
 from mmsdk.core.memory import MemoryReport, PassMemory, component_bytes, module_bytes
 from mmsdk.core.passes import PassContext, PassResult
-from mmsdk.core.planning import PlannedPass, plan_passes
+from mmsdk.core.planning import PlannedPass, fast_generate_refusal, plan_passes
 from mmsdk.core.recipes import RECIPE_PREFIX, Recipe, RecipeStep
 from mmsdk.core.session import Session
 from mmsdk.core.sources import LoadedModel
@@ -114,9 +114,7 @@ class Optimizer:
         """Why the optimized model's generate() will keep transformers' loop because of its passes (applied or
         planned; None when every one is declared safe for the fast path). Cheap: it runs no pass, so a caller that
         needs the fast path (``mmsdk tune``) can refuse before minutes of packing weights."""
-        passes = self.session.passes
-        unproven = [name for name, config in self._passes_so_far() if not passes.get(name).takes_fast_generate(config)]
-        return f"passes {unproven} are not declared safe for the fast path" if unproven else None
+        return fast_generate_refusal(self.session, self._passes_so_far())
 
     def report(
         self, *, measure: bool = False, sample: Any = None, device: str | None = None, max_new_tokens: int = 8

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from mmsdk.core.adapter import ModelAdapter
     from mmsdk.core.session import Session
 
-__all__ = ["PlannedPass", "plan_passes"]
+__all__ = ["PlannedPass", "fast_generate_refusal", "plan_passes"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,14 @@ def plan_passes(
                 )
             )
     return planned
+
+
+def fast_generate_refusal(session: Session, passes: Iterable[tuple[str, BaseModel]]) -> str | None:
+    """Why a model with these passes (name, config) would keep transformers' generate loop: the passes that are not
+    declared safe for the fast path (None when every one is). It needs neither the model nor a pass run, so a caller
+    that needs the fast path can refuse from the pass names alone."""
+    unproven = [name for name, config in passes if not session.passes.get(name).takes_fast_generate(config)]
+    return f"passes {unproven} are not declared safe for the fast path" if unproven else None
 
 
 def _resolve(session: Session, item: str | BaseModel) -> PlannedPass:
