@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
+from mmsdk.kernels.parallel_compile import compile_in_parallel
 from mmsdk.kernels.step_configs import StepConfigsFile, step_measured_config
 
 __all__ = ["NORMED_MAX_N", "Tuning", "fit_config", "followed_by_norm", "tuned_config", "tuning"]
@@ -47,7 +48,8 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     capture or ``MMSDK_TUNE=0``), or the configuration measured for it inside the decode step on this GPU
     (mmsdk.kernels.step_configs: taken untimed); with ``within`` > 0 the first candidate, in the given order, whose
     time is within that fraction of the fastest (for candidates that time alike alone but not in the decode step,
-    listed in the step's order).
+    listed in the step's order). Every candidate is compiled first, on all CPUs at once
+    (:func:`mmsdk.kernels.parallel_compile.compile_in_parallel`).
 
     ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
     timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
@@ -63,9 +65,11 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
         return measured
     if not timing_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
+    configs = list(dict.fromkeys(fit_config(c, group) for c in candidates))
+    compile_in_parallel([lambda c=cfg: launch(c, weights) for cfg in configs])  # all at once, not one per launch
     copies = l2_spill_copies(weights)
     timings = []
-    for cfg in dict.fromkeys(fit_config(c, group) for c in candidates):
+    for cfg in configs:
         try:
             timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies]), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate

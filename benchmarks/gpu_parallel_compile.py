@@ -1,0 +1,119 @@
+"""A tuner's first tuning on an empty Triton cache (a fresh machine): its candidates compiled one after the other, or
+side by side first (mmsdk.kernels.parallel_compile).
+
+Each case runs in a process of its own with an empty ``TRITON_CACHE_DIR`` and ``MMSDK_COMPILE_THREADS`` set, so no
+kernel is compiled before it starts. ``gemv``: LLaVA-1.5-7B's fused q/k/v projection ([12288, 4096], g32, bf16) for
+one token, the first ``int4_linear`` call (the tuner compiles and times its 18 candidates), then a second call; the
+output is checked against the dequantized weight. ``tune``: ``mmsdk tune builtin:llava-digits --apply
+qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the decode step's GEMVs (202 s of its 236 s
+with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
+
+    python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 1,16] [--cases gemv,tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gemv_case() -> dict[str, Any]:
+    """The first and second one-row call of a 7B q/k/v GEMV in this process, with what the compile step took."""
+    import torch
+
+    import mmsdk.kernels.w4a16_tuning as tuning_module
+    from mmsdk.kernels.w4a16 import int4_linear
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    compiles: list[tuple[int, float]] = []
+    original = tuning_module.compile_in_parallel
+
+    def timed_compile(launches: Any) -> int:
+        started = time.perf_counter()
+        count = original(launches)
+        compiles.append((count, time.perf_counter() - started))
+        return count
+
+    tuning_module.compile_in_parallel = timed_compile
+    n, k, group = 12288, 4096, 32
+    packed = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    expected = x.float() @ dequantize_int4(packed, torch.float32).T
+    seconds = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = int4_linear(x, packed.qweight, packed.scales, packed.zero_points, k, group)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    error = ((out.float() - expected).norm() / expected.norm()).item()
+    chosen = next(iter(tuning_module.tuning().chosen.values()))
+    return {"first_call_s": round(seconds[0], 2), "second_call_s": round(seconds[1], 4),
+            "kernels_compiled_side_by_side": compiles[0][0] if compiles else 0,
+            "compile_step_s": round(compiles[0][1], 2) if compiles else None,
+            "relative_error": error, "chosen": list(chosen)}
+
+
+def tune_case(folder: Path) -> dict[str, Any]:
+    """``mmsdk tune`` on the digits model, timed, with the first step's own report from its stderr."""
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "mmsdk", "tune", "builtin:llava-digits", "--apply",
+                          "qkv-fuse,int4-weight,int4-kv", "--kinds", "idot,idotr", "--out",
+                          str(folder / "step.json")], capture_output=True, text=True, cwd=folder)
+    lines = [line for line in run.stderr.splitlines() if line.startswith(("tuned ", "decode step on"))]
+    lines += [line for line in run.stdout.splitlines() if "decode step on" in line]
+    return {"returncode": run.returncode, "seconds": round(time.perf_counter() - started, 1), "report": lines,
+            "stderr_tail": run.stderr[-600:] if run.returncode else ""}
+
+
+def run_case(case: str, threads: int) -> dict[str, Any]:
+    """``case`` in a fresh process with an empty Triton cache and ``threads`` compile threads."""
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "TRITON_CACHE_DIR": str(Path(folder) / "triton"), "MMSDK_COMPILE_THREADS": str(threads),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        started = time.perf_counter()
+        run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder], env=env,
+                             capture_output=True, text=True)
+        if run.returncode:
+            return {"case": case, "threads": threads, "error": run.stderr[-2000:]}
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        return {"case": case, "threads": threads, "process_s": round(time.perf_counter() - started, 1), **result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}",
+                        help="compile threads per run, comma separated (default: 1 and this machine's CPUs)")
+    parser.add_argument("--cases", default="gemv,tune")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = gemv_case() if args.worker == "gemv" else tune_case(args.folder)
+        print(json.dumps(result))
+        return
+    import torch
+    import triton
+
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "triton": triton.__version__, "cpus": len(os.sched_getaffinity(0)), "runs": []}
+    for case in args.cases.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            results["runs"].append(run_case(case, threads))
+            print(json.dumps(results["runs"][-1]), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Compiling a tuner's candidates on every CPU at once, before it times them one by one.
+
+A tuner times each candidate configuration of a kernel by launching it, and the first launch of a configuration
+compiles it. On a fresh machine (Triton's cache empty) that was most of a tuning's time: ``mmsdk tune`` on
+builtin:llava-digits spent 202 s of its 236 s tuning the step's 4 GEMVs over 18 candidates each, one compile after the
+other, and 3 s searching (docs/benchmarks.md, fifty-second pass). Triton's compiler leaves the GIL in its long passes,
+so threads compile side by side (Triton's own ``AsyncCompileMode`` runs its compiles on an executor for this).
+
+How, without knowing what a launch compiles: each candidate's launch runs once with Triton's ``jit_cache_hook``
+answering "skip" for every kernel not compiled yet. Triton then hands the hook the kernel and its specialization
+(what ``JITFunction.preload`` takes) and returns without launching it; kernels compiled before launch as usual, which
+is harmless for a tuner (its launches write only their own outputs). Then every recorded kernel is preloaded under
+``AsyncCompileMode`` on a thread pool: compiled (or read from Triton's cache) and kept where the next launch looks, so
+the timed launches compile nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from mmsdk.kernels import LOG
+
+__all__ = ["COMPILE_THREADS_ENV", "compile_in_parallel", "compile_threads"]
+
+# how many threads compile a tuner's candidates at once (default: the CPUs this process may use); "1" compiles each
+# candidate at its first launch, one after the other, as without this module
+COMPILE_THREADS_ENV = "MMSDK_COMPILE_THREADS"
+
+
+def compile_threads() -> int:
+    """The threads :func:`compile_in_parallel` uses: ``MMSDK_COMPILE_THREADS``, or this process's CPUs."""
+    value = os.environ.get(COMPILE_THREADS_ENV, "")
+    if not value:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: set it to a whole number of threads, 1 or more (1 compiles "
+                         "one kernel at a time), or leave it unset for one per CPU.")
+    return int(value)
+
+
+def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | None = None) -> int:
+    """Compile every Triton kernel that ``launches`` would compile, on ``threads`` threads at once (default
+    :func:`compile_threads`), launching none of them; returns how many kernels were compiled.
+
+    Nothing happens (0) with one thread or one launch, without Triton's hooks (``triton.knobs``, Triton 3.4 and
+    newer), or while a ``jit_cache_hook`` of someone else's is set (it is left to see every compile). A launch that
+    fails while its kernels are recorded, and a kernel that fails to compile, are left to fail again at their real
+    launch, where the tuner drops that candidate.
+    """
+    threads = compile_threads() if threads is None else threads
+    recorded = _recorded_kernels(launches) if threads > 1 and len(launches) > 1 else {}
+    if not recorded:
+        return 0
+    import triton
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(recorded)), thread_name_prefix="mmsdk-compile") as pool:
+        with triton.AsyncCompileMode(pool, ignore_errors=True):
+            for kernel, specialization in recorded.values():
+                _preload(kernel, specialization)
+    return len(recorded)
+
+
+def _recorded_kernels(launches: Sequence[Callable[[], Any]]) -> dict[tuple[int, str], tuple[Any, str]]:
+    """(kernel, specialization data) of every kernel the launches would compile, keyed so each is compiled once."""
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton, or one older than its hooks: each launch compiles its own kernels
+        return {}
+    if knobs.runtime.jit_cache_hook is not None:
+        return {}
+    recorded: dict[tuple[int, str], tuple[Any, str]] = {}
+
+    def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        kernel, specialization = fn.jit_function, compile["specialization_data"]
+        recorded.setdefault((id(kernel), specialization), (kernel, specialization))
+        return True  # skip: Triton neither compiles nor launches this kernel now
+
+    knobs.runtime.jit_cache_hook = record
+    try:
+        for launch in launches:
+            try:
+                launch()
+            except Exception as error:  # noqa: BLE001 - the real launch raises it again where the tuner handles it
+                LOG.debug("recording a launch's kernels failed (%s: %s)", type(error).__name__, error)
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    return recorded
+
+
+def _preload(kernel: Any, specialization: str) -> None:
+    """Submit one kernel's compile (under AsyncCompileMode Triton queues it on the pool and returns)."""
+    try:
+        kernel.preload(specialization)
+    except Exception as error:  # noqa: BLE001 - the real launch compiles it again and raises where it is handled
+        LOG.debug("preloading %s failed (%s: %s)", getattr(kernel, "__name__", kernel), type(error).__name__, error)

@@ -1,0 +1,139 @@
+"""A tuner's candidates compile side by side before they are timed (mmsdk.kernels.parallel_compile), checked without a
+GPU: Triton's launch path runs against a stand-in driver that reports an H100 (sm_90), so each recorded kernel is
+really compiled, with the ptxas Triton ships, and nothing is launched."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs Triton, not its interpreter")
+
+if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def doubled(x_ptr, y_ptr, n, BLOCK: tl.constexpr, FAIL: tl.constexpr = False):
+        tl.static_assert(not FAIL, "this build was asked to fail")
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) * 2, mask=offsets < n)
+
+
+class _H100Driver:
+    """What Triton's launch path asks its driver before it compiles: an sm_90 target, device 0, a stream."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+@pytest.fixture
+def sm90(monkeypatch, tmp_path):
+    """Triton's knobs, its launches pointed at an sm_90 stand-in, and an empty cache (so every kernel compiles)."""
+    knobs = pytest.importorskip("triton.knobs", reason="Triton older than 3.4 has no compile hooks")
+    from triton.runtime.driver import driver
+
+    monkeypatch.setattr(driver, "_active", _H100Driver())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    return knobs
+
+
+def _launches(blocks: tuple[int, ...], called: list[int] | None = None, fail: int | None = None):
+    x, y = torch.randn(1000), torch.empty(1000)
+
+    def launch(block: int) -> None:
+        if called is not None:
+            called.append(block)
+        if block < 0:
+            raise ValueError("a candidate whose launch fails before its kernel")
+        doubled[(1,)](x, y, 1000, BLOCK=block, FAIL=block == fail)
+
+    return [lambda b=b: launch(b) for b in blocks], (x, y)
+
+
+def _compiles(knobs, block: int, args) -> int:
+    """How many compiles a warm-up of ``BLOCK=block`` asks for (0 when the kernel is already kept)."""
+    asked: list[str] = []
+    knobs.runtime.jit_cache_hook = lambda **kwargs: asked.append(kwargs["repr"]) or None
+    try:
+        kernel = doubled.warmup(*args, 1000, BLOCK=block, grid=(1,))
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert "cubin" in kernel.asm
+    return len(asked)
+
+
+def test_each_kernel_the_launches_would_compile_is_compiled_once_on_threads_and_none_is_launched(sm90):
+    """Five launches over four tile sizes, one launch failing before its kernel: four kernels compile (on threads,
+    for sm_90), none runs (a launch on the stand-in driver would fail), the hook is left unset, and the next launch of
+    each compiles nothing."""
+    from mmsdk.kernels.parallel_compile import compile_in_parallel
+
+    try:
+        launches, args = _launches((64, 128, 256, 512, 64, -1))  # sizes no other test builds
+        assert compile_in_parallel(launches, threads=3) == 4
+    except RuntimeError as error:  # no ptxas for this Triton build: nothing to check against
+        if "ptxas" in str(error).lower():
+            pytest.skip(f"Triton cannot compile for sm_90 here: {error}")
+        raise
+    assert sm90.runtime.jit_cache_hook is None
+    assert [_compiles(sm90, block, args) for block in (64, 128, 256, 512)] == [0, 0, 0, 0]
+    assert _compiles(sm90, 32, args) == 1  # one no launch asked for compiles at its warm-up, as before
+
+
+def test_a_kernel_that_fails_to_compile_is_left_to_fail_at_its_launch(sm90):
+    from mmsdk.kernels.parallel_compile import compile_in_parallel
+
+    # sizes no other test builds: Triton keeps a process's kernels
+    launches, args = _launches((16, 1024), fail=1024)
+    assert compile_in_parallel(launches, threads=2) == 2
+    assert _compiles(sm90, 16, args) == 0
+    with pytest.raises(Exception, match="asked to fail"):
+        doubled.warmup(*args, 1000, BLOCK=1024, FAIL=True, grid=(1,))
+
+
+def test_one_thread_one_launch_or_someone_elses_hook_leaves_compiling_to_the_launches(sm90, monkeypatch):
+    from mmsdk.kernels.parallel_compile import COMPILE_THREADS_ENV, compile_in_parallel
+
+    called: list[int] = []
+    launches, _ = _launches((64, 128), called)
+    assert compile_in_parallel(launches, threads=1) == 0
+    assert compile_in_parallel(launches[:1], threads=4) == 0
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "1")
+    assert compile_in_parallel(launches) == 0
+    assert called == []  # not even recorded
+    monkeypatch.delenv(COMPILE_THREADS_ENV)
+
+    def theirs(**kwargs):
+        return None
+
+    sm90.runtime.jit_cache_hook = theirs
+    assert compile_in_parallel(launches, threads=4) == 0 and called == []
+    assert sm90.runtime.jit_cache_hook is theirs  # left to see every compile itself
+
+
+def test_compile_threads_come_from_the_environment_or_the_cpus(monkeypatch):
+    from mmsdk.kernels.parallel_compile import COMPILE_THREADS_ENV, compile_threads
+
+    monkeypatch.delenv(COMPILE_THREADS_ENV, raising=False)
+    assert compile_threads() >= 1
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "3")
+    assert compile_threads() == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(COMPILE_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match="whole number of threads, 1 or more"):
+            compile_threads()
