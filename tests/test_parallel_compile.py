@@ -137,3 +137,44 @@ def test_compile_threads_come_from_the_environment_or_the_cpus(monkeypatch):
         monkeypatch.setenv(COMPILE_THREADS_ENV, bad)
         with pytest.raises(ValueError, match="whole number of threads, 1 or more"):
             compile_threads()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_every_gemv_candidate_compiles_eager_and_captured_before_it_is_timed(monkeypatch, tmp_path):
+    """The one-row GEMV's candidates compiled side by side, eagerly and as a captured graph runs them (where the GEMVs
+    take programmatic dependent launch): launched afterwards as the tuner times them (once eagerly, then captured),
+    none compiles, and each gives the product of the dequantized weight."""
+    from triton import knobs
+
+    from mmsdk.kernels.parallel_compile import compile_in_parallel
+    from mmsdk.kernels.w4a16 import gemv_candidates, w4a16_gemv
+    from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    group = 32
+    packed = quantize_int4(torch.randn(640, 1024, device="cuda") * 0.02, group, scale_dtype=torch.bfloat16)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = x.float() @ dequantize_int4(packed, torch.float32).T
+    outputs: dict[tuple, torch.Tensor] = {}
+
+    def launch(cfg: tuple) -> None:
+        outputs[cfg] = w4a16_gemv(x, packed.qweight, packed.scales, packed.zero_points, group, config=cfg)
+
+    launches = [lambda c=cfg: launch(c) for cfg in gemv_candidates(1, group)]
+    compile_in_parallel(launches, threads=4, captured_on=x.device)
+    asked: list[str] = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kwargs: asked.append(kwargs["repr"]) or None)
+    for each in launches:
+        each()
+    torch.cuda.synchronize()
+    eager = {cfg: out.float() for cfg, out in outputs.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        for each in launches:
+            each()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert asked == []
+    for cfg, out in eager.items():
+        assert ((out - expected).norm() / expected.norm()).item() < 1e-2, cfg

@@ -9,9 +9,10 @@ so threads compile side by side (Triton's own ``AsyncCompileMode`` runs its comp
 How, without knowing what a launch compiles: each candidate's launch runs once with Triton's ``jit_cache_hook``
 answering "skip" for every kernel not compiled yet. Triton then hands the hook the kernel and its specialization
 (what ``JITFunction.preload`` takes) and returns without launching it; kernels compiled before launch as usual, which
-is harmless for a tuner (its launches write only their own outputs). Then every recorded kernel is preloaded under
-``AsyncCompileMode`` on a thread pool: compiled (or read from Triton's cache) and kept where the next launch looks, so
-the timed launches compile nothing.
+is harmless for a tuner (its launches write only their own outputs). The launches run a second time inside a CUDA
+graph capture, where the GEMVs compile a variant of their own (programmatic dependent launch). Then every recorded
+kernel is preloaded under ``AsyncCompileMode`` on a thread pool: compiled (or read from Triton's cache) and kept where
+the next launch looks, so the timed launches compile nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import torch
 
 from mmsdk.kernels import LOG
 
@@ -41,9 +44,15 @@ def compile_threads() -> int:
     return int(value)
 
 
-def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | None = None) -> int:
+def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | None = None, *,
+                        captured_on: torch.device | None = None) -> int:
     """Compile every Triton kernel that ``launches`` would compile, on ``threads`` threads at once (default
-    :func:`compile_threads`), launching none of them; returns how many kernels were compiled.
+    :func:`compile_threads`), launching none of them; returns how many kernels it compiled (or tried to).
+
+    ``captured_on`` (a CUDA device; others are ignored): the launches are also recorded as a CUDA graph captured on
+    that device runs them. The GEMVs take programmatic dependent launch only while captured
+    (mmsdk.kernels.pdl_preload_ready), a kernel of its own; a tuner times its candidates in a captured graph after one
+    eager call each, so it needs both.
 
     Nothing happens (0) with one thread or one launch, without Triton's hooks (``triton.knobs``, Triton 3.4 and
     newer), or while a ``jit_cache_hook`` of someone else's is set (it is left to see every compile). A launch that
@@ -51,7 +60,7 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
     launch, where the tuner drops that candidate.
     """
     threads = compile_threads() if threads is None else threads
-    recorded = _recorded_kernels(launches) if threads > 1 and len(launches) > 1 else {}
+    recorded = _recorded_kernels(launches, captured_on) if threads > 1 and len(launches) > 1 else {}
     if not recorded:
         return 0
     import triton
@@ -63,8 +72,10 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
     return len(recorded)
 
 
-def _recorded_kernels(launches: Sequence[Callable[[], Any]]) -> dict[tuple[int, str], tuple[Any, str]]:
-    """(kernel, specialization data) of every kernel the launches would compile, keyed so each is compiled once."""
+def _recorded_kernels(launches: Sequence[Callable[[], Any]],
+                      captured_on: torch.device | None) -> dict[tuple[int, str], tuple[Any, str]]:
+    """(kernel, specialization data) of every kernel the launches would compile, eagerly and (``captured_on``) in a
+    CUDA graph capture, keyed so each is compiled once."""
     try:
         from triton import knobs
     except ImportError:  # no Triton, or one older than its hooks: each launch compiles its own kernels
@@ -80,14 +91,34 @@ def _recorded_kernels(launches: Sequence[Callable[[], Any]]) -> dict[tuple[int, 
 
     knobs.runtime.jit_cache_hook = record
     try:
-        for launch in launches:
-            try:
-                launch()
-            except Exception as error:  # noqa: BLE001 - the real launch raises it again where the tuner handles it
-                LOG.debug("recording a launch's kernels failed (%s: %s)", type(error).__name__, error)
+        _run_each(launches)
+        if captured_on is not None and captured_on.type == "cuda":
+            _run_each_captured(launches, captured_on)
     finally:
         knobs.runtime.jit_cache_hook = None
     return recorded
+
+
+def _run_each(launches: Sequence[Callable[[], Any]]) -> None:
+    for launch in launches:
+        try:
+            launch()
+        except Exception as error:  # noqa: BLE001 - the real launch raises it again where the tuner handles it
+            LOG.debug("recording a launch's kernels failed (%s: %s)", type(error).__name__, error)
+
+
+def _run_each_captured(launches: Sequence[Callable[[], Any]], device: torch.device) -> None:
+    """The launches inside a CUDA graph capture on a side stream (the graph, holding only the kernels compiled
+    before, is dropped). A capture that fails leaves its kernels to compile at their own captured launch."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            _run_each(launches)
+    except Exception as error:  # noqa: BLE001 - nothing of the capture is used
+        LOG.debug("recording the captured launches failed (%s: %s)", type(error).__name__, error)
+    torch.cuda.current_stream(device).wait_stream(stream)
 
 
 def _preload(kernel: Any, specialization: str) -> None:

@@ -66,7 +66,8 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     if not timing_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     configs = list(dict.fromkeys(fit_config(c, group) for c in candidates))
-    compile_in_parallel([lambda c=cfg: launch(c, weights) for cfg in configs])  # all at once, not one per launch
+    # all at once, not one per launch: as graph_time_ms runs them, eagerly once, then captured
+    compile_in_parallel([lambda c=cfg: launch(c, weights) for cfg in configs], captured_on=weights[0].device)
     copies = l2_spill_copies(weights)
     timings = []
     for cfg in configs:
