@@ -130,7 +130,9 @@ def test_compile_threads_come_from_the_environment_or_the_cpus(monkeypatch):
     from mmsdk.kernels.parallel_compile import COMPILE_THREADS_ENV, compile_threads
 
     monkeypatch.delenv(COMPILE_THREADS_ENV, raising=False)
-    assert compile_threads() >= 1
+    assert compile_threads() == min(len(os.sched_getaffinity(0)), 32)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
+    assert compile_threads() == 32  # a big host's CPUs are not all taken by default
     monkeypatch.setenv(COMPILE_THREADS_ENV, "3")
     assert compile_threads() == 3
     for bad in ("0", "-2", "many"):

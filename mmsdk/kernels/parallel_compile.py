@@ -28,16 +28,20 @@ from mmsdk.kernels import LOG
 
 __all__ = ["COMPILE_THREADS_ENV", "compile_in_parallel", "compile_threads"]
 
-# how many threads compile a tuner's candidates at once (default: the CPUs this process may use); "1" compiles each
-# candidate at its first launch, one after the other, as without this module
+# how many threads compile a tuner's candidates at once (default: the CPUs this process may use, at most
+# DEFAULT_MOST_THREADS); "1" compiles each candidate at its first launch, one after the other, as without this module
 COMPILE_THREADS_ENV = "MMSDK_COMPILE_THREADS"
+# a compile holds a few hundred MB while it runs, and a shape has a few dozen candidate kernels at most
+DEFAULT_MOST_THREADS = 32
 
 
 def compile_threads() -> int:
-    """The threads :func:`compile_in_parallel` uses: ``MMSDK_COMPILE_THREADS``, or this process's CPUs."""
+    """The threads :func:`compile_in_parallel` uses: ``MMSDK_COMPILE_THREADS``, or this process's CPUs (at most
+    ``DEFAULT_MOST_THREADS``)."""
     value = os.environ.get(COMPILE_THREADS_ENV, "")
     if not value:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return min(cpus, DEFAULT_MOST_THREADS)
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: set it to a whole number of threads, 1 or more (1 compiles "
                          "one kernel at a time), or leave it unset for one per CPU.")
