@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import LOG
+from mmsdk.kernels import LOG, captured_calls
 
 __all__ = ["COMPILE_THREADS_ENV", "compile_in_parallel", "compile_threads"]
 
@@ -95,31 +95,38 @@ def _recorded_kernels(launches: Sequence[Callable[[], Any]],
 
     knobs.runtime.jit_cache_hook = record
     try:
-        _run_each(launches)
+        guarded = [_guarded(launch) for launch in launches]
         if captured_on is not None and captured_on.type == "cuda":
-            _run_each_captured(launches, captured_on)
+            _run_as_timed(guarded, captured_on)
+        else:
+            for launch in guarded:
+                launch()
     finally:
         knobs.runtime.jit_cache_hook = None
     return recorded
 
 
-def _run_each(launches: Sequence[Callable[[], Any]]) -> None:
-    for launch in launches:
+def _guarded(launch: Callable[[], Any]) -> Callable[[], None]:
+    """``launch``, its failure logged and dropped: the real launch raises it again, where the tuner handles it."""
+
+    def run() -> None:
         try:
             launch()
-        except Exception as error:  # noqa: BLE001 - the real launch raises it again where the tuner handles it
+        except Exception as error:  # noqa: BLE001
             LOG.debug("recording a launch's kernels failed (%s: %s)", type(error).__name__, error)
 
+    return run
 
-def _run_each_captured(launches: Sequence[Callable[[], Any]], device: torch.device) -> None:
-    """The launches inside a CUDA graph capture on a side stream (the graph, holding only the kernels compiled
-    before, is dropped). A capture that fails leaves its kernels to compile at their own captured launch."""
-    graph = torch.cuda.CUDAGraph()
+
+def _run_as_timed(launches: Sequence[Callable[[], None]], device: torch.device) -> None:
+    """The launches as :func:`mmsdk.kernels.graph_time_ms` runs them: on a side stream, each once eagerly, then inside
+    a CUDA graph capture (the graph, holding only kernels compiled before, is dropped). A capture that fails leaves
+    its kernels to compile at their own captured launch."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     try:
-        with torch.cuda.graph(graph, stream=stream):
-            _run_each(launches)
+        with torch.cuda.stream(stream):
+            captured_calls(launches, len(launches), stream)
     except Exception as error:  # noqa: BLE001 - nothing of the capture is used
         LOG.debug("recording the captured launches failed (%s: %s)", type(error).__name__, error)
     torch.cuda.current_stream(device).wait_stream(stream)
