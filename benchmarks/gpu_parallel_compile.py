@@ -2,13 +2,14 @@
 side by side first (mmsdk.kernels.parallel_compile).
 
 Each case runs in a process of its own with an empty ``TRITON_CACHE_DIR`` and ``MMSDK_COMPILE_THREADS`` set, so no
-kernel is compiled before it starts. ``gemv``: LLaVA-1.5-7B's fused q/k/v projection ([12288, 4096], g32, bf16) for
+kernel is compiled before it starts; with ``--warm`` once more on the cache the first thread count's run filled (what
+the first call costs without compiling). ``gemv``: LLaVA-1.5-7B's fused q/k/v projection ([12288, 4096], g32, bf16) for
 one token, the first ``int4_linear`` call (the tuner compiles and times its 18 candidates), then a second call; the
 output is checked against the dequantized weight. ``tune``: ``mmsdk tune builtin:llava-digits --apply
 qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the decode step's GEMVs (202 s of its 236 s
 with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
 
-    python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 1,16] [--cases gemv,tune]
+    python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1] [--cases gemv,tune] [--warm]
 """
 
 from __future__ import annotations
@@ -75,18 +76,20 @@ def tune_case(folder: Path) -> dict[str, Any]:
             "stderr_tail": run.stderr[-600:] if run.returncode else ""}
 
 
-def run_case(case: str, threads: int) -> dict[str, Any]:
-    """``case`` in a fresh process with an empty Triton cache and ``threads`` compile threads."""
+def run_case(case: str, threads: int, cache: Path) -> dict[str, Any]:
+    """``case`` in a fresh process with Triton's cache in ``cache`` and ``threads`` compile threads."""
     with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "TRITON_CACHE_DIR": str(Path(folder) / "triton"), "MMSDK_COMPILE_THREADS": str(threads),
+        env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "MMSDK_COMPILE_THREADS": str(threads),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        warm = cache.is_dir() and any(cache.iterdir())
         started = time.perf_counter()
         run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder], env=env,
                              capture_output=True, text=True)
+        label = {"case": case, "threads": threads, "triton_cache": "warm" if warm else "empty"}
         if run.returncode:
-            return {"case": case, "threads": threads, "error": run.stderr[-2000:]}
+            return {**label, "error": run.stderr[-2000:]}
         result = json.loads(run.stdout.strip().splitlines()[-1])
-        return {"case": case, "threads": threads, "process_s": round(time.perf_counter() - started, 1), **result}
+        return {**label, "process_s": round(time.perf_counter() - started, 1), **result}
 
 
 def main() -> None:
@@ -95,6 +98,8 @@ def main() -> None:
     parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}",
                         help="compile threads per run, comma separated (default: 1 and this machine's CPUs)")
     parser.add_argument("--cases", default="gemv,tune")
+    parser.add_argument("--warm", action="store_true",
+                        help="then run each case once more with the first thread count's Triton cache, now filled")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -107,12 +112,17 @@ def main() -> None:
 
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "triton": triton.__version__, "cpus": len(os.sched_getaffinity(0)), "runs": []}
+    counts = [int(t) for t in args.threads.split(",")]
     for case in args.cases.split(","):
-        for threads in (int(t) for t in args.threads.split(",")):
-            results["runs"].append(run_case(case, threads))
-            print(json.dumps(results["runs"][-1]), flush=True)
-            if args.out:
-                args.out.write_text(json.dumps(results, indent=1))
+        with tempfile.TemporaryDirectory() as caches:
+            runs = [(threads, Path(caches) / f"{threads}-threads") for threads in counts]
+            if args.warm:  # what is left without compiling: the first count again, on the cache its run filled
+                runs.append(runs[0])
+            for threads, cache in runs:
+                results["runs"].append(run_case(case, threads, cache))
+                print(json.dumps(results["runs"][-1]), flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
