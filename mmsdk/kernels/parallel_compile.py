@@ -3,8 +3,9 @@
 A tuner times each candidate configuration of a kernel by launching it, and the first launch of a configuration
 compiles it. On a fresh machine (Triton's cache empty) that was most of a tuning's time: ``mmsdk tune`` on
 builtin:llava-digits spent 202 s of its 236 s tuning the step's 4 GEMVs over 18 candidates each, one compile after the
-other, and 3 s searching (docs/benchmarks.md, fifty-second pass). Triton's compiler leaves the GIL in its long passes,
-so threads compile side by side (Triton's own ``AsyncCompileMode`` runs its compiles on an executor for this).
+other, and 3 s searching (docs/benchmarks.md, fifty-second pass); compiled side by side on 16 threads, 33 s of 55
+(fifty-third pass). Triton's compiler leaves the GIL in its long passes, so threads compile side by side (Triton's
+own ``AsyncCompileMode`` runs its compiles on an executor for this).
 
 How, without knowing what a launch compiles: each candidate's launch runs once with Triton's ``jit_cache_hook``
 answering "skip" for every kernel not compiled yet. Triton then hands the hook the kernel and its specialization
