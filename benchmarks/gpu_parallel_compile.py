@@ -9,7 +9,13 @@ output is checked against the dequantized weight. ``tune``: ``mmsdk tune builtin
 qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the decode step's GEMVs (202 s of its 236 s
 with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
 
+``--warm-ups captured,eager``: how the W4A16 tuner warms each candidate up before timing it. "captured" is the
+tuner's own (inside a dropped capture, so on Hopper only the GEMVs' captured variants compile); "eager" runs the same
+tuner with that warm-up forced back to one eager call per candidate (each eager variant compiled too), as the tuner did
+until the fifty-third pass.
+
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1] [--cases gemv,tune] [--warm]
+        [--warm-ups captured,eager]
 """
 
 from __future__ import annotations
@@ -66,26 +72,48 @@ def gemv_case() -> dict[str, Any]:
 
 def tune_case(folder: Path) -> dict[str, Any]:
     """``mmsdk tune`` on the digits model, timed, with the first step's own report from its stderr."""
+    import contextlib
+    import io
+
+    from mmsdk.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "mmsdk", "tune", "builtin:llava-digits", "--apply",
-                          "qkv-fuse,int4-weight,int4-kv", "--kinds", "idot,idotr", "--out",
-                          str(folder / "step.json")], capture_output=True, text=True, cwd=folder)
-    lines = [line for line in run.stderr.splitlines() if line.startswith(("tuned ", "decode step on"))]
-    lines += [line for line in run.stdout.splitlines() if "decode step on" in line]
-    return {"returncode": run.returncode, "seconds": round(time.perf_counter() - started, 1), "report": lines,
-            "stderr_tail": run.stderr[-600:] if run.returncode else ""}
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        returncode = main(["tune", "builtin:llava-digits", "--apply", "qkv-fuse,int4-weight,int4-kv", "--kinds",
+                           "idot,idotr", "--out", str(folder / "step.json")])
+    seconds = time.perf_counter() - started
+    lines = [line for line in err.getvalue().splitlines() if line.startswith(("tuned ", "decode step on"))]
+    lines += [line for line in out.getvalue().splitlines() if "decode step on" in line]
+    return {"returncode": returncode, "seconds": round(seconds, 1), "report": lines,
+            "stderr_tail": err.getvalue()[-600:] if returncode else ""}
 
 
-def run_case(case: str, threads: int, cache: Path) -> dict[str, Any]:
-    """``case`` in a fresh process with Triton's cache in ``cache`` and ``threads`` compile threads."""
+def force_warm_up(warm_up: str) -> None:
+    """The W4A16 tuner in this process with ``warm_up`` forced on its compile and timing calls (``eager``: as before
+    the tuner warmed its candidates up inside a capture)."""
+    import mmsdk.kernels.w4a16_tuning as tuning_module
+
+    for name in ("compile_in_parallel", "graph_time_ms"):
+        original = getattr(tuning_module, name)
+
+        def forced(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            return _original(*args, **{**kwargs, "warm_up": warm_up})
+
+        setattr(tuning_module, name, forced)
+
+
+def run_case(case: str, threads: int, cache: Path, warm_up: str) -> dict[str, Any]:
+    """``case`` in a fresh process with Triton's cache in ``cache``, ``threads`` compile threads and the tuner's
+    candidates warmed up ``warm_up``."""
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "MMSDK_COMPILE_THREADS": str(threads),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         warm = cache.is_dir() and any(cache.iterdir())
         started = time.perf_counter()
-        run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder], env=env,
-                             capture_output=True, text=True)
-        label = {"case": case, "threads": threads, "triton_cache": "warm" if warm else "empty"}
+        run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder, "--warm-ups", warm_up],
+                             env=env, capture_output=True, text=True)
+        label = {"case": case, "threads": threads, "warm_up": warm_up, "triton_cache": "warm" if warm else "empty"}
         if run.returncode:
             return {**label, "error": run.stderr[-2000:]}
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -100,10 +128,13 @@ def main() -> None:
     parser.add_argument("--cases", default="gemv,tune")
     parser.add_argument("--warm", action="store_true",
                         help="then run each case once more with the first thread count's Triton cache, now filled")
+    parser.add_argument("--warm-ups", default="captured",
+                        help="the tuner's warm-up per run, comma separated: captured (its own), eager (as before)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        force_warm_up(args.warm_ups)
         result = gemv_case() if args.worker == "gemv" else tune_case(args.folder)
         print(json.dumps(result))
         return
@@ -115,11 +146,12 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",")]
     for case in args.cases.split(","):
         with tempfile.TemporaryDirectory() as caches:
-            runs = [(threads, Path(caches) / f"{threads}-threads") for threads in counts]
-            if args.warm:  # what is left without compiling: the first count again, on the cache its run filled
+            runs = [(threads, warm_up, Path(caches) / f"{threads}-threads-{warm_up}")
+                    for warm_up in args.warm_ups.split(",") for threads in counts]
+            if args.warm:  # what is left without compiling: the first run again, on the cache it filled
                 runs.append(runs[0])
-            for threads, cache in runs:
-                results["runs"].append(run_case(case, threads, cache))
+            for threads, warm_up, cache in runs:
+                results["runs"].append(run_case(case, threads, cache, warm_up))
                 print(json.dumps(results["runs"][-1]), flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(results, indent=1))

@@ -700,15 +700,17 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
     from mmsdk.kernels import w4a16_gated, w4a16_tuning
 
     times = {"a": 10.4, "b": 10.1, "c": 10.0, "d": 9.0}
-    timed = []
+    timed, warm_ups = [], []
 
-    def graph_time_ms(calls):
+    def graph_time_ms(calls, warm_up="eager"):
+        warm_ups.append(warm_up)
         calls[0]()
         return times[timed[-1]]
 
     monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
     monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
     monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
+    monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: warm_ups.append(how["warm_up"]))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     candidates = tuple((name,) for name in times)
     pick = {}
@@ -716,6 +718,9 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
         pick[key] = w4a16_tuning.tuned_config(("test", "within", key), lambda cfg, w: timed.append(cfg[0]), candidates,
                                               32, (torch.zeros(4),), within)
     assert pick == {"fastest": ("d",), "3%": ("d",), "20%": ("a",)}
+    # each tuning: its candidates compiled as they are then run, the first called once eagerly (its lazily made
+    # buffers hold values), each timed with its warm-up inside a capture (only the GEMVs' captured variants compile)
+    assert timed[:5] == ["a", "a", "b", "c", "d"] and set(warm_ups) == {"captured"} and len(warm_ups) == 3 * 5
     times.update(d=10.2)
     assert w4a16_tuning.tuned_config(("test", "within", "close"), lambda cfg, w: timed.append(cfg[0]), candidates,
                                      32, (torch.zeros(4),), 0.03) == ("b",)
@@ -1007,6 +1012,14 @@ def test_timing_copies_overflow_the_l2_cache():
         seen = []
         assert graph_time_ms([lambda c=c: seen.append(c[0].sum()) for c in copies[:3]], calls=4) > 0
         assert len(seen) == 3 + 6  # each once outside the capture, then two whole rounds captured
+        capturing = []
+        assert graph_time_ms([lambda: capturing.append(torch.cuda.is_current_stream_capturing())] * 3, calls=4,
+                             warm_up="captured") > 0
+        assert capturing == [True] * (3 + 6)  # warmed up inside a capture of their own, then captured
+    with pytest.raises(ValueError, match="warm_up='twice': use one of eager, captured"):
+        from mmsdk.kernels import captured_calls
+
+        captured_calls(lambda: None, 2, warm_up="twice")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")

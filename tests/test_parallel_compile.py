@@ -124,6 +124,8 @@ def test_one_thread_one_launch_or_someone_elses_hook_leaves_compiling_to_the_lau
     sm90.runtime.jit_cache_hook = theirs
     assert compile_in_parallel(launches, threads=4) == 0 and called == []
     assert sm90.runtime.jit_cache_hook is theirs  # left to see every compile itself
+    with pytest.raises(ValueError, match="warm_up='cold': use one of eager, captured"):
+        compile_in_parallel(launches, threads=4, warm_up="cold")
 
 
 def test_compile_threads_come_from_the_environment_or_the_cpus(monkeypatch):
@@ -143,13 +145,16 @@ def test_compile_threads_come_from_the_environment_or_the_cpus(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_on_a_gpu_every_gemv_candidate_compiles_eager_and_captured_before_it_is_timed(monkeypatch, tmp_path):
-    """The one-row GEMV's candidates compiled side by side, eagerly and as a captured graph runs them (where the GEMVs
-    take programmatic dependent launch): launched afterwards as the tuner times them (once eagerly, then captured),
-    none compiles, and each captured one, replayed, gives the product of the dequantized weight."""
+@pytest.mark.parametrize("warm_up", ["captured", "eager"])  # in this order: Triton keeps a process's kernels, so the
+# captured warm-up (the tuner's) compiles first, and the eager one then adds the other candidates' eager variants
+def test_on_a_gpu_every_gemv_candidate_compiles_before_it_is_timed(monkeypatch, tmp_path, warm_up):
+    """The one-row GEMV's candidates compiled side by side as a tuner runs them before timing, eagerly (each, or the
+    first only under a captured warm-up) and inside a capture (where the GEMVs take programmatic dependent launch):
+    launched afterwards that way, none compiles, and each captured one, replayed, gives the product of the
+    dequantized weight. A captured warm-up records fewer kernels where the eager and captured variants differ."""
     from triton import knobs
 
-    from mmsdk.kernels import captured_calls
+    from mmsdk.kernels import captured_calls, pdl_ready
     from mmsdk.kernels.parallel_compile import compile_in_parallel
     from mmsdk.kernels.w4a16 import gemv_candidates, w4a16_gemv
     from mmsdk.plugins.quantizers.packing import dequantize_int4, quantize_int4
@@ -165,16 +170,19 @@ def test_on_a_gpu_every_gemv_candidate_compiles_eager_and_captured_before_it_is_
         outputs[cfg] = w4a16_gemv(x, packed.qweight, packed.scales, packed.zero_points, group, config=cfg)
 
     launches = [lambda c=cfg: launch(c) for cfg in gemv_candidates(1, group)]
-    compile_in_parallel(launches, threads=4, captured_on=x.device)
+    recorded = compile_in_parallel(launches, threads=4, captured_on=x.device, warm_up=warm_up)
     asked: list[str] = []
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kwargs: asked.append(kwargs["repr"]) or None)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # as graph_time_ms times them: each once eagerly, then captured
-        graph, _ = captured_calls(launches, len(launches), stream)
+    with torch.cuda.stream(stream):  # as tuned_config runs them: its first eagerly, then graph_time_ms's warm-up
+        launches[0]()
+        graph, _ = captured_calls(launches, len(launches), stream, warm_up)
     torch.cuda.current_stream().wait_stream(stream)
     assert asked == []
     graph.replay()  # the captured (PDL) variants write the outputs the capture allocated
     torch.cuda.synchronize()
     for cfg, out in outputs.items():
         assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2, cfg
+    if warm_up == "captured" and pdl_ready(x):  # one eager variant, not one per candidate
+        assert recorded < 2 * len(set(gemv_candidates(1, group))), recorded

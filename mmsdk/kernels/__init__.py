@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PAIRED_ROWS_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls",
            "graph_time_ms", "kv_merge_enabled", "l2_spill_copies", "note_fallback", "paired_rows_enabled",
-           "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready"]
+           "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready", "WARM_UPS"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -138,18 +138,20 @@ def note_fallback(kernel: str, reason: str, warn: bool = False) -> None:
             reason)
 
 
-def graph_time_ms(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: int = 10, reps: int = 5) -> float:
+def graph_time_ms(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: int = 10, reps: int = 5,
+                  warm_up: str = "eager") -> float:
     """Median GPU milliseconds of one call, replayed from a CUDA graph of ``calls`` calls.
 
     Why a graph: a decode-sized kernel runs for 5-40 µs, less than its Python launch, so timing
     eager calls measures the launcher (the W4A16 tuner did, and picked configurations at random).
     ``fn`` may be a sequence of callables (the same work on different copies of its inputs, from
-    :func:`l2_spill_copies`): the graph calls them in turn, at least once each.
+    :func:`l2_spill_copies`): the graph calls them in turn, at least once each. ``warm_up``: how each is
+    called before the timed capture (:func:`captured_calls`).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        graph, calls = captured_calls(fn, calls, stream)
+        graph, calls = captured_calls(fn, calls, stream, warm_up)
         graph.replay()
         times = []
         for _ in range(reps):
@@ -163,17 +165,32 @@ def graph_time_ms(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: in
     return sorted(times)[len(times) // 2]
 
 
+WARM_UPS = ("eager", "captured")
+
+
 def captured_calls(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: int,
-                   stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, int]:
+                   stream: torch.cuda.Stream | None = None, warm_up: str = "eager") -> tuple[torch.cuda.CUDAGraph, int]:
     """A CUDA graph of ``fn`` called about ``calls`` times, and the number of calls it holds.
 
     ``fn`` may be a sequence of callables: called in turn, whole rounds only. Each is called once before
-    the capture (Triton compiles on a first call, which a capture cannot hold).
+    the capture, so that what a first call does (Triton compiles and loads the kernel, a launcher makes its
+    buffers) is not what the graph holds. ``warm_up="eager"`` makes that call eagerly; ``"captured"`` inside a
+    capture that is then dropped, for kernels that have a variant of their own inside captures (the GEMVs take
+    programmatic dependent launch only there, :func:`pdl_preload_ready`): only that variant is compiled, half of a
+    tuner's compiles on Hopper. A ``"captured"`` warm-up cannot make buffers that must hold values (what a capture
+    fills, it only records): make them with an eager call first.
     """
+    if warm_up not in WARM_UPS:
+        raise ValueError(f"warm_up={warm_up!r}: use one of {', '.join(WARM_UPS)}.")
     fns = list(fn) if isinstance(fn, Sequence) else [fn]
     calls = -(-max(calls, len(fns)) // len(fns)) * len(fns)
-    for each in fns:
-        each()
+    if warm_up == "eager":
+        for each in fns:
+            each()
+    else:
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            for each in fns:
+                each()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for i in range(calls):

@@ -10,10 +10,11 @@ own ``AsyncCompileMode`` runs its compiles on an executor for this).
 How, without knowing what a launch compiles: each candidate's launch runs once with Triton's ``jit_cache_hook``
 answering "skip" for every kernel not compiled yet. Triton then hands the hook the kernel and its specialization
 (what ``JITFunction.preload`` takes) and returns without launching it; kernels compiled before launch as usual, which
-is harmless for a tuner (its launches write only their own outputs). The launches run a second time inside a CUDA
-graph capture, where the GEMVs compile a variant of their own (programmatic dependent launch). Then every recorded
-kernel is preloaded under ``AsyncCompileMode`` on a thread pool: compiled (or read from Triton's cache) and kept where
-the next launch looks, so the timed launches compile nothing.
+is harmless for a tuner (its launches write only their own outputs). The launches run inside a CUDA graph capture
+too, where the GEMVs compile a variant of their own (programmatic dependent launch); the W4A16 tuner warms its
+candidates up inside a capture as well, so their eager variants (but the first's) are not compiled at all. Then every
+recorded kernel is preloaded under ``AsyncCompileMode`` on a thread pool: compiled (or read from Triton's cache) and
+kept where the next launch looks, so the timed launches compile nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import LOG, captured_calls
+from mmsdk.kernels import LOG, WARM_UPS, captured_calls
 
 __all__ = ["COMPILE_THREADS_ENV", "compile_in_parallel", "compile_threads"]
 
@@ -50,22 +51,27 @@ def compile_threads() -> int:
 
 
 def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | None = None, *,
-                        captured_on: torch.device | None = None) -> int:
+                        captured_on: torch.device | None = None, warm_up: str = "eager") -> int:
     """Compile every Triton kernel that ``launches`` would compile, on ``threads`` threads at once (default
     :func:`compile_threads`), launching none of them; returns how many kernels it compiled (or tried to).
 
     ``captured_on`` (a CUDA device; others are ignored): the launches are also recorded as a CUDA graph captured on
     that device runs them. The GEMVs take programmatic dependent launch only while captured
-    (mmsdk.kernels.pdl_preload_ready), a kernel of its own; a tuner times its candidates in a captured graph after one
-    eager call each, so it needs both.
+    (mmsdk.kernels.pdl_preload_ready), a kernel of its own. ``warm_up`` says how the tuner calls them before it times
+    them (:func:`mmsdk.kernels.captured_calls`): ``"eager"``, each once eagerly, so each is recorded eagerly and
+    captured; ``"captured"``, each inside a capture, after one eager call of the first (which makes what a launch
+    makes on its first call), so only the first is recorded eagerly as well. Without ``captured_on`` every launch is
+    recorded eagerly.
 
     Nothing happens (0) with one thread or one launch, without Triton's hooks (``triton.knobs``, Triton 3.4 and
     newer), or while a ``jit_cache_hook`` of someone else's is set (it is left to see every compile). A launch that
     fails while its kernels are recorded, and a kernel that fails to compile, are left to fail again at their real
     launch, where the tuner drops that candidate.
     """
+    if warm_up not in WARM_UPS:
+        raise ValueError(f"warm_up={warm_up!r}: use one of {', '.join(WARM_UPS)}.")
     threads = compile_threads() if threads is None else threads
-    recorded = _recorded_kernels(launches, captured_on) if threads > 1 and len(launches) > 1 else {}
+    recorded = _recorded_kernels(launches, captured_on, warm_up) if threads > 1 and len(launches) > 1 else {}
     if not recorded:
         return 0
     import triton
@@ -77,10 +83,11 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
     return len(recorded)
 
 
-def _recorded_kernels(launches: Sequence[Callable[[], Any]],
-                      captured_on: torch.device | None) -> dict[tuple[int, str], tuple[Any, str]]:
-    """(kernel, specialization data) of every kernel the launches would compile, eagerly and (``captured_on``) in a
-    CUDA graph capture, keyed so each is compiled once."""
+def _recorded_kernels(launches: Sequence[Callable[[], Any]], captured_on: torch.device | None,
+                      warm_up: str) -> dict[tuple[int, str], tuple[Any, str]]:
+    """(kernel, specialization data) of every kernel the launches would compile, eagerly (all of them, or the first
+    only under a ``"captured"`` warm-up) and (``captured_on``) in a CUDA graph capture, keyed so each is compiled
+    once."""
     try:
         from triton import knobs
     except ImportError:  # no Triton, or one older than its hooks: each launch compiles its own kernels
@@ -98,7 +105,7 @@ def _recorded_kernels(launches: Sequence[Callable[[], Any]],
     try:
         guarded = [_guarded(launch) for launch in launches]
         if captured_on is not None and captured_on.type == "cuda":
-            _run_as_timed(guarded, captured_on)
+            _run_as_timed(guarded, captured_on, warm_up)
         else:
             for launch in guarded:
                 launch()
@@ -119,15 +126,22 @@ def _guarded(launch: Callable[[], Any]) -> Callable[[], None]:
     return run
 
 
-def _run_as_timed(launches: Sequence[Callable[[], None]], device: torch.device) -> None:
-    """The launches as :func:`mmsdk.kernels.graph_time_ms` runs them: on a side stream, each once eagerly, then inside
-    a CUDA graph capture (the graph, holding only kernels compiled before, is dropped). A capture that fails leaves
-    its kernels to compile at their own captured launch."""
+def _run_as_timed(launches: Sequence[Callable[[], None]], device: torch.device, warm_up: str) -> None:
+    """The launches as a tuner runs them with :func:`mmsdk.kernels.graph_time_ms`: on a side stream, each once
+    eagerly (``"eager"``; ``"captured"``: the first only), then inside a CUDA graph capture (the graph, holding only
+    kernels compiled before, is dropped). A capture that fails leaves its kernels to compile at their own captured
+    launch."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(stream):
-            captured_calls(launches, len(launches), stream)
+            if warm_up == "captured":
+                launches[0]()
+                with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+                    for launch in launches:
+                        launch()
+            else:
+                captured_calls(launches, len(launches), stream)
     except Exception as error:  # noqa: BLE001 - nothing of the capture is used
         LOG.debug("recording the captured launches failed (%s: %s)", type(error).__name__, error)
     torch.cuda.current_stream(device).wait_stream(stream)

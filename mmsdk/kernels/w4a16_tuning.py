@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
+from mmsdk.kernels import LOG, graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
 from mmsdk.kernels.parallel_compile import compile_in_parallel
 from mmsdk.kernels.step_configs import StepConfigsFile, step_measured_config
 
@@ -66,13 +66,20 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     if not timing_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     configs = list(dict.fromkeys(fit_config(c, group) for c in candidates))
-    # all at once, not one per launch: as graph_time_ms runs them, eagerly once, then captured
-    compile_in_parallel([lambda c=cfg: launch(c, weights) for cfg in configs], captured_on=weights[0].device)
+    launches = [lambda c=cfg: launch(c, weights) for cfg in configs]
+    # all at once, not one per launch, as they run below: the first eagerly, then each inside a capture
+    compile_in_parallel(launches, captured_on=weights[0].device, warm_up="captured")
+    try:  # what a launch makes on its first call (followed_by_norm's buffers) made eagerly, not just recorded
+        launches[0]()
+    except Exception as error:  # noqa: BLE001 - timed below, this candidate is skipped with its reason
+        LOG.debug("w4a16 tuning: the first candidate's eager call failed (%s: %s)", type(error).__name__, error)
     copies = l2_spill_copies(weights)
     timings = []
     for cfg in configs:
         try:
-            timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies]), cfg))
+            # warmed up inside a capture: on Hopper the GEMVs run a variant of their own there (programmatic dependent
+            # launch), the only one a timed graph and the decode step's graph hold, so the eager ones need no compile
+            timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies], warm_up="captured"), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
             note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
     table[key] = _first_within(timings, within) if timings else candidates[0]
