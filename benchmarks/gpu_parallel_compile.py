@@ -9,13 +9,14 @@ output is checked against the dequantized weight. ``tune``: ``mmsdk tune builtin
 qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the decode step's GEMVs (202 s of its 236 s
 with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
 
-``--warm-ups captured,eager``: how the W4A16 tuner warms each candidate up before timing it. "captured" is the
-tuner's own (inside a dropped capture, so on Hopper only the GEMVs' captured variants compile); "eager" runs the same
-tuner with that warm-up forced back to one eager call per candidate (each eager variant compiled too), as the tuner did
-until the fifty-third pass.
+``--warm-ups default,captured,eager``: how the W4A16 tuner warms each candidate up before timing it. "default" leaves
+it to the tuner (inside a dropped capture, so on Hopper only the GEMVs' captured variants compile, but eagerly in a step
+search's first tuning, whose trials run every candidate eagerly too); "captured" and "eager" force one of the two on
+every tuning ("eager": one eager call per candidate, each eager variant compiled too, as the tuner did until the
+fifty-third pass).
 
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1] [--cases gemv,tune] [--warm]
-        [--warm-ups captured,eager]
+        [--warm-ups default,captured,eager]
 """
 
 from __future__ import annotations
@@ -128,13 +129,15 @@ def main() -> None:
     parser.add_argument("--cases", default="gemv,tune")
     parser.add_argument("--warm", action="store_true",
                         help="then run each case once more with the first thread count's Triton cache, now filled")
-    parser.add_argument("--warm-ups", default="captured",
-                        help="the tuner's warm-up per run, comma separated: captured (its own), eager (as before)")
+    parser.add_argument("--warm-ups", default="default",
+                        help="the tuner's warm-up per run, comma separated: default (its own choice), or captured or "
+                             "eager forced on every tuning")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        force_warm_up(args.warm_ups)
+        if args.warm_ups != "default":
+            force_warm_up(args.warm_ups)
         result = gemv_case() if args.worker == "gemv" else tune_case(args.folder)
         print(json.dumps(result))
         return

@@ -721,6 +721,15 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
     # each tuning: its candidates compiled as they are then run, the first called once eagerly (its lazily made
     # buffers hold values), each timed with its warm-up inside a capture (only the GEMVs' captured variants compile)
     assert timed[:5] == ["a", "a", "b", "c", "d"] and set(warm_ups) == {"captured"} and len(warm_ups) == 3 * 5
+    timed.clear()
+    warm_ups.clear()
+    w4a16_tuning.tuning().warm_up = "eager"  # a step search's first tuning
+    try:
+        w4a16_tuning.tuned_config(("test", "within", "eager"), lambda cfg, w: timed.append(cfg[0]), candidates, 32,
+                                  (torch.zeros(4),))
+    finally:
+        w4a16_tuning.tuning().warm_up = "captured"
+    assert timed == ["a", "b", "c", "d"] and warm_ups == ["eager"] * 5  # each warmed up eagerly as it is timed
     times.update(d=10.2)
     assert w4a16_tuning.tuned_config(("test", "within", "close"), lambda cfg, w: timed.append(cfg[0]), candidates,
                                      32, (torch.zeros(4),), 0.03) == ("b",)

@@ -244,6 +244,11 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
     table = tuning().chosen
     others = dict(table)  # what the process chose for other GEMVs (other models): kept, not searched
     table.clear()
+    warm_up = tuning().warm_up
+    # every trial runs its candidate in the step's eager call as well as in its graph: the first tuning compiles both
+    # variants side by side (warmed up in a capture, the eager ones compiled one at a time in the trials: on a fresh
+    # H100 the digits tune took 77.2 s against 67.9, docs/benchmarks.md, fifty-third pass)
+    tuning().warm_up = "eager"
     try:
         # silent otherwise for minutes: on a fresh machine this compiles every candidate of every GEMV the step runs
         report("tuning the decode step's GEMVs on their own first (a fresh machine compiles each candidate: minutes)")
@@ -257,6 +262,7 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
         report(f"timing the decode step with up to {count} candidates over {len(trials)} one-row GEMVs")
         result = descend(trials, step_ms, report)
     finally:
+        tuning().warm_up = warm_up
         for key, cfg in others.items():
             table.setdefault(key, cfg)
     result.device_name = torch.cuda.get_device_name(ids.device)

@@ -34,6 +34,12 @@ class Tuning:
     def __init__(self) -> None:
         self.chosen: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self.step_configs_file = StepConfigsFile()  # the MMSDK_STEP_CONFIGS file, read once while unchanged
+        # how tuned_config warms each candidate up before timing it (mmsdk.kernels.captured_calls). "captured": on
+        # Hopper only the captured variants compile, which is all a decode step's graph runs (a fresh H100's first
+        # q/k/v GEMV tuning 13.9 s against 17.6, docs/benchmarks.md, fifty-third pass). A step search sets "eager"
+        # for its first tuning: its trials run every candidate in the step's eager call too, which would otherwise
+        # compile their eager variants one at a time.
+        self.warm_up = "captured"
 
 
 @cache
@@ -67,19 +73,21 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
         return candidates[0]
     configs = list(dict.fromkeys(fit_config(c, group) for c in candidates))
     launches = [lambda c=cfg: launch(c, weights) for cfg in configs]
-    # all at once, not one per launch, as they run below: the first eagerly, then each inside a capture
-    compile_in_parallel(launches, captured_on=weights[0].device, warm_up="captured")
-    try:  # what a launch makes on its first call (followed_by_norm's buffers) made eagerly, not just recorded
-        launches[0]()
-    except Exception as error:  # noqa: BLE001 - timed below, this candidate is skipped with its reason
-        LOG.debug("w4a16 tuning: the first candidate's eager call failed (%s: %s)", type(error).__name__, error)
+    warm_up = tuning().warm_up
+    # all at once, not one per launch, as they run below (captured warm-up: the first eagerly, then each captured)
+    compile_in_parallel(launches, captured_on=weights[0].device, warm_up=warm_up)
+    if warm_up == "captured":
+        try:  # what a launch makes on its first call (followed_by_norm's buffers) made eagerly, not just recorded
+            launches[0]()
+        except Exception as error:  # noqa: BLE001 - timed below, this candidate is skipped with its reason
+            LOG.debug("w4a16 tuning: the first candidate's eager call failed (%s: %s)", type(error).__name__, error)
     copies = l2_spill_copies(weights)
     timings = []
     for cfg in configs:
         try:
             # warmed up inside a capture: on Hopper the GEMVs run a variant of their own there (programmatic dependent
             # launch), the only one a timed graph and the decode step's graph hold, so the eager ones need no compile
-            timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies], warm_up="captured"), cfg))
+            timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies], warm_up=warm_up), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
             note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
     table[key] = _first_within(timings, within) if timings else candidates[0]
