@@ -55,7 +55,8 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     (mmsdk.kernels.step_configs: taken untimed); with ``within`` > 0 the first candidate, in the given order, whose
     time is within that fraction of the fastest (for candidates that time alike alone but not in the decode step,
     listed in the step's order). Every candidate is compiled first, on all CPUs at once
-    (:func:`mmsdk.kernels.parallel_compile.compile_in_parallel`).
+    (:func:`mmsdk.kernels.parallel_compile.compile_in_parallel`), and warmed up as ``tuning().warm_up`` says (by
+    default inside a dropped capture, after one eager call of the first).
 
     ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
     timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
