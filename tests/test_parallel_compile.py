@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -77,20 +78,26 @@ def _compiles(knobs, block: int, args) -> int:
     return len(asked)
 
 
-def test_each_kernel_the_launches_would_compile_is_compiled_once_on_threads_and_none_is_launched(sm90):
+def test_each_kernel_the_launches_would_compile_is_compiled_once_on_threads_and_none_is_launched(sm90, caplog,
+                                                                                                 monkeypatch):
     """Five launches over four tile sizes, one launch failing before its kernel: four kernels compile (on threads,
     for sm_90), none runs (a launch on the stand-in driver would fail), the hook is left unset, and the next launch of
-    each compiles nothing."""
+    each compiles nothing. The compile step says what it compiled, on how many threads and in how long."""
+    from mmsdk.kernels import parallel_compile
     from mmsdk.kernels.parallel_compile import compile_in_parallel
 
+    monkeypatch.setattr(parallel_compile, "NOTED_SECONDS", 0.0)  # a compile this small may take less than the bar
     try:
         launches, args = _launches((64, 128, 256, 512, 64, -1))  # sizes no other test builds
-        assert compile_in_parallel(launches, threads=3) == 4
+        with caplog.at_level("INFO", logger="mmsdk.kernels"):
+            assert compile_in_parallel(launches, threads=3) == 4
     except RuntimeError as error:  # no ptxas for this Triton build: nothing to check against
         if "ptxas" in str(error).lower():
             pytest.skip(f"Triton cannot compile for sm_90 here: {error}")
         raise
     assert sm90.runtime.jit_cache_hook is None
+    assert re.search(r"compiled 4 kernels for a tuner on 3 threads in \d+\.\d s .*MMSDK_COMPILE_THREADS",
+                     caplog.text), caplog.text
     assert [_compiles(sm90, block, args) for block in (64, 128, 256, 512)] == [0, 0, 0, 0]
     assert _compiles(sm90, 32, args) == 1  # one no launch asked for compiles at its warm-up, as before
 

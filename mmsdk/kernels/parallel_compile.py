@@ -19,7 +19,9 @@ kept where the next launch looks, so the timed launches compile nothing.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,6 +37,9 @@ __all__ = ["COMPILE_THREADS_ENV", "compile_in_parallel", "compile_threads"]
 COMPILE_THREADS_ENV = "MMSDK_COMPILE_THREADS"
 # a compile holds a few hundred MB while it runs, and a shape has a few dozen candidate kernels at most
 DEFAULT_MOST_THREADS = 32
+# a compile step at least this long is logged at INFO (compiling); a shorter one read its kernels from Triton's cache
+# (36 kernels in 0.6 s on an H100, docs/benchmarks.md, fifty-third pass)
+NOTED_SECONDS = 2.0
 
 
 def compile_threads() -> int:
@@ -76,10 +81,17 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
         return 0
     import triton
 
-    with ThreadPoolExecutor(max_workers=min(threads, len(recorded)), thread_name_prefix="mmsdk-compile") as pool:
+    started = time.perf_counter()
+    workers = min(threads, len(recorded))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mmsdk-compile") as pool:
         with triton.AsyncCompileMode(pool, ignore_errors=True):
             for kernel, specialization in recorded.values():
                 _preload(kernel, specialization)
+    seconds = time.perf_counter() - started
+    # a first call that stalls for seconds says why, once per tuning; read from Triton's cache it is quiet
+    LOG.log(logging.INFO if seconds >= NOTED_SECONDS else logging.DEBUG,
+            "mmsdk.kernels: compiled %d kernels for a tuner on %d threads in %.1f s (Triton's cache keeps them for "
+            "later processes; %s sets the threads)", len(recorded), workers, seconds, COMPILE_THREADS_ENV)
     return len(recorded)
 
 
