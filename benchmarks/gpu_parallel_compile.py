@@ -5,9 +5,10 @@ Each case runs in a process of its own with an empty ``TRITON_CACHE_DIR`` and ``
 kernel is compiled before it starts; with ``--warm`` once more on the cache the first thread count's run filled (what
 the first call costs without compiling). ``gemv``: LLaVA-1.5-7B's fused q/k/v projection ([12288, 4096], g32, bf16) for
 one token, the first ``int4_linear`` call (the tuner compiles and times its 18 candidates), then a second call; the
-output is checked against the dequantized weight. ``tune``: ``mmsdk tune builtin:llava-digits --apply
-qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the decode step's GEMVs (202 s of its 236 s
-with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
+output is checked against the dequantized weight. ``generate``: the first and second greedy ``generate`` call of
+builtin:llava-digits with qkv-fuse, int4-weight and int4-kv (a user's first call on a machine). ``tune``: ``mmsdk tune
+builtin:llava-digits --apply qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the decode
+step's GEMVs (202 s of its 236 s with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
 
 ``--warm-ups default,captured,eager``: how the W4A16 tuner warms each candidate up before timing it. "default" leaves
 it to the tuner (inside a dropped capture, so on Hopper only the GEMVs' captured variants compile, but eagerly in a step
@@ -15,8 +16,8 @@ search's first tuning, whose trials run every candidate eagerly too); "captured"
 every tuning ("eager": one eager call per candidate, each eager variant compiled too, as the tuner did until the
 fifty-third pass).
 
-    python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1] [--cases gemv,tune] [--warm]
-        [--warm-ups default,captured,eager]
+    python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1]
+        [--cases gemv,generate,tune] [--warm] [--warm-ups default,captured,eager]
 """
 
 from __future__ import annotations
@@ -90,6 +91,34 @@ def tune_case(folder: Path) -> dict[str, Any]:
             "stderr_tail": err.getvalue()[-600:] if returncode else ""}
 
 
+def generate_case() -> dict[str, Any]:
+    """The first and second greedy ``generate`` call (16 new tokens) of the digits model with the decode stack, as a
+    user's first call on a machine meets it: every tuning, compile and capture of the fast path."""
+    import torch
+
+    from mmsdk.cli._common import prompt_sample
+    from mmsdk.core.optimizer import Optimizer
+    from mmsdk.core.session import Session
+    from mmsdk.core.sources import load_model
+    from mmsdk.profiling.measure import prompt_inputs
+
+    session = Session.create()
+    loaded = load_model("builtin:llava-digits", session=session)
+    loaded.model.to("cuda", torch.bfloat16)
+    opt = Optimizer(loaded, session=session)
+    opt.apply("qkv-fuse", "int4-weight", "int4-kv")
+    inputs = prompt_inputs(opt.model, opt.processor, opt.adapter, prompt_sample(None, None, opt.session), "cuda")
+    seconds, answers = [], []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        answers.append(opt.model.generate(**inputs, max_new_tokens=16, do_sample=False))
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return {"first_call_s": round(seconds[0], 2), "second_call_s": round(seconds[1], 4),
+            "same_answer": bool(torch.equal(answers[0], answers[1]))}
+
+
 def force_warm_up(warm_up: str) -> None:
     """The W4A16 tuner in this process with ``warm_up`` forced on its compile and timing calls (``eager``: as before
     the tuner warmed its candidates up inside a capture)."""
@@ -126,7 +155,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}",
                         help="compile threads per run, comma separated (default: 1 and this machine's CPUs)")
-    parser.add_argument("--cases", default="gemv,tune")
+    parser.add_argument("--cases", default="gemv,tune", help="comma separated: gemv, generate, tune")
     parser.add_argument("--warm", action="store_true",
                         help="then run each case once more with the first thread count's Triton cache, now filled")
     parser.add_argument("--warm-ups", default="default",
@@ -138,7 +167,8 @@ def main() -> None:
     if args.worker:
         if args.warm_ups != "default":
             force_warm_up(args.warm_ups)
-        result = gemv_case() if args.worker == "gemv" else tune_case(args.folder)
+        cases = {"gemv": gemv_case, "generate": generate_case, "tune": lambda: tune_case(args.folder)}
+        result = cases[args.worker]()
         print(json.dumps(result))
         return
     import torch
