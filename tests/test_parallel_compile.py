@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -100,6 +101,77 @@ def test_each_kernel_the_launches_would_compile_is_compiled_once_on_threads_and_
                      caplog.text), caplog.text
     assert [_compiles(sm90, block, args) for block in (64, 128, 256, 512)] == [0, 0, 0, 0]
     assert _compiles(sm90, 32, args) == 1  # one no launch asked for compiles at its warm-up, as before
+
+
+def test_each_compiled_kernels_launcher_is_built_on_the_compile_threads(sm90, monkeypatch):
+    """After the compiles, each compiled kernel's C launcher is built on the same threads (Triton builds it at the
+    kernel's first launch otherwise, one at a time); a launcher that fails to build is left to its launch."""
+    import threading
+
+    from triton.runtime.driver import driver
+
+    from mmsdk.kernels.parallel_compile import compile_in_parallel
+
+    built = []
+
+    def launcher_cls(src, metadata):
+        built.append((src.fn, metadata.num_warps, threading.current_thread().name))
+        if len(built) == 1:
+            raise RuntimeError("this launcher does not build")
+
+    monkeypatch.setattr(driver._active, "launcher_cls", launcher_cls, raising=False)
+    launches, _ = _launches((2048, 4096))  # sizes no other test builds
+    assert compile_in_parallel(launches, threads=2) == 2
+    assert len(built) == 2 and all(fn is doubled and warps > 0 for fn, warps, _ in built)
+    assert all(thread.startswith("mmsdk-compile") for *_, thread in built)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or torch.cuda.is_available(),
+                    reason="needs a C compiler, and a machine without a CUDA driver (a stand-in libcuda is loaded)")
+def test_a_launcher_built_on_the_compile_threads_is_what_the_first_launch_finds_in_the_cache(sm90, monkeypatch,
+                                                                                           tmp_path):
+    """Triton's own CUDA launcher, built from what compile_in_parallel hands it, against a stand-in libcuda: the
+    later build at the kernel's first launch finds the module in Triton's cache and compiles nothing."""
+    import ctypes
+    import inspect
+    import subprocess
+    import sys
+
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime import build
+    from triton.runtime.driver import driver
+
+    from mmsdk.kernels import parallel_compile
+
+    stub = tmp_path / "libcuda.so"
+    (tmp_path / "stub.c").write_text("int mmsdk_stand_in_libcuda;\n")
+    subprocess.check_call(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub),
+                           str(tmp_path / "stub.c")])
+    (tmp_path / "libcuda.so.1").symlink_to(stub)
+    ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)  # the launcher module names libcuda.so.1: found by its soname
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", str(tmp_path))
+    compiles = []
+    real_build = build._build
+    monkeypatch.setattr(build, "_build", lambda *args: compiles.append(args[0]) or real_build(*args))
+    monkeypatch.setattr(driver._active, "launcher_cls", CudaLauncher, raising=False)
+    launches, args = _launches((8192, 16384))  # sizes no other test builds
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(os.RTLD_LAZY)  # the launcher's CUDA calls resolve only when it launches
+    try:
+        assert parallel_compile.compile_in_parallel(launches, threads=2) == 2
+        if "compile_module_from_src" not in inspect.getsource(CudaLauncher.__init__):
+            assert compiles == []  # newer Triton launches every kernel through one module its driver builds
+            return
+        # Triton 3.6: a C module per argument signature, one for both kernels here, built on the threads (by both,
+        # if they raced)
+        assert compiles and set(compiles) == {"__triton_launcher"}
+        built = len(compiles)
+        for block in (8192, 16384):
+            compiled = doubled.warmup(*args, 1000, BLOCK=block, grid=(1,))
+            CudaLauncher(compiled.src, compiled.metadata)  # what the kernel's first launch builds
+    finally:
+        sys.setdlopenflags(flags)
+    assert len(compiles) == built  # found in Triton's cache: nothing compiled at the launches
 
 
 def test_a_kernel_that_fails_to_compile_is_left_to_fail_at_its_launch(sm90):

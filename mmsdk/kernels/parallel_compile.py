@@ -14,7 +14,8 @@ is harmless for a tuner (its launches write only their own outputs). The launche
 too, where the GEMVs compile a variant of their own (programmatic dependent launch); the W4A16 tuner warms its
 candidates up inside a capture as well, so their eager variants (but the first's) are not compiled at all. Then every
 recorded kernel is preloaded under ``AsyncCompileMode`` on a thread pool: compiled (or read from Triton's cache) and
-kept where the next launch looks, so the timed launches compile nothing.
+kept where the next launch looks, so the timed launches compile nothing. Their C launchers (Triton 3.6 builds one per
+argument signature at a kernel's first launch) are built on the same threads afterwards.
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
     workers = min(threads, len(recorded))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mmsdk-compile") as pool:
         with triton.AsyncCompileMode(pool, ignore_errors=True):
-            for kernel, specialization in recorded.values():
-                _preload(kernel, specialization)
+            pending = [_preload(kernel, specialization) for kernel, specialization in recorded.values()]
+        # the mode's exit waited for every compile; now each compiled kernel's launcher on the same threads
+        compiled = [future.kernel for future in pending if getattr(future, "kernel", None) is not None]
+        list(pool.map(_build_launcher, compiled))
     seconds = time.perf_counter() - started
     # a first call that stalls for seconds says why, once per tuning; read from Triton's cache it is quiet
     LOG.log(logging.INFO if seconds >= NOTED_SECONDS else logging.DEBUG,
@@ -159,9 +162,30 @@ def _run_as_timed(launches: Sequence[Callable[[], None]], device: torch.device, 
     torch.cuda.current_stream(device).wait_stream(stream)
 
 
-def _preload(kernel: Any, specialization: str) -> None:
-    """Submit one kernel's compile (under AsyncCompileMode Triton queues it on the pool and returns)."""
+def _preload(kernel: Any, specialization: str) -> Any:
+    """Submit one kernel's compile (under AsyncCompileMode Triton queues it on the pool and returns the pending
+    compile, whose ``kernel`` is set once the mode ends; None if the submission failed)."""
     try:
-        kernel.preload(specialization)
+        return kernel.preload(specialization)
     except Exception as error:  # noqa: BLE001 - the real launch compiles it again and raises where it is handled
         LOG.debug("preloading %s failed (%s: %s)", getattr(kernel, "__name__", kernel), type(error).__name__, error)
+        return None
+
+
+def _build_launcher(compiled: Any) -> None:
+    """Build the C launcher of a compiled kernel once, into Triton's cache.
+
+    Triton 3.6 launches each kernel through a small C module made for its argument signature, built with the
+    system's C compiler at the kernel's first launch, one at a time (a profile of a 7B GEMV's first tuning on an H100
+    counted 8 such builds, 2.6 s: docs/benchmarks.md, fifty-second pass). Built here, side by side, the first launch
+    finds the module in Triton's cache and only loads it. Nothing is loaded onto the GPU. Newer Tritons launch every
+    kernel through one module their driver builds, so this costs them nothing and saves nothing."""
+    try:
+        from triton.runtime.driver import driver
+
+        launcher = getattr(driver.active, "launcher_cls", None)
+        if launcher is not None:
+            launcher(compiled.src, compiled.metadata)
+    except Exception as error:  # noqa: BLE001 - the first launch builds it again and raises where it is handled
+        LOG.debug("building the launcher of %s failed (%s: %s)", getattr(compiled, "name", compiled),
+                  type(error).__name__, error)
