@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PAIRED_ROWS_ENV", "PDL_ENV", "TUNE_ENV", "captured_calls",
-           "graph_time_ms", "kv_merge_enabled", "l2_spill_copies", "note_fallback", "paired_rows_enabled",
-           "pdl_preload_ready", "pdl_ready", "timing_enabled", "triton_available", "triton_ready", "WARM_UPS"]
+__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PAIRED_ROWS_ENV", "PDL_ENV", "TUNE_ENV", "WARM_UPS",
+           "call_in_dropped_capture", "captured_calls", "graph_time_ms", "kv_merge_enabled", "l2_spill_copies",
+           "note_fallback", "paired_rows_enabled", "pdl_preload_ready", "pdl_ready", "timing_enabled",
+           "triton_available", "triton_ready"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -188,14 +189,20 @@ def captured_calls(fn: Callable[[], Any] | Sequence[Callable[[], Any]], calls: i
         for each in fns:
             each()
     else:
-        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
-            for each in fns:
-                each()
+        call_in_dropped_capture(fns, stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for i in range(calls):
             fns[i % len(fns)]()
     return graph, calls
+
+
+def call_in_dropped_capture(fns: Sequence[Callable[[], Any]], stream: torch.cuda.Stream | None = None) -> None:
+    """Call each of ``fns`` once inside a CUDA graph capture on ``stream`` whose graph is then dropped: what a first
+    call does inside captures (compile and load a captured kernel variant) without running anything."""
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        for each in fns:
+            each()
 
 
 def l2_spill_copies(tensors: Sequence[torch.Tensor | None], l2_multiple: int = 3,

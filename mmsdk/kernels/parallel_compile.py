@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import LOG, WARM_UPS, captured_calls
+from mmsdk.kernels import LOG, WARM_UPS, call_in_dropped_capture, captured_calls
 
 __all__ = ["COMPILE_THREADS_ENV", "compile_in_parallel", "compile_threads"]
 
@@ -152,9 +152,7 @@ def _run_as_timed(launches: Sequence[Callable[[], None]], device: torch.device, 
         with torch.cuda.stream(stream):
             if warm_up == "captured":
                 launches[0]()
-                with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
-                    for launch in launches:
-                        launch()
+                call_in_dropped_capture(launches, stream)
             else:
                 captured_calls(launches, len(launches), stream)
     except Exception as error:  # noqa: BLE001 - nothing of the capture is used
