@@ -16,6 +16,10 @@ search's first tuning, whose trials run every candidate eagerly too); "captured"
 every tuning ("eager": one eager call per candidate, each eager variant compiled too, as the tuner did until the
 fifty-third pass).
 
+Each worker also lists every Triton compile it saw (Triton's compilation listener): on which thread, how long, so a
+case says how much of its first call still compiled one kernel at a time on the calling thread ("serial") and which
+kernels those were, next to what the compile threads did ("parallel", summed over threads).
+
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1]
         [--cases gemv,generate,tune] [--warm] [--warm-ups default,captured,eager]
 """
@@ -119,6 +123,42 @@ def generate_case() -> dict[str, Any]:
             "same_answer": bool(torch.equal(answers[0], answers[1]))}
 
 
+def listen_to_compiles() -> list[dict[str, Any]]:
+    """Every Triton compile from now on in this process, appended as it ends: the kernel, the thread it ran on, its
+    time and whether Triton's cache had it (an empty list, never filled, on a Triton without the listener)."""
+    import threading
+
+    compiles: list[dict[str, Any]] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        return compiles
+
+    def listener(*, src: Any, times: Any, cache_hit: bool, **_: Any) -> None:
+        compiles.append({"kernel": getattr(src, "name", str(src)), "thread": threading.current_thread().name,
+                         "seconds": times.total / 1e6, "cache_hit": cache_hit})
+
+    knobs.compilation.listener = listener
+    return compiles
+
+
+def compile_summary(compiles: list[dict[str, Any]]) -> dict[str, Any]:
+    """The compiles of a case, the calling thread's (one at a time) apart from the compile threads'."""
+    compiled = [entry for entry in compiles if not entry["cache_hit"]]
+    serial = [entry for entry in compiled if not entry["thread"].startswith("mmsdk-compile")]
+    parallel = [entry for entry in compiled if entry["thread"].startswith("mmsdk-compile")]
+    by_kernel: dict[str, list[float]] = {}
+    for entry in serial:
+        by_kernel.setdefault(entry["kernel"], []).append(entry["seconds"])
+    slowest = sorted(by_kernel.items(), key=lambda item: -sum(item[1]))
+    return {"compiles": len(compiled), "cache_hits": len(compiles) - len(compiled),
+            "serial_compiles": len(serial), "serial_compile_s": round(sum(e["seconds"] for e in serial), 2),
+            "parallel_compiles": len(parallel),
+            "parallel_compile_thread_s": round(sum(e["seconds"] for e in parallel), 2),
+            "serial_kernels": [{"kernel": name, "compiles": len(times), "seconds": round(sum(times), 2)}
+                               for name, times in slowest]}
+
+
 def force_warm_up(warm_up: str) -> None:
     """The W4A16 tuner in this process with ``warm_up`` forced on its compile and timing calls (``eager``: as before
     the tuner warmed its candidates up inside a capture)."""
@@ -168,8 +208,9 @@ def main() -> None:
         if args.warm_ups != "default":
             force_warm_up(args.warm_ups)
         cases = {"gemv": gemv_case, "generate": generate_case, "tune": lambda: tune_case(args.folder)}
+        compiles = listen_to_compiles()
         result = cases[args.worker]()
-        print(json.dumps(result))
+        print(json.dumps({**result, **compile_summary(compiles)}))
         return
     import torch
     import triton
