@@ -159,6 +159,82 @@ def compile_summary(compiles: list[dict[str, Any]]) -> dict[str, Any]:
                                for name, times in slowest]}
 
 
+def compile_in_processes(launches: Any, threads: int | None = None, *, captured_on: Any = None,
+                         warm_up: str = "eager", report: list[dict[str, Any]]) -> int:
+    """What ``compile_in_parallel`` does, the compiles in spawned processes instead of threads (a prototype, to learn
+    whether the threads' share of Python holding the GIL costs a 16-CPU machine much): the recorded kernels are
+    compiled by a pool of ``threads`` processes into Triton's cache (each compiles for the parent's GPU without a CUDA
+    context of its own), then read back here, so the timed launches compile nothing. Returns the kernels recorded; the
+    pool's start, the compiles and the read-back are timed into ``report``."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from triton.runtime.driver import driver
+
+    from mmsdk.kernels.parallel_compile import _build_launcher, _recorded_kernels, compile_threads
+
+    threads = compile_threads() if threads is None else threads
+    recorded = _recorded_kernels(launches, captured_on, warm_up)
+    if not recorded:
+        return 0
+    target = driver.active.get_current_target()
+    jobs = [(kernel.fn.__module__, kernel.fn.__qualname__, specialization)
+            for kernel, specialization in recorded.values()]
+    workers = min(threads, len(jobs))
+    started = time.perf_counter()
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_compiling_process,
+                             initargs=(target.arch, target.warp_size)) as pool:
+        list(pool.map(_ready, range(workers)))  # every process started and its imports done
+        ready = time.perf_counter()
+        list(pool.map(_compile_in_process, jobs))
+    compiled = time.perf_counter()
+    for kernel, specialization in recorded.values():  # Triton's cache has them now: read, not compiled
+        _build_launcher(kernel.preload(specialization))
+    report.append({"kernels": len(jobs), "processes": workers, "start_s": round(ready - started, 2),
+                   "compile_s": round(compiled - ready, 2), "read_back_s": round(time.perf_counter() - compiled, 2)})
+    return len(jobs)
+
+
+def _compiling_process(arch: int, warp_size: int) -> None:
+    """A compiling process's start: Triton's driver reports the parent's GPU, so no CUDA context is made here."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    import mmsdk.kernels.parallel_compile  # noqa: F401 - its imports (torch, Triton) are part of a process's start
+
+    try:
+        active = driver.active
+    except RuntimeError:  # no CUDA driver here (a check on a CPU machine): compile only, build no launcher
+        import types
+
+        active = driver._active = types.SimpleNamespace()
+    active.get_current_device = lambda: 0
+    active.get_device_capability = lambda device=None: divmod(arch, 10)
+    active.get_current_target = lambda: GPUTarget("cuda", arch, warp_size)
+
+
+def _ready(_: int) -> int:
+    time.sleep(0.2)  # held a moment, so every process of the pool takes one
+    return os.getpid()
+
+
+def _compile_in_process(job: tuple[str, str, str]) -> float:
+    """Compile one recorded kernel (its module, name and specialization) into Triton's cache, with its launcher."""
+    import importlib
+
+    from mmsdk.kernels.parallel_compile import _build_launcher
+
+    module, name, specialization = job
+    kernel: Any = importlib.import_module(module)
+    for part in name.split("."):
+        kernel = getattr(kernel, part)
+    while not hasattr(kernel, "preload") and hasattr(kernel, "fn"):  # an autotuner or heuristics around the kernel
+        kernel = kernel.fn
+    started = time.perf_counter()
+    _build_launcher(kernel.preload(specialization))
+    return time.perf_counter() - started
+
+
 def force_warm_up(warm_up: str) -> None:
     """The W4A16 tuner in this process with ``warm_up`` forced on its compile and timing calls (``eager``: as before
     the tuner warmed its candidates up inside a capture)."""
@@ -173,17 +249,19 @@ def force_warm_up(warm_up: str) -> None:
         setattr(tuning_module, name, forced)
 
 
-def run_case(case: str, threads: int, cache: Path, warm_up: str) -> dict[str, Any]:
-    """``case`` in a fresh process with Triton's cache in ``cache``, ``threads`` compile threads and the tuner's
-    candidates warmed up ``warm_up``."""
+def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str) -> dict[str, Any]:
+    """``case`` in a fresh process with Triton's cache in ``cache``, ``threads`` compile threads (or processes:
+    ``compile_in``) and the tuner's candidates warmed up ``warm_up``."""
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "MMSDK_COMPILE_THREADS": str(threads),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         warm = cache.is_dir() and any(cache.iterdir())
         started = time.perf_counter()
-        run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder, "--warm-ups", warm_up],
+        run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder, "--warm-ups", warm_up,
+                              "--compile-in", compile_in],
                              env=env, capture_output=True, text=True)
-        label = {"case": case, "threads": threads, "warm_up": warm_up, "triton_cache": "warm" if warm else "empty"}
+        label = {"case": case, "threads": threads, "warm_up": warm_up, "compile_in": compile_in,
+                 "triton_cache": "warm" if warm else "empty"}
         if run.returncode:
             return {**label, "error": run.stderr[-2000:]}
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -201,16 +279,26 @@ def main() -> None:
     parser.add_argument("--warm-ups", default="default",
                         help="the tuner's warm-up per run, comma separated: default (its own choice), or captured or "
                              "eager forced on every tuning")
+    parser.add_argument("--compile-in", default="threads",
+                        help="comma separated: threads (mmsdk's compile step), processes (a prototype: the tuner's "
+                             "recorded kernels compiled by spawned processes into Triton's cache)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        process_compiles: list[dict[str, Any]] = []
+        if args.compile_in == "processes":
+            import functools
+
+            import mmsdk.kernels.w4a16_tuning as tuning_module
+
+            tuning_module.compile_in_parallel = functools.partial(compile_in_processes, report=process_compiles)
         if args.warm_ups != "default":
             force_warm_up(args.warm_ups)
         cases = {"gemv": gemv_case, "generate": generate_case, "tune": lambda: tune_case(args.folder)}
         compiles = listen_to_compiles()
         result = cases[args.worker]()
-        print(json.dumps({**result, **compile_summary(compiles)}))
+        print(json.dumps({**result, **compile_summary(compiles), "process_compiles": process_compiles}))
         return
     import torch
     import triton
@@ -220,12 +308,13 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",")]
     for case in args.cases.split(","):
         with tempfile.TemporaryDirectory() as caches:
-            runs = [(threads, warm_up, Path(caches) / f"{threads}-threads-{warm_up}")
-                    for warm_up in args.warm_ups.split(",") for threads in counts]
+            runs = [(threads, warm_up, Path(caches) / f"{threads}-{compile_in}-{warm_up}", compile_in)
+                    for warm_up in args.warm_ups.split(",") for compile_in in args.compile_in.split(",")
+                    for threads in counts]
             if args.warm:  # what is left without compiling: the first run again, on the cache it filled
                 runs.append(runs[0])
-            for threads, warm_up, cache in runs:
-                results["runs"].append(run_case(case, threads, cache, warm_up))
+            for threads, warm_up, cache, compile_in in runs:
+                results["runs"].append(run_case(case, threads, cache, warm_up, compile_in))
                 print(json.dumps(results["runs"][-1]), flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(results, indent=1))
