@@ -1,13 +1,14 @@
 """How much of a Triton compile holds Python's GIL: the bound on compiling a tuner's candidates on threads.
 
 mmsdk.kernels.parallel_compile compiles a tuner's candidates on a thread pool, which pays only while a compile leaves
-the GIL (in LLVM's passes and ptxas). If a fraction ``f`` of each compile holds it, ``n`` threads compile at most ``1 /
-(f + (1 - f) / n)`` times as fast as one (Amdahl), however many CPUs there are. This measures ``f`` on any machine, no
-GPU needed: the batch-1 integer-dot GEMV tiles of benchmarks/sm90_gemv_builds.py are compiled for sm_90 (Triton's
-bundled ptxas; ``always_compile``, so the cache is not read) while a probe thread runs a pure Python loop. The probe's
-rate while a compile runs, against its rate alone just before each compile, is the share of the time the compile left it
-the GIL. (Each window of the probe is a chunk of loop iterations; the share is counted over the compiles' own time, not
-the SASS dumps around them.)
+the GIL (in LLVM's passes and ptxas). If a fraction ``f`` of each compile holds it, ``n`` threads compile at most
+``1 / (f + (1 - f) / n)`` times as fast as one (Amdahl), however many CPUs there are.
+
+This measures ``f`` on any machine, no GPU needed: the batch-1 integer-dot GEMV tiles of benchmarks/sm90_gemv_builds.py
+are compiled for sm_90 (Triton's bundled ptxas; ``always_compile``, so the cache is not read) while a probe thread runs
+a pure Python loop. The probe's rate while a compile runs, against its rate alone just before each compile, is the share
+of the time the compile left it the GIL. (Each window of the probe is a chunk of loop iterations; the share is counted
+over the compiles' own time, not the SASS dumps around them.)
 
     python benchmarks/compile_gil_share.py [--repeats 3] [--out gil_share.json]
 """
