@@ -21,7 +21,7 @@ case says how much of its first call still compiled one kernel at a time on the 
 kernels those were, next to what the compile threads did ("parallel", summed over threads).
 
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1]
-        [--cases gemv,generate,tune] [--warm] [--warm-ups default,captured,eager]
+        [--cases gemv,generate,tune] [--warm] [--warm-ups default,captured,eager] [--compile-in threads,processes]
 """
 
 from __future__ import annotations
