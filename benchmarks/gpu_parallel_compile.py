@@ -159,40 +159,61 @@ def compile_summary(compiles: list[dict[str, Any]]) -> dict[str, Any]:
                                for name, times in slowest]}
 
 
-def compile_in_processes(launches: Any, threads: int | None = None, *, captured_on: Any = None,
-                         warm_up: str = "eager", report: list[dict[str, Any]]) -> int:
+class ProcessCompiler:
     """What ``compile_in_parallel`` does, the compiles in spawned processes instead of threads (a prototype, to learn
-    whether the threads' share of Python holding the GIL costs a 16-CPU machine much): the recorded kernels are
-    compiled by a pool of ``threads`` processes into Triton's cache (each compiles for the parent's GPU without a CUDA
-    context of its own), then read back here, so the timed launches compile nothing. Returns the kernels recorded; the
-    pool's start, the compiles and the read-back are timed into ``report``."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    whether the GIL that a Triton compile holds part of the time (benchmarks/compile_gil_share.py) costs a 16-CPU
+    machine much): the recorded kernels are compiled by a pool of processes into Triton's cache (each compiles for the
+    parent's GPU without a CUDA context of its own), then read back here, so the timed launches compile nothing.
 
-    from triton.runtime.driver import driver
+    Called as ``compile_in_parallel`` is; returns the kernels recorded. The pool starts at the first call and serves
+    every later one (a tuning's shapes one after another), until :meth:`close`. Each call's pool start (the first's),
+    compiles and read-back are timed into ``report``."""
 
-    from mmsdk.kernels.parallel_compile import _build_launcher, _recorded_kernels, compile_threads
+    def __init__(self, report: list[dict[str, Any]]) -> None:
+        self.report = report
+        self.pool: Any = None
+        self.workers = 0
 
-    threads = compile_threads() if threads is None else threads
-    recorded = _recorded_kernels(launches, captured_on, warm_up)
-    if not recorded:
-        return 0
-    target = driver.active.get_current_target()
-    jobs = [(kernel.fn.__module__, kernel.fn.__qualname__, specialization)
-            for kernel, specialization in recorded.values()]
-    workers = min(threads, len(jobs))
-    started = time.perf_counter()
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_compiling_process,
-                             initargs=(target.arch, target.warp_size)) as pool:
-        list(pool.map(_ready, range(workers)))  # every process started and its imports done
+    def __call__(self, launches: Any, threads: int | None = None, *, captured_on: Any = None,
+                 warm_up: str = "eager") -> int:
+        from triton.runtime.driver import driver
+
+        from mmsdk.kernels.parallel_compile import _build_launcher, _recorded_kernels, compile_threads
+
+        recorded = _recorded_kernels(launches, captured_on, warm_up)
+        if not recorded:
+            return 0
+        jobs = [(kernel.fn.__module__, kernel.fn.__qualname__, specialization)
+                for kernel, specialization in recorded.values()]
+        started = time.perf_counter()
+        if self.pool is None:
+            self._start(compile_threads() if threads is None else threads, driver.active.get_current_target())
         ready = time.perf_counter()
-        list(pool.map(_compile_in_process, jobs))
-    compiled = time.perf_counter()
-    for kernel, specialization in recorded.values():  # Triton's cache has them now: read, not compiled
-        _build_launcher(kernel.preload(specialization))
-    report.append({"kernels": len(jobs), "processes": workers, "start_s": round(ready - started, 2),
-                   "compile_s": round(compiled - ready, 2), "read_back_s": round(time.perf_counter() - compiled, 2)})
-    return len(jobs)
+        failed = sum(seconds is None for seconds in self.pool.map(_compile_in_process, jobs))
+        compiled = time.perf_counter()
+        for kernel, specialization in recorded.values():  # Triton's cache has them now: read, not compiled
+            try:
+                _build_launcher(kernel.preload(specialization))
+            except Exception:  # noqa: BLE001 - one that failed to compile: left to its launch, as the threads do
+                pass
+        self.report.append({"kernels": len(jobs), "failed": failed, "processes": self.workers,
+                            "start_s": round(ready - started, 2), "compile_s": round(compiled - ready, 2),
+                            "read_back_s": round(time.perf_counter() - compiled, 2)})
+        return len(jobs)
+
+    def _start(self, workers: int, target: Any) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.workers = workers
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_compiling_process, initargs=(target.arch, target.warp_size))
+        list(self.pool.map(_ready, range(workers)))  # every process started and its imports done
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
 
 
 def _compiling_process(arch: int, warp_size: int) -> None:
@@ -218,8 +239,9 @@ def _ready(_: int) -> int:
     return os.getpid()
 
 
-def _compile_in_process(job: tuple[str, str, str]) -> float:
-    """Compile one recorded kernel (its module, name and specialization) into Triton's cache, with its launcher."""
+def _compile_in_process(job: tuple[str, str, str]) -> float | None:
+    """Compile one recorded kernel (its module, name and specialization) into Triton's cache, with its launcher; its
+    seconds, or None if it failed."""
     import importlib
 
     from mmsdk.kernels.parallel_compile import _build_launcher
@@ -231,7 +253,10 @@ def _compile_in_process(job: tuple[str, str, str]) -> float:
     while not hasattr(kernel, "preload") and hasattr(kernel, "fn"):  # an autotuner or heuristics around the kernel
         kernel = kernel.fn
     started = time.perf_counter()
-    _build_launcher(kernel.preload(specialization))
+    try:
+        _build_launcher(kernel.preload(specialization))
+    except Exception:  # noqa: BLE001 - left to the real launch, which compiles it again and raises where it is handled
+        return None
     return time.perf_counter() - started
 
 
@@ -287,17 +312,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         process_compiles: list[dict[str, Any]] = []
+        compiler = ProcessCompiler(process_compiles)
         if args.compile_in == "processes":
-            import functools
-
             import mmsdk.kernels.w4a16_tuning as tuning_module
 
-            tuning_module.compile_in_parallel = functools.partial(compile_in_processes, report=process_compiles)
+            tuning_module.compile_in_parallel = compiler
         if args.warm_ups != "default":
             force_warm_up(args.warm_ups)
         cases = {"gemv": gemv_case, "generate": generate_case, "tune": lambda: tune_case(args.folder)}
         compiles = listen_to_compiles()
-        result = cases[args.worker]()
+        try:
+            result = cases[args.worker]()
+        finally:
+            compiler.close()
         print(json.dumps({**result, **compile_summary(compiles), "process_compiles": process_compiles}))
         return
     import torch
