@@ -310,6 +310,13 @@ def main() -> None:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for option, given, known in (("--cases", args.cases, ("gemv", "generate", "tune")),
+                                 ("--warm-ups", args.warm_ups, ("default", "captured", "eager")),
+                                 ("--compile-in", args.compile_in, ("threads", "processes"))):
+        unknown = [value for value in given.split(",") if value not in known]
+        if unknown:
+            parser.error(f"{option} {given}: {', '.join(unknown)} unknown; use a comma-separated list of "
+                         f"{', '.join(known)}")
     if args.worker:
         process_compiles: list[dict[str, Any]] = []
         compiler = ProcessCompiler(process_compiles)
