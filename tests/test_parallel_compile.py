@@ -207,6 +207,95 @@ def test_one_thread_one_launch_or_someone_elses_hook_leaves_compiling_to_the_lau
         compile_in_parallel(launches, threads=4, warm_up="cold")
 
 
+def _stand_in_capture(monkeypatch, captures: list) -> None:
+    """No GPU here: a "capture" that calls what it is handed (Triton skips each kernel not compiled, so nothing is
+    launched), noting the stream it was asked for."""
+    from mmsdk.kernels import parallel_compile
+
+    def capture(fns, stream=None):
+        captures.append(stream)
+        for fn in fns:
+            fn()
+
+    monkeypatch.setattr(parallel_compile, "call_in_dropped_capture", capture)
+
+
+def test_a_first_call_is_recorded_in_a_dropped_capture_and_its_kernels_compile_side_by_side(sm90, caplog,
+                                                                                           monkeypatch):
+    """compile_before_first_call runs the call once, inside a capture on the stream it is given; each kernel the call
+    would compile is compiled on threads (for sm_90) and none is launched; the next launch of each compiles nothing,
+    and the compile step's log line names what it compiled for."""
+    from mmsdk.kernels import parallel_compile
+
+    captures: list = []
+    _stand_in_capture(monkeypatch, captures)
+    monkeypatch.setattr(parallel_compile, "NOTED_SECONDS", 0.0)
+    launches, args = _launches((2, 4, 2))  # sizes no other test builds
+    runs = []
+
+    def step() -> None:
+        runs.append(1)
+        for launch in launches:
+            launch()
+
+    with caplog.at_level("INFO", logger="mmsdk.kernels"):
+        assert parallel_compile.compile_before_first_call(step, "the side stream", threads=2) == 2
+    assert captures == ["the side stream"] and runs == [1]
+    assert sm90.runtime.jit_cache_hook is None
+    assert re.search(r"compiled 2 kernels for a first decode step on 2 threads in \d+\.\d s", caplog.text), caplog.text
+    assert [_compiles(sm90, block, args) for block in (2, 4)] == [0, 0]
+
+
+def test_a_first_call_that_fails_in_its_capture_keeps_what_it_recorded_before(sm90, monkeypatch):
+    """A host sync in the call (which a capture refuses) ends the recording, not the caller: the kernels launched
+    before it are compiled, and the real call meets the error itself."""
+    from mmsdk.kernels.parallel_compile import compile_before_first_call
+
+    _stand_in_capture(monkeypatch, [])
+    launches, args = _launches((8,))  # a size no other test builds
+
+    def step() -> None:
+        launches[0]()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert compile_before_first_call(step, None, threads=2) == 1
+    assert _compiles(sm90, 8, args) == 0
+
+
+def test_a_first_call_is_left_to_compile_its_own_kernels_on_one_thread_or_under_someone_elses_hook(sm90, monkeypatch):
+    from mmsdk.kernels.parallel_compile import COMPILE_THREADS_ENV, compile_before_first_call
+
+    captures: list = []
+    _stand_in_capture(monkeypatch, captures)
+    runs = []
+    assert compile_before_first_call(lambda: runs.append(1), None, threads=1) == 0
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "1")
+    assert compile_before_first_call(lambda: runs.append(1), None) == 0
+    assert captures == [] and runs == []  # not even recorded
+    monkeypatch.delenv(COMPILE_THREADS_ENV)
+
+    def theirs(**kwargs):
+        return None
+
+    sm90.runtime.jit_cache_hook = theirs
+    assert compile_before_first_call(lambda: runs.append(1), None, threads=4) == 0 and runs == []
+    assert sm90.runtime.jit_cache_hook is theirs
+
+
+def test_compiling_a_decode_step_ahead_is_asked_for_by_the_environment(monkeypatch):
+    from mmsdk.kernels.parallel_compile import COMPILE_STEP_AHEAD_ENV, compile_step_ahead
+
+    monkeypatch.delenv(COMPILE_STEP_AHEAD_ENV, raising=False)
+    assert compile_step_ahead() is False
+    for value, expected in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv(COMPILE_STEP_AHEAD_ENV, value)
+        assert compile_step_ahead() is expected
+    for bad in ("yes", "2", "on"):
+        monkeypatch.setenv(COMPILE_STEP_AHEAD_ENV, bad)
+        with pytest.raises(ValueError, match="MMSDK_COMPILE_STEP_AHEAD=.*set it to 1 .* or 0"):
+            compile_step_ahead()
+
+
 def test_compile_threads_come_from_the_environment_or_the_cpus(monkeypatch):
     from mmsdk.kernels.parallel_compile import COMPILE_THREADS_ENV, compile_threads
 

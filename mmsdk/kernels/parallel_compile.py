@@ -16,6 +16,11 @@ candidates up inside a capture as well, so their eager variants (but the first's
 recorded kernel is preloaded under ``AsyncCompileMode`` on a thread pool: compiled (or read from Triton's cache) and
 kept where the next launch looks, so the timed launches compile nothing. Their C launchers (Triton 3.6 builds one per
 argument signature at a kernel's first launch) are built on the same threads afterwards.
+
+The same recording serves a decode step's first call (:func:`compile_before_first_call`): the step runs once inside a
+CUDA graph capture that is then dropped, where nothing runs (torch's operations and the compiled kernels are only
+recorded, then thrown away) and Triton skips every kernel it has not compiled; those are then compiled side by side,
+and the step's real first call finds them compiled.
 """
 
 from __future__ import annotations
@@ -31,11 +36,16 @@ import torch
 
 from mmsdk.kernels import LOG, WARM_UPS, call_in_dropped_capture, captured_calls
 
-__all__ = ["COMPILE_THREADS_ENV", "compile_in_parallel", "compile_threads"]
+__all__ = ["COMPILE_STEP_AHEAD_ENV", "COMPILE_THREADS_ENV", "compile_before_first_call", "compile_in_parallel",
+           "compile_step_ahead", "compile_threads"]
 
 # how many threads compile a tuner's candidates at once (default: the CPUs this process may use, at most
 # DEFAULT_MOST_THREADS); "1" compiles each candidate at its first launch, one after the other, as without this module
 COMPILE_THREADS_ENV = "MMSDK_COMPILE_THREADS"
+# "1": fast generate compiles a new decode step's kernels side by side before its first (eager) call
+# (compile_before_first_call). Off by default: neither what it saves on a fresh machine nor that its dropped capture
+# leaves every model family's step as it was has been checked on a GPU yet (docs/gpu.md).
+COMPILE_STEP_AHEAD_ENV = "MMSDK_COMPILE_STEP_AHEAD"
 # a compile holds a few hundred MB while it runs, and a shape has a few dozen candidate kernels at most
 DEFAULT_MOST_THREADS = 32
 # a compile step at least this long is logged at INFO (compiling); a shorter one read its kernels from Triton's cache
@@ -54,6 +64,16 @@ def compile_threads() -> int:
         raise ValueError(f"{COMPILE_THREADS_ENV}={value!r}: set it to a whole number of threads, 1 or more (1 compiles "
                          "one kernel at a time), or leave it unset for one per CPU.")
     return int(value)
+
+
+def compile_step_ahead() -> bool:
+    """Whether fast generate compiles a new decode step's kernels ahead of its first call: ``MMSDK_COMPILE_STEP_AHEAD``
+    "1" (on) or "0" / unset (off)."""
+    value = os.environ.get(COMPILE_STEP_AHEAD_ENV, "") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{COMPILE_STEP_AHEAD_ENV}={value!r}: set it to 1 (compile a decode step's kernels side by "
+                         "side before its first call) or 0 (each at its first launch), or leave it unset (0).")
+    return value == "1"
 
 
 def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | None = None, *,
@@ -77,7 +97,43 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
     if warm_up not in WARM_UPS:
         raise ValueError(f"warm_up={warm_up!r}: use one of {', '.join(WARM_UPS)}.")
     threads = compile_threads() if threads is None else threads
-    recorded = _recorded_kernels(launches, captured_on, warm_up) if threads > 1 and len(launches) > 1 else {}
+    if threads <= 1 or len(launches) <= 1:
+        return 0
+    guarded = [_guarded(launch) for launch in launches]
+    if captured_on is not None and captured_on.type == "cuda":
+        recorded = _recorded_kernels(lambda: _run_as_timed(guarded, captured_on, warm_up))
+    else:
+        recorded = _recorded_kernels(lambda: [launch() for launch in guarded])
+    return _compile_side_by_side(recorded, threads, "a tuner")
+
+
+def compile_before_first_call(call: Callable[[], Any], stream: torch.cuda.Stream | None,
+                              threads: int | None = None) -> int:
+    """Compile, on ``threads`` threads at once (default :func:`compile_threads`), every Triton kernel that ``call``'s
+    first run would compile one after the other, without running it; returns how many kernels it compiled (or tried
+    to).
+
+    ``call`` runs once inside a CUDA graph capture on ``stream`` that is then dropped, with Triton told to skip every
+    kernel it has not compiled yet: nothing of it runs on the device (torch's operations and the kernels compiled
+    before are only recorded into the dropped graph), so it must be a call that may be captured, such as fast
+    generate's decode step, and one that keeps no tensor it makes for a later call (such a tensor would never be
+    written). What it records is each kernel as launched inside a capture. That is what an eager call launches too,
+    except for kernels with a variant of their own inside captures (the GEMVs' programmatic dependent launch,
+    mmsdk.kernels.pdl_preload_ready); the GEMVs' tuner compiles its candidates side by side at their first eager
+    call anyway (:func:`compile_in_parallel`), and while captured it runs its first candidate untimed and keeps no
+    choice. A capture that fails (a host sync in ``call``) keeps what was recorded before it failed; nothing happens
+    (0) with one thread, without Triton's hooks, or while a ``jit_cache_hook`` of someone else's is set.
+    """
+    threads = compile_threads() if threads is None else threads
+    if threads <= 1:
+        return 0
+    return _compile_side_by_side(_recorded_kernels(lambda: _call_in_dropped_capture(call, stream)), threads,
+                                 "a first decode step")
+
+
+def _compile_side_by_side(recorded: dict[tuple[int, str], tuple[Any, str]], threads: int, caller: str) -> int:
+    """Compile ``recorded`` (from :func:`_recorded_kernels`) on ``threads`` threads, each kept where its next launch
+    looks, then build their launchers on the same threads; returns how many there were."""
     if not recorded:
         return 0
     import triton
@@ -91,18 +147,16 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
         compiled = [future.kernel for future in pending if getattr(future, "kernel", None) is not None]
         list(pool.map(_build_launcher, compiled))
     seconds = time.perf_counter() - started
-    # a first call that stalls for seconds says why, once per tuning; read from Triton's cache it is quiet
+    # a first call that stalls for seconds says why, once per compile step; read from Triton's cache it is quiet
     LOG.log(logging.INFO if seconds >= NOTED_SECONDS else logging.DEBUG,
-            "mmsdk.kernels: compiled %d kernels for a tuner on %d threads in %.1f s (Triton's cache keeps them for "
-            "later processes; %s sets the threads)", len(recorded), workers, seconds, COMPILE_THREADS_ENV)
+            "mmsdk.kernels: compiled %d kernels for %s on %d threads in %.1f s (Triton's cache keeps them for "
+            "later processes; %s sets the threads)", len(recorded), caller, workers, seconds, COMPILE_THREADS_ENV)
     return len(recorded)
 
 
-def _recorded_kernels(launches: Sequence[Callable[[], Any]], captured_on: torch.device | None,
-                      warm_up: str) -> dict[tuple[int, str], tuple[Any, str]]:
-    """(kernel, specialization data) of every kernel the launches would compile, eagerly (all of them, or the first
-    only under a ``"captured"`` warm-up) and (``captured_on``) in a CUDA graph capture, keyed so each is compiled
-    once."""
+def _recorded_kernels(run: Callable[[], Any]) -> dict[tuple[int, str], tuple[Any, str]]:
+    """(kernel, specialization data) of every kernel that ``run`` would compile, keyed so each is compiled once; none
+    is compiled or launched while ``run`` runs."""
     try:
         from triton import knobs
     except ImportError:  # no Triton, or one older than its hooks: each launch compiles its own kernels
@@ -118,12 +172,7 @@ def _recorded_kernels(launches: Sequence[Callable[[], Any]], captured_on: torch.
 
     knobs.runtime.jit_cache_hook = record
     try:
-        guarded = [_guarded(launch) for launch in launches]
-        if captured_on is not None and captured_on.type == "cuda":
-            _run_as_timed(guarded, captured_on, warm_up)
-        else:
-            for launch in guarded:
-                launch()
+        run()
     finally:
         knobs.runtime.jit_cache_hook = None
     return recorded
@@ -150,14 +199,20 @@ def _run_as_timed(launches: Sequence[Callable[[], None]], device: torch.device, 
     stream.wait_stream(torch.cuda.current_stream(device))
     try:
         with torch.cuda.stream(stream):
-            if warm_up == "captured":
+            if warm_up == "captured":  # the tuner's one eager call, before its captured warm-up
                 launches[0]()
-                call_in_dropped_capture(launches, stream)
-            else:
-                captured_calls(launches, len(launches), stream)
+            captured_calls(launches, len(launches), stream, warm_up)
     except Exception as error:  # noqa: BLE001 - nothing of the capture is used
         LOG.debug("recording the captured launches failed (%s: %s)", type(error).__name__, error)
     torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def _call_in_dropped_capture(call: Callable[[], Any], stream: torch.cuda.Stream | None) -> None:
+    """``call`` inside a CUDA graph capture on ``stream`` that is dropped; a capture that fails is logged and left."""
+    try:
+        call_in_dropped_capture([call], stream)
+    except Exception as error:  # noqa: BLE001 - nothing of the capture is used; the real call meets the error again
+        LOG.debug("recording a first call's kernels in a capture failed (%s: %s)", type(error).__name__, error)
 
 
 def _preload(kernel: Any, specialization: str) -> Any:
