@@ -415,6 +415,17 @@ def test_the_prefill_chunk_comes_from_the_environment(session, tiny, monkeypatch
         opt.model.generate(**kwargs)
 
 
+def test_a_bad_compile_ahead_setting_is_an_error_that_names_the_fix(session, tiny, monkeypatch):
+    """MMSDK_COMPILE_STEP_AHEAD is read once per call, before anything runs: a value other than 0 / 1 is the user's to
+    fix, not a reason to fall back to transformers' generate."""
+    opt, inputs = _optimized(tiny, session, "tiny:llava", ())
+    monkeypatch.setenv("MMSDK_COMPILE_STEP_AHEAD", "yes")
+    with pytest.raises(ValueError, match="MMSDK_COMPILE_STEP_AHEAD='yes': set it to 1"):
+        _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False)
+    assert _Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}, graphs=False,
+                      compile_ahead=False).compile_ahead is False  # the setting given wins over the environment
+
+
 def test_fast_path_refuses_what_it_does_not_do(tiny):
     model = tiny("tiny:llava").model
     inputs = tiny_inputs(tiny("tiny:llava").processor, QUESTIONS)
@@ -599,6 +610,93 @@ def test_reference_scoring_catches_answers_transformers_would_not_give(name, ses
     blind = _greedy(model, dict(inputs, **{key: torch.zeros_like(inputs[key])}), 16)
     with pytest.raises(AssertionError, match="the reference ranks it|the reference's pick"):
         _assert_scored_by_reference(model, inputs, blind)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name,passes", [("tiny:llava", FULL_STACK), ("tiny:qwen2-vl", FULL_STACK),
+                                         ("tiny:mllama", ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion", "int4-kv")),
+                                         ("tiny:idefics", ("gated-xattn", "int4-kv"))])
+def test_a_decode_step_compiled_ahead_in_a_dropped_capture_gives_the_same_tokens(name, passes, session, tiny,
+                                                                                 monkeypatch):
+    """MMSDK_COMPILE_STEP_AHEAD's dropped capture of a new decode step (before its eager warm-up) runs nothing and
+    leaves nothing behind that a later step reads: each family's answer is the one it gives without it, bitwise (one
+    process: the same kernels and tuner picks)."""
+    passes = tuple(Int4WeightConfig(indivisible="pad") if p == "int4-weight" else p for p in passes)
+    if name in IMAGE_MASKS:
+        opt, inputs = _cross_attention_model(tiny, session, name, passes, "cuda", torch.bfloat16)
+    else:
+        loaded = tiny(name)
+        opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+        opt.apply(*passes)
+        inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+    ahead = []
+    real = fast_generate.compile_before_first_call
+    monkeypatch.setattr(fast_generate, "compile_before_first_call",
+                        lambda step, stream: ahead.append(real(step, stream)) or ahead[-1])
+    answers = []
+    for compile_ahead in (True, False):
+        release(opt.model)  # a new step each time: warmed up (and, the first time, recorded ahead), captured
+        answers.append(_Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 24},
+                                  compile_ahead=compile_ahead).run())
+    assert len(ahead) == 1
+    assert torch.equal(answers[0], answers[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_an_empty_triton_cache_a_step_compiled_ahead_compiles_only_its_gemvs_eager_variants_itself(tmp_path):
+    """In a fresh process with an empty Triton cache (MMSDK_TUNE=0: each GEMV runs its first candidate untimed), the
+    step's kernels are compiled ahead on the compile threads; what the step's own thread then compiles is only the
+    GEMVs' eager variants (their captured ones, with programmatic dependent launch, were recorded ahead). The
+    answer is the one the same process gives without compiling ahead."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    child = """
+import json, threading, torch
+from triton import knobs
+from mmsdk import Optimizer
+from mmsdk.core.session import Session
+from mmsdk.kernels import fast_generate
+from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
+from mmsdk.testing import tiny_inputs
+
+session = Session.create(autoload=False, disabled=())
+loaded = session.models.get("tiny:llava").build()
+opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
+opt.apply("qkv-fuse", Int4WeightConfig(indivisible="pad"), "rmsnorm-rope-fusion", "int4-kv")
+inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, ("what digit is this ?",) * 2).items()}
+phase, own, ahead = ["prefill"], [], []
+
+def listener(*, src, **_):
+    if phase[0] == "step" and threading.current_thread() is threading.main_thread():
+        own.append(getattr(getattr(src, "fn", None), "__module__", str(src)))
+
+knobs.compilation.listener = listener
+real = fast_generate.compile_before_first_call
+
+def spied(step, stream):
+    ahead.append(real(step, stream))
+    phase[0] = "step"
+
+fast_generate.compile_before_first_call = spied
+first = fast_generate._Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 8}, compile_ahead=True).run()
+phase[0] = "done"
+fast_generate.release(opt.model)
+second = fast_generate._Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 8}, compile_ahead=False).run()
+print(json.dumps({"ahead": ahead, "own": own, "same": bool(torch.equal(first, second))}))
+"""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "MMSDK_TUNE": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report["ahead"]) == 1 and report["ahead"][0] > 0, report
+    assert report["own"] and all(module.startswith("mmsdk.kernels._gemv_") for module in report["own"]), report
+    assert report["same"], report
 
 
 def _bf16_decode_stack(tiny, session, name: str, fusion, questions) -> tuple:
@@ -1258,8 +1356,8 @@ def test_release_and_model_changes_drop_what_they_make_stale(session, tiny, monk
 
 def test_a_failure_while_reusing_drops_the_state_and_answers_like_transformers(session, tiny, monkeypatch):
     class OnCpu(_Generator):
-        def __init__(self, model, adapter, kwargs, graphs=False, prefill=None):
-            super().__init__(model, adapter, kwargs, graphs, prefill)
+        def __init__(self, model, adapter, kwargs, graphs=False, **options):
+            super().__init__(model, adapter, kwargs, graphs, **options)
 
     opt, inputs = _optimized(tiny, session, "tiny:llava", ("int4-kv",))
     model = opt.model

@@ -63,6 +63,7 @@ from mmsdk.kernels.decode_state import (
 )
 from mmsdk.kernels.fast_generate_scope import GENERATE_OPTIONS, Unsupported, new_tokens, unsupported_reason
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
+from mmsdk.kernels.parallel_compile import compile_before_first_call, compile_step_ahead
 from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import Sampler, choose_step
 from mmsdk.kernels.step_arguments import record_step_arguments
@@ -105,10 +106,11 @@ def install(model: nn.Module, adapter: Any, refusal: str | None = None) -> None:
             else:  # a model moved off the GPU: what was kept for it there can only be stale
                 release(model)
             return original(*args, **kwargs)
-        chunk = prefill_tokens()  # a bad setting is the user's to fix, not a reason to fall back
+        # bad settings are the user's to fix, not a reason to fall back
+        chunk, ahead = prefill_tokens(), compile_step_ahead()
         generator = None
         try:
-            generator = _Generator(model, adapter, kwargs, prefill=chunk)
+            generator = _Generator(model, adapter, kwargs, prefill=chunk, compile_ahead=ahead)
             return generator.run()
         except Exception as error:  # never a wrong answer: anything unexpected reruns transformers' generate
             if generator is not None and generator.stream is not None and generator.stream.started:
@@ -137,8 +139,10 @@ class _Generator:
     """
 
     def __init__(self, model: nn.Module, adapter: Any, kwargs: dict[str, Any], graphs: bool = True,
-                 prefill: int | None = None) -> None:
+                 prefill: int | None = None, compile_ahead: bool | None = None) -> None:
         self.model, self.adapter, self.graphs = model, adapter, graphs
+        # a new decode step's kernels compiled side by side before its first call (None: MMSDK_COMPILE_STEP_AHEAD)
+        self.compile_ahead = compile_step_ahead() if compile_ahead is None else compile_ahead
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.first_position = 0
         # the prompt's generate() inputs, as the adapter's decode_step_inputs takes them
@@ -407,7 +411,9 @@ class _Generator:
         """Run ``step`` once eagerly; on a side stream where a capture follows, as graph capture wants.
 
         Returns that stream, for the capture: cuBLAS keeps a workspace (32 MiB on an H200) for every stream
-        it ran on, so warming up and capturing on two streams would keep two.
+        it ran on, so warming up and capturing on two streams would keep two. With ``compile_ahead`` the step's
+        Triton kernels are first compiled side by side, from a dropped capture of it
+        (mmsdk.kernels.parallel_compile.compile_before_first_call), instead of one at a time as it launches them.
         """
         if not self.graphs:
             step()
@@ -416,6 +422,8 @@ class _Generator:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
+            if self.compile_ahead:
+                compile_before_first_call(step, side)
             step()
         torch.cuda.current_stream(device).wait_stream(side)
         return side
