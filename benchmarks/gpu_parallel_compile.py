@@ -16,12 +16,16 @@ search's first tuning, whose trials run every candidate eagerly too); "captured"
 every tuning ("eager": one eager call per candidate, each eager variant compiled too, as the tuner did until the
 fifty-third pass).
 
+``--step-ahead off,on``: fast generate's ``MMSDK_COMPILE_STEP_AHEAD`` per run (``on``: a new decode step's kernels
+are recorded in a dropped capture and compiled side by side before its first call; it matters to ``generate`` only).
+
 Each worker also lists every Triton compile it saw (Triton's compilation listener): on which thread, how long, so a
 case says how much of its first call still compiled one kernel at a time on the calling thread ("serial") and which
 kernels those were, next to what the compile threads did ("parallel", summed over threads).
 
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1]
         [--cases gemv,generate,tune] [--warm] [--warm-ups default,captured,eager] [--compile-in threads,processes]
+        [--step-ahead off,on]
 """
 
 from __future__ import annotations
@@ -120,7 +124,8 @@ def generate_case() -> dict[str, Any]:
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     return {"first_call_s": round(seconds[0], 2), "second_call_s": round(seconds[1], 4),
-            "same_answer": bool(torch.equal(answers[0], answers[1]))}
+            "same_answer": bool(torch.equal(answers[0], answers[1])),
+            "new_tokens": answers[0][0, inputs["input_ids"].shape[1]:].tolist()}  # to compare runs by
 
 
 def listen_to_compiles() -> list[dict[str, Any]]:
@@ -274,11 +279,14 @@ def force_warm_up(warm_up: str) -> None:
         setattr(tuning_module, name, forced)
 
 
-def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str) -> dict[str, Any]:
+def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str,
+             step_ahead: str = "off") -> dict[str, Any]:
     """``case`` in a fresh process with Triton's cache in ``cache``, ``threads`` compile threads (or processes:
-    ``compile_in``) and the tuner's candidates warmed up ``warm_up``."""
+    ``compile_in``), the tuner's candidates warmed up ``warm_up`` and a new decode step's kernels compiled ahead
+    (``step_ahead`` "on") or not."""
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "MMSDK_COMPILE_THREADS": str(threads),
+               "MMSDK_COMPILE_STEP_AHEAD": "1" if step_ahead == "on" else "0",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         warm = cache.is_dir() and any(cache.iterdir())
         started = time.perf_counter()
@@ -286,7 +294,7 @@ def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str
                               "--compile-in", compile_in],
                              env=env, capture_output=True, text=True)
         label = {"case": case, "threads": threads, "warm_up": warm_up, "compile_in": compile_in,
-                 "triton_cache": "warm" if warm else "empty"}
+                 "step_ahead": step_ahead, "triton_cache": "warm" if warm else "empty"}
         if run.returncode:
             return {**label, "error": run.stderr[-2000:]}
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -307,12 +315,16 @@ def main() -> None:
     parser.add_argument("--compile-in", default="threads",
                         help="comma separated: threads (mmsdk's compile step), processes (a prototype: the tuner's "
                              "recorded kernels compiled by spawned processes into Triton's cache)")
+    parser.add_argument("--step-ahead", default="off",
+                        help="comma separated: off, on (fast generate compiles a new decode step's kernels side by "
+                             "side before its first call: MMSDK_COMPILE_STEP_AHEAD)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     for option, given, known in (("--cases", args.cases, ("gemv", "generate", "tune")),
                                  ("--warm-ups", args.warm_ups, ("default", "captured", "eager")),
-                                 ("--compile-in", args.compile_in, ("threads", "processes"))):
+                                 ("--compile-in", args.compile_in, ("threads", "processes")),
+                                 ("--step-ahead", args.step_ahead, ("off", "on"))):
         unknown = [value for value in given.split(",") if value not in known]
         if unknown:
             parser.error(f"{option} {given}: {', '.join(unknown)} unknown; use a comma-separated list of "
@@ -342,13 +354,13 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",")]
     for case in args.cases.split(","):
         with tempfile.TemporaryDirectory() as caches:
-            runs = [(threads, warm_up, Path(caches) / f"{threads}-{compile_in}-{warm_up}", compile_in)
-                    for warm_up in args.warm_ups.split(",") for compile_in in args.compile_in.split(",")
-                    for threads in counts]
+            runs = [(threads, warm_up, Path(caches) / f"{threads}-{compile_in}-{warm_up}-{ahead}", compile_in, ahead)
+                    for ahead in args.step_ahead.split(",") for warm_up in args.warm_ups.split(",")
+                    for compile_in in args.compile_in.split(",") for threads in counts]
             if args.warm:  # what is left without compiling: the first run again, on the cache it filled
                 runs.append(runs[0])
-            for threads, warm_up, cache, compile_in in runs:
-                results["runs"].append(run_case(case, threads, cache, warm_up, compile_in))
+            for threads, warm_up, cache, compile_in, ahead in runs:
+                results["runs"].append(run_case(case, threads, cache, warm_up, compile_in, ahead))
                 print(json.dumps(results["runs"][-1]), flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(results, indent=1))
