@@ -1002,6 +1002,34 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
         assert not pdl_ready(on_gpu)
 
 
+def test_settled_weights_let_eager_launches_load_weights_before_they_wait_on_their_thread_only(monkeypatch):
+    """Inside weights_settled (fast generate's warm-up step) a kernel that loads weights before it waits launches so
+    eagerly too, where PDL runs at all; on this thread only, and not after the scope ends, error or not."""
+    import threading
+
+    import mmsdk.kernels as kernels
+
+    monkeypatch.setattr(kernels, "pdl_ready", lambda tensor: True)  # as on sm_90, without one
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager
+    x = torch.zeros(1)
+    assert not kernels.pdl_preload_ready(x)
+    elsewhere = []
+    with kernels.weights_settled():
+        with kernels.weights_settled():
+            assert kernels.pdl_preload_ready(x)
+        assert kernels.pdl_preload_ready(x)
+        thread = threading.Thread(target=lambda: elsewhere.append(kernels.pdl_preload_ready(x)))
+        thread.start()
+        thread.join()
+    assert elsewhere == [False] and not kernels.pdl_preload_ready(x)
+    with pytest.raises(RuntimeError), kernels.weights_settled():
+        raise RuntimeError("a step that fails")
+    assert not kernels.pdl_preload_ready(x)
+    monkeypatch.setattr(kernels, "pdl_ready", lambda tensor: False)  # no PDL (CPU, older GPUs, MMSDK_PDL=0): never
+    with kernels.weights_settled():
+        assert not kernels.pdl_preload_ready(x)
+
+
 def test_timing_copies_overflow_the_l2_cache():
     """The tuner times candidates over weight copies that together hold 3x L2, so each call reads HBM."""
     from mmsdk.kernels import l2_spill_copies

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
@@ -31,7 +33,7 @@ import torch
 __all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PAIRED_ROWS_ENV", "PDL_ENV", "TUNE_ENV", "WARM_UPS",
            "call_in_dropped_capture", "captured_calls", "graph_time_ms", "kv_merge_enabled", "l2_spill_copies",
            "note_fallback", "paired_rows_enabled", "pdl_preload_ready", "pdl_ready", "timing_enabled",
-           "triton_available", "triton_ready"]
+           "triton_available", "triton_ready", "weights_settled"]
 
 LOG = logging.getLogger("mmsdk.kernels")
 INTERPRET_ENV = "TRITON_INTERPRET"
@@ -111,14 +113,40 @@ def pdl_ready(tensor: torch.Tensor) -> bool:
 
 
 def pdl_preload_ready(tensor: torch.Tensor) -> bool:
-    """:func:`pdl_ready` for a kernel that loads weights before it waits: only while a CUDA graph is captured.
+    """:func:`pdl_ready` for a kernel that loads weights before it waits: only while a CUDA graph is captured, or
+    inside :func:`weights_settled` on this thread.
 
     Loads issued before ``griddepcontrol.wait`` may miss the previous kernel's writes, so they must read data
     written earlier than that. Weights satisfy this inside a captured decode step (no kernel of the graph
     writes them, and the graph replays after they were made); an eager call could directly follow the kernel
     that packed them.
     """
-    return pdl_ready(tensor) and torch.cuda.is_current_stream_capturing()
+    return pdl_ready(tensor) and (torch.cuda.is_current_stream_capturing() or _settled().depth > 0)
+
+
+class _Settled(threading.local):
+    depth = 0  # weights_settled scopes this thread is inside
+
+
+@cache
+def _settled() -> _Settled:
+    """This process's weights_settled state (one per thread)."""
+    return _Settled()
+
+
+@contextmanager
+def weights_settled() -> Iterator[None]:
+    """While inside, on this thread, kernels launch eagerly as inside a capture where that only concerns when they may
+    read weights (:func:`pdl_preload_ready`): for an eager run of a decode step whose kernels are the ones its graph
+    holds, so that none writes a weight, entered on a stream that waited for the work that made them (fast
+    generate's warm-up step). It then launches the variants its graph runs, not eager ones of its own: no kernel
+    compiles for it alone."""
+    state = _settled()
+    state.depth += 1
+    try:
+        yield
+    finally:
+        state.depth -= 1
 
 
 @cache

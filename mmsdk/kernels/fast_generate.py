@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmsdk.kernels import note_fallback
+from mmsdk.kernels import note_fallback, weights_settled
 from mmsdk.kernels.chunked_prefill import Regrow, chunked, prefill_tokens, size_static_cache
 from mmsdk.kernels.decode_state import (
     DecodeState,
@@ -413,7 +413,9 @@ class _Generator:
         Returns that stream, for the capture: cuBLAS keeps a workspace (32 MiB on an H200) for every stream
         it ran on, so warming up and capturing on two streams would keep two. With ``compile_ahead`` the step's
         Triton kernels are first compiled side by side, from a dropped capture of it
-        (mmsdk.kernels.parallel_compile.compile_before_first_call), instead of one at a time as it launches them.
+        (mmsdk.kernels.parallel_compile.compile_before_first_call), instead of one at a time as it launches them,
+        and the eager step launches the kernel variants its graph will hold (mmsdk.kernels.weights_settled: the
+        GEMVs load their first weights before they wait, as in the graph), so it compiles none of its own.
         """
         if not self.graphs:
             step()
@@ -422,9 +424,12 @@ class _Generator:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            if self.compile_ahead:
+            if not self.compile_ahead:
+                step()
+            else:
                 compile_before_first_call(step, side)
-            step()
+                with weights_settled():  # the side stream waited for the weights' making, and the step writes none
+                    step()
         torch.cuda.current_stream(device).wait_stream(side)
         return side
 
