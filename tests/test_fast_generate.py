@@ -630,9 +630,11 @@ def test_a_decode_step_compiled_ahead_in_a_dropped_capture_gives_the_same_tokens
         opt = Optimizer(loaded.model.cuda().to(torch.bfloat16), loaded.processor, session=session)
         opt.apply(*passes)
         inputs = {k: v.cuda() for k, v in tiny_inputs(loaded.processor, QUESTIONS).items()}
+    from mmsdk.kernels import step_capture
+
     ahead = []
-    real = fast_generate.compile_before_first_call
-    monkeypatch.setattr(fast_generate, "compile_before_first_call",
+    real = step_capture.compile_before_first_call
+    monkeypatch.setattr(step_capture, "compile_before_first_call",
                         lambda step, stream: ahead.append(real(step, stream)) or ahead[-1])
     answers = []
     for compile_ahead in (True, False):
@@ -660,7 +662,7 @@ import json, threading, torch
 from triton import knobs
 from mmsdk import Optimizer
 from mmsdk.core.session import Session
-from mmsdk.kernels import fast_generate
+from mmsdk.kernels import fast_generate, step_capture
 from mmsdk.plugins.quantizers.int4_weight import Int4WeightConfig
 from mmsdk.testing import tiny_inputs
 
@@ -676,13 +678,13 @@ def listener(*, src, **_):
         own.append(getattr(getattr(src, "fn", None), "__module__", str(src)))
 
 knobs.compilation.listener = listener
-real = fast_generate.compile_before_first_call
+real = step_capture.compile_before_first_call
 
 def spied(step, stream):
     ahead.append(real(step, stream))
     phase[0] = "step"
 
-fast_generate.compile_before_first_call = spied
+step_capture.compile_before_first_call = spied
 first = fast_generate._Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 8}, compile_ahead=True).run()
 phase[0] = "done"
 fast_generate.release(opt.model)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmsdk.kernels import note_fallback, weights_settled
+from mmsdk.kernels import note_fallback
 from mmsdk.kernels.chunked_prefill import Regrow, chunked, prefill_tokens, size_static_cache
 from mmsdk.kernels.decode_state import (
     DecodeState,
@@ -63,10 +63,11 @@ from mmsdk.kernels.decode_state import (
 )
 from mmsdk.kernels.fast_generate_scope import GENERATE_OPTIONS, Unsupported, new_tokens, unsupported_reason
 from mmsdk.kernels.fast_generate_scope import REFUSAL as _REFUSAL
-from mmsdk.kernels.parallel_compile import compile_before_first_call, compile_step_ahead
+from mmsdk.kernels.parallel_compile import compile_step_ahead
 from mmsdk.kernels.repetition import RepetitionPenalty
 from mmsdk.kernels.sampling import Sampler, choose_step
 from mmsdk.kernels.step_arguments import record_step_arguments
+from mmsdk.kernels.step_capture import captured_replay, warm_up
 from mmsdk.kernels.step_projections import StepProjections, recomputed_projections
 from mmsdk.kernels.streaming import TokenStream
 from mmsdk.plugins.tensor_keys import input_memos
@@ -408,42 +409,16 @@ class _Generator:
         step.projections.refresh()  # the image K/V the steps read, from the refilled image states
 
     def _warm_up(self, step: Any) -> torch.cuda.Stream | None:
-        """Run ``step`` once eagerly; on a side stream where a capture follows, as graph capture wants.
-
-        Returns that stream, for the capture: cuBLAS keeps a workspace (32 MiB on an H200) for every stream
-        it ran on, so warming up and capturing on two streams would keep two. With ``compile_ahead`` the step's
-        Triton kernels are first compiled side by side, from a dropped capture of it
-        (mmsdk.kernels.parallel_compile.compile_before_first_call), instead of one at a time as it launches them,
-        and the eager step launches the kernel variants its graph will hold (mmsdk.kernels.weights_settled: the
-        GEMVs load their first weights before they wait, as in the graph), so it compiles none of its own.
-        """
+        """Run ``step`` once eagerly: on a side stream, returned for the capture (:func:`warm_up`; its kernels compiled
+        ahead with ``compile_ahead``), or as it is when graphs are off (None)."""
         if not self.graphs:
             step()
             return None
-        device = self.ids.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            if not self.compile_ahead:
-                step()
-            else:
-                compile_before_first_call(step, side)
-                with weights_settled():  # the side stream waited for the weights' making, and the step writes none
-                    step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        return side
+        return warm_up(step, self.ids.device, self.compile_ahead)
 
     def _capture(self, step: Any, stream: torch.cuda.Stream | None) -> Any:
         """``step`` as a CUDA graph replay (captured on ``stream``), or ``step`` itself when graphs are off."""
-        if not self.graphs:
-            return step
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, stream=stream):
-                step()
-        except Exception as error:  # a host sync or an uncapturable op in the model
-            raise Unsupported(f"the decode step could not be captured ({type(error).__name__}: {error})") from error
-        return graph.replay
+        return captured_replay(step, stream) if self.graphs else step
 
     def _finish(self, tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
         """Prompt + new tokens (a new tensor), cut where every row has finished (as transformers stops)."""
