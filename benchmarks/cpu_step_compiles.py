@@ -1,0 +1,194 @@
+"""Which Triton kernels a new decode step compiles on an H100 / H200, and how long they take to compile, found on a
+machine without a GPU.
+
+Fast generate's first decode step (its eager warm-up) compiles every Triton kernel it launches for the first time, one
+at a time, unless ``MMSDK_COMPILE_STEP_AHEAD=1`` records them in a dropped capture and compiles them side by side first
+(mmsdk.kernels.parallel_compile.compile_before_first_call). This script runs that recording on CPU:
+
+* the model is built in bf16 on CPU, its passes applied, its prompt prefilled by fast generate's own code (torch
+  reference ops);
+* for the step, Triton's launch path is pointed at an sm_90 stand-in driver and mmsdk's kernels take CPU tensors (its
+  interpreter switch is set, while every kernel module was imported before it, so the kernels stay compiled Triton
+  functions), with programmatic dependent launch and inline PTX on, as a captured step on Hopper launches them.
+  ``Int4Linear``'s CUDA check and the packed KV cache's device check are lifted; the GEMV tuners take their first
+  candidate untimed (on a GPU they pick one of their candidates: one kernel per GEMV shape either way);
+* the step runs once under Triton's ``jit_cache_hook``, which records each kernel and launches none (torch's
+  operations run on CPU over whatever the skipped kernels left);
+* each recorded kernel is compiled for sm_90 one at a time into an empty Triton cache (timed), then all of them on
+  ``--threads`` threads into another empty cache, as compile_before_first_call does.
+
+What it says is what the step compiles and what that costs on this machine's CPU: a GPU host's CPUs compile at their
+own pace. Without ``MMSDK_COMPILE_STEP_AHEAD`` the "other" kernels compile one at a time at the warm-up, and so does
+each GEMV's eager variant (the tuner compiles only its candidates' captured variants side by side, and the first
+one's eager variant); with it, neither.
+
+    python benchmarks/cpu_step_compiles.py [--model builtin:llava-digits]
+        [--apply qkv-fuse,int4-weight,rmsnorm-rope-fusion,int4-kv] [--threads 2] [--out step_compiles.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import pkgutil
+import platform
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's root
+
+
+class _Hopper:
+    """What Triton's launch path asks its driver before it compiles: an sm_90 target, device 0, a stream."""
+
+    def get_current_target(self) -> Any:
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def _kernel_modules() -> list[Any]:
+    """Every module of mmsdk.kernels, imported now: a kernel module first imported under the interpreter switch would
+    make interpreter functions, not compiled ones."""
+    import mmsdk.kernels as kernels
+
+    return [importlib.import_module(f"mmsdk.kernels.{info.name}") for info in pkgutil.iter_modules(kernels.__path__)]
+
+
+def _lift_device_checks() -> None:
+    """Int4Linear's methods that send only CUDA activations to the kernels, and the packed cache's device check, made
+    to take CPU tensors (this process only)."""
+    from mmsdk.plugins.quantizers import int4_linear
+    from mmsdk.plugins.quantizers.kv_runtime import KVQuantState
+
+    for name, method in list(vars(int4_linear.Int4Linear).items()):
+        if inspect.isfunction(method) and "if x.is_cuda:" in inspect.getsource(method):
+            source = textwrap.dedent(inspect.getsource(method)).replace("if x.is_cuda:", "if True:")
+            made: dict[str, Any] = {}
+            exec(compile(source, int4_linear.__file__, "exec"), vars(int4_linear), made)  # noqa: S102
+            setattr(int4_linear.Int4Linear, name, made[name])
+    KVQuantState.packed_decode_reason = lambda self, device: None
+
+
+@contextmanager
+def _as_on_hopper(modules: list[Any]) -> Iterator[None]:
+    """mmsdk's kernels take CPU tensors, with PDL and inline PTX as on sm_90 inside a capture; put back on exit."""
+    from mmsdk.kernels import INTERPRET_ENV
+
+    replaced = [("interpreting", lambda: False), ("pdl_ready", lambda tensor: True),
+                ("pdl_preload_ready", lambda tensor: True)]
+    saved = [(module, name, module.__dict__[name]) for module in modules if module.__name__ != "mmsdk.kernels"
+             for name, _ in replaced if name in module.__dict__]
+    os.environ[INTERPRET_ENV] = "1"  # read by mmsdk.kernels.triton_ready / timing_enabled at each call
+    for module, name, _ in saved:
+        setattr(module, name, dict(replaced)[name])
+    try:
+        yield
+    finally:
+        os.environ.pop(INTERPRET_ENV)
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def recorded_step_kernels(model_name: str, passes: list[str]) -> dict[tuple[int, str], tuple[Any, str]]:
+    """The kernels a new decode step of ``model_name`` with ``passes`` would compile (parallel_compile's records)."""
+    import torch
+    from triton.runtime.driver import driver
+
+    from mmsdk.cli._common import prompt_sample
+    from mmsdk.core.optimizer import Optimizer
+    from mmsdk.core.session import Session
+    from mmsdk.core.sources import load_model
+    from mmsdk.kernels import fast_generate, parallel_compile
+    from mmsdk.profiling.measure import prompt_inputs
+
+    modules = _kernel_modules()
+    _lift_device_checks()
+    driver._active = _Hopper()
+    session = Session.create()
+    loaded = load_model(model_name, session=session)
+    loaded.model.to(torch.bfloat16)
+    opt = Optimizer(loaded, session=session)
+    opt.apply(*passes)
+    inputs = prompt_inputs(opt.model, opt.processor, opt.adapter, prompt_sample(None, None, opt.session), "cpu")
+    recorded: dict[tuple[int, str], tuple[Any, str]] = {}
+
+    class Recorded(Exception):
+        pass
+
+    def record_instead_of_warming_up(self: Any, step: Callable[[], Any]) -> None:
+        with _as_on_hopper(modules):
+            recorded.update(parallel_compile._recorded_kernels(step))
+        raise Recorded
+
+    fast_generate._Generator._warm_up = record_instead_of_warming_up
+    try:
+        fast_generate._Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}).run()
+    except Recorded:
+        return recorded
+    raise RuntimeError("the decode step was never built: the fast path refused this model or these passes")
+
+
+def timed_compiles(recorded: dict[tuple[int, str], tuple[Any, str]], threads: int) -> dict[str, Any]:
+    """Each kernel compiled for sm_90 alone into an empty cache (seconds each), then all on ``threads`` threads."""
+    from mmsdk.kernels import parallel_compile
+
+    kernels = []
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        for kernel, specialization in recorded.values():
+            started = time.perf_counter()
+            kernel.preload(specialization)
+            kernels.append({"kernel": f"{kernel.__module__.rsplit('.', 1)[-1]}.{kernel.__name__}",
+                            "seconds": round(time.perf_counter() - started, 2)})
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        started = time.perf_counter()
+        parallel_compile._compile_side_by_side(recorded, threads, "this benchmark")
+        side_by_side = time.perf_counter() - started
+    gemv = [k["seconds"] for k in kernels if k["kernel"].startswith("_gemv_")]
+    other = [k["seconds"] for k in kernels if not k["kernel"].startswith("_gemv_")]
+    return {"kernels": kernels, "one_at_a_time_s": round(sum(gemv) + sum(other), 2),
+            "gemv_kernels": len(gemv), "gemv_s": round(sum(gemv), 2), "other_kernels": len(other),
+            "other_s": round(sum(other), 2), "threads": threads, "side_by_side_s": round(side_by_side, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="builtin:llava-digits")
+    parser.add_argument("--apply", default="qkv-fuse,int4-weight,rmsnorm-rope-fusion,int4-kv",
+                        help="comma separated passes (fast generate's: those that declare it)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: give 1 or more")
+    import torch
+    import triton
+
+    recorded = recorded_step_kernels(args.model, args.apply.split(","))
+    result = {"model": args.model, "passes": args.apply, "cpu": platform.processor() or platform.machine(),
+              "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), **timed_compiles(recorded, args.threads)}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
