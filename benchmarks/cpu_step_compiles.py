@@ -77,10 +77,12 @@ def _lift_device_checks() -> None:
     from mmsdk.plugins.quantizers.kv_runtime import KVQuantState
 
     for name, method in list(vars(int4_linear.Int4Linear).items()):
-        if inspect.isfunction(method) and "if x.is_cuda:" in inspect.getsource(method):
+        if (inspect.isfunction(method) and not getattr(method, "lifted", False)
+                and "if x.is_cuda:" in inspect.getsource(method)):
             source = textwrap.dedent(inspect.getsource(method)).replace("if x.is_cuda:", "if True:")
             made: dict[str, Any] = {}
             exec(compile(source, int4_linear.__file__, "exec"), vars(int4_linear), made)  # noqa: S102
+            made[name].lifted = True  # a second call leaves it
             setattr(int4_linear.Int4Linear, name, made[name])
     KVQuantState.packed_decode_reason = lambda self, device: None
 
