@@ -199,6 +199,38 @@ def test_mllama_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv,
         assert layer.key_codes.shape[2] == tokens and layer.key_codes.shape[-1] * per_byte == layer.head_dim
 
 
+def test_mllama_steps_ask_the_packed_cache_whether_it_holds_kv_without_dequantizing_it(session, tiny, monkeypatch):
+    """transformers 5.24+'s Mllama asks every cache layer ``keys.numel() > 0`` before running it; on a packed layer
+    ``keys`` dequantizes the whole layer (in a captured step: a kernel per self-attention layer at every token). Inside
+    the adapter's decode-step scope each layer answers from its host length instead: the same answers, no layer
+    dequantized, and transformers' own check put back after, error or not."""
+    from transformers.models.mllama import modeling_mllama
+
+    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+
+    original = getattr(modeling_mllama, "_has_cached_cross_attention_states", None)
+    if original is None:
+        pytest.skip("this transformers asks the cache's get_seq_length(idx), without reading keys")
+    opt, inputs = _optimized(tiny, session, "tiny:mllama", ("int4-kv",))
+    cache = installed_state(opt.model).static_cache(64, fused=True)
+    with torch.inference_mode():
+        opt.model(**inputs, past_key_values=cache, use_cache=True)
+    empty = installed_state(opt.model).static_cache(64, fused=True)  # no prefill: every layer empty
+    layers = range(len(cache.layers) + 1)  # one past the last: no such layer
+    expected = [original(cache, i) for i in layers] + [original(empty, i) for i in layers]
+    assert expected[: len(cache.layers)] == [True] * len(cache.layers) and not any(expected[len(cache.layers):])
+    read = []
+    real = PackedStaticLayer._dequantized
+    monkeypatch.setattr(PackedStaticLayer, "_dequantized", lambda *a, **k: read.append(1) or real(*a, **k))
+    with opt.adapter.decode_step_scope(opt.model):
+        answered = [modeling_mllama._has_cached_cross_attention_states(c, i) for c in (cache, empty) for i in layers]
+    assert answered == expected and read == []
+    assert modeling_mllama._has_cached_cross_attention_states is original
+    with pytest.raises(RuntimeError), opt.adapter.decode_step_scope(opt.model):
+        raise RuntimeError("a step that fails")
+    assert modeling_mllama._has_cached_cross_attention_states is original
+
+
 def test_cross_attention_length_redirect_is_scoped_and_restored():
     from torch import nn
 

@@ -315,6 +315,7 @@ print(json.dumps(names))
     for model, kernels in names.items():
         assert kernels.count("gemv_quad") >= 4, (model, kernels)  # the GEMVs as untimed tuners launch them
         assert {"decode_partial", "decode_combine", "add_rms_norm", "greedy_step"} <= set(kernels), (model, kernels)
+        assert "dequantize" not in kernels, (model, kernels)  # no step reads a whole packed layer back
 
 
 def test_compiling_a_decode_step_ahead_is_asked_for_by_the_environment(monkeypatch):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -161,6 +161,41 @@ class IdeficsAdapter(ModelAdapter):
         return True
 
 
+def _holds_kv_by_host_length(original: Callable[[Any, int], bool], cache: Any, layer_idx: int) -> bool:
+    """Mllama's ``_has_cached_cross_attention_states``, answered from the layer's length where the host knows it.
+
+    transformers 5.24 and newer ask ``layer.is_initialized and layer.keys.numel() > 0`` of every layer, before running
+    it. On mmsdk's packed KV layers ``keys`` dequantizes the whole layer (what a model that reads a layer directly
+    gets): in a captured decode step that is a dequantize kernel per self-attention layer, replayed at every token, its
+    output unused. A layer whose ``get_seq_length()`` is a host int (mmsdk's packed and image layers, transformers'
+    dynamic ones) holds K/V exactly when that is above 0; any other layer (a compileable static one answers with a
+    device tensor) is asked as transformers asks it."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None and 0 <= layer_idx < len(layers) and getattr(layers[layer_idx], "is_initialized", False):
+        length = layers[layer_idx].get_seq_length()
+        if isinstance(length, int):
+            return length > 0
+    return original(cache, layer_idx)
+
+
+@contextmanager
+def _cache_queries_from_the_host() -> Iterator[None]:
+    """Mllama's text model asks each cache layer whether it holds K/V by its length on the host while inside
+    (:func:`_holds_kv_by_host_length`); its own check is put back on the way out, error or not. Nothing changes on
+    a transformers without that check (it asked ``get_seq_length(idx)`` before 5.24)."""
+    from transformers.models.mllama import modeling_mllama
+
+    original = getattr(modeling_mllama, "_has_cached_cross_attention_states", None)
+    if original is None:
+        yield
+        return
+    modeling_mllama._has_cached_cross_attention_states = functools.partial(_holds_kv_by_host_length, original)
+    try:
+        yield
+    finally:
+        modeling_mllama._has_cached_cross_attention_states = original
+
+
 class MllamaAdapter(ModelAdapter):
     """Mllama (Llama 3.2 Vision): tiled ViT -> linear projector -> decoder whose listed layers are
     tanh-gated cross-attention layers instead of self-attention ones."""
@@ -227,6 +262,12 @@ class MllamaAdapter(ModelAdapter):
         if not isinstance(mask, torch.Tensor):
             return {}
         return {"cross_attention_mask": torch.cat([mask, mask[:, -1:]], dim=1)}
+
+    def decode_step_scope(self, model: nn.Module) -> AbstractContextManager[None]:
+        """Mllama's text model asks every cache layer whether it holds K/V by its length on the host, not by the size of
+        its ``keys`` (:func:`_holds_kv_by_host_length`), which on a packed KV cache dequantized each self-attention
+        layer inside the captured step."""
+        return _cache_queries_from_the_host()
 
     def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
         """Attention in each tile of the last local vision layer (tiles are padded to a multiple of 8)."""
