@@ -13,7 +13,11 @@ at a time, unless ``MMSDK_COMPILE_STEP_AHEAD=1`` records them in a dropped captu
   ``Int4Linear``'s CUDA check and the packed KV cache's device check are lifted; the GEMV tuners take their first
   candidate untimed (on a GPU they pick one of their candidates: one kernel per GEMV shape either way);
 * the step runs once under Triton's ``jit_cache_hook``, which records each kernel and launches none (torch's
-  operations run on CPU over whatever the skipped kernels left);
+  operations run on CPU over whatever the skipped kernels left), with CUDA-graph capture reported as on, so each
+  module takes the branch it takes in compile_before_first_call's dropped capture;
+* the tensors the step left in an attribute of the model's modules, the cache or the step's own objects that were not
+  there before are listed ("kept"): in a dropped capture such a tensor is never written, so a later step reading it
+  would compute with garbage. compile_before_first_call needs this list empty;
 * each recorded kernel is compiled for sm_90 one at a time into an empty Triton cache (timed), then all of them on
   ``--threads`` threads into another empty cache, as compile_before_first_call does.
 
@@ -39,8 +43,9 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +93,25 @@ def _lift_device_checks() -> None:
 
 
 @contextmanager
-def _as_on_hopper(modules: list[Any]) -> Iterator[None]:
-    """mmsdk's kernels take CPU tensors, with PDL and inline PTX as on sm_90 inside a capture; put back on exit."""
-    from mmsdk.kernels import INTERPRET_ENV
+def _as_in_a_hopper_capture(modules: list[Any]) -> Iterator[None]:
+    """mmsdk's kernels take CPU tensors, with PDL and inline PTX as on sm_90, and every capture check says a CUDA
+    graph is being captured; put back on exit."""
+    import torch
 
-    replaced = [("interpreting", lambda: False), ("pdl_ready", lambda tensor: True),
-                ("pdl_preload_ready", lambda tensor: True)]
-    saved = [(module, name, module.__dict__[name]) for module in modules if module.__name__ != "mmsdk.kernels"
-             for name, _ in replaced if name in module.__dict__]
+    from mmsdk.kernels import INTERPRET_ENV
+    from mmsdk.plugins import tensor_keys
+
+    replaced = {"interpreting": lambda: False, "pdl_ready": lambda tensor: True,
+                "pdl_preload_ready": lambda tensor: True, "being_captured": lambda tensor: True}
+    loaded = [module for name, module in sys.modules.items() if name.startswith("mmsdk.") and module is not None]
+    saved = [(module, name, module.__dict__[name]) for module in {*modules, *loaded}
+             if module.__name__ != "mmsdk.kernels" for name in replaced if name in module.__dict__
+             and (name != "being_captured" or module.__dict__[name] is tensor_keys.being_captured)]
+    saved.append((torch.cuda, "is_current_stream_capturing", torch.cuda.is_current_stream_capturing))
     os.environ[INTERPRET_ENV] = "1"  # read by mmsdk.kernels.triton_ready / timing_enabled at each call
-    for module, name, _ in saved:
-        setattr(module, name, dict(replaced)[name])
+    for module, name, _ in saved[:-1]:
+        setattr(module, name, replaced[name])
+    torch.cuda.is_current_stream_capturing = lambda: True
     try:
         yield
     finally:
@@ -107,8 +120,46 @@ def _as_on_hopper(modules: list[Any]) -> Iterator[None]:
             setattr(module, name, original)
 
 
-def recorded_step_kernels(model_name: str, passes: list[str]) -> dict[tuple[int, str], tuple[Any, str]]:
-    """The kernels a new decode step of ``model_name`` with ``passes`` would compile (parallel_compile's records)."""
+def _held_tensors(roots: Iterable[Any]) -> dict[tuple[int, str, int], tuple[str, int]]:
+    """(owner id, attribute, position) -> (owner type.attribute, tensor id) for every tensor held in an attribute (or
+    a list, tuple or dict attribute) of the roots, their submodules and the mmsdk / transformers cache objects they
+    hold; parameters and buffers are left out (a step never makes those)."""
+    import torch
+
+    held: dict[tuple[int, str, int], tuple[str, int]] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        owner = stack.pop()
+        if id(owner) in seen or not hasattr(owner, "__dict__"):
+            continue
+        seen.add(id(owner))
+        if isinstance(owner, torch.nn.Module):
+            stack.extend(owner.children())
+        for name, value in vars(owner).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            values = (list(value) if isinstance(value, (list, tuple)) else list(value.values())
+                      if isinstance(value, dict) else [value])
+            for position, item in enumerate(values):
+                if isinstance(item, torch.Tensor):
+                    held[(id(owner), name, position)] = (f"{type(owner).__name__}.{name}", id(item))
+                elif (hasattr(item, "__dict__") and not isinstance(item, type)
+                      and type(item).__module__.startswith(("mmsdk.", "transformers.cache_utils"))):
+                    stack.append(item)
+    return held
+
+
+@dataclass
+class StepRecord:
+    """What a new decode step's first run, as inside a capture, would compile and what it left behind."""
+
+    kernels: dict[tuple[int, str], tuple[Any, str]]  # parallel_compile's records: (kernel, specialization)
+    kept: list[str]  # "Type.attribute" of each tensor it made and left held (see the module's doc)
+
+
+def record_step(model_name: str, passes: list[Any]) -> StepRecord:
+    """The kernels a new decode step of ``model_name`` with ``passes`` would compile, and the tensors it would keep."""
     import torch
     from triton.runtime.driver import driver
 
@@ -128,21 +179,25 @@ def recorded_step_kernels(model_name: str, passes: list[str]) -> dict[tuple[int,
     opt = Optimizer(loaded, session=session)
     opt.apply(*passes)
     inputs = prompt_inputs(opt.model, opt.processor, opt.adapter, prompt_sample(None, None, opt.session), "cpu")
-    recorded: dict[tuple[int, str], tuple[Any, str]] = {}
+    record = StepRecord({}, [])
 
     class Recorded(Exception):
         pass
 
     def record_instead_of_warming_up(self: Any, step: Callable[[], Any]) -> None:
-        with _as_on_hopper(modules):
-            recorded.update(parallel_compile._recorded_kernels(step))
+        roots = (opt.model, self)  # the model holds the kept decode state (its cache and step)
+        before = _held_tensors(roots)
+        with _as_in_a_hopper_capture(modules):
+            record.kernels.update(parallel_compile._recorded_kernels(step))
+        record.kept.extend(sorted({where for key, (where, tensor) in _held_tensors(roots).items()
+                                   if before.get(key, ("", None))[1] != tensor}))
         raise Recorded
 
     fast_generate._Generator._warm_up = record_instead_of_warming_up
     try:
         fast_generate._Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 4}).run()
     except Recorded:
-        return recorded
+        return record
     raise RuntimeError("the decode step was never built: the fast path refused this model or these passes")
 
 
@@ -183,10 +238,10 @@ def main() -> None:
     import torch
     import triton
 
-    recorded = recorded_step_kernels(args.model, args.apply.split(","))
+    record = record_step(args.model, args.apply.split(","))
     result = {"model": args.model, "passes": args.apply, "cpu": platform.processor() or platform.machine(),
               "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), **timed_compiles(recorded, args.threads)}
+              "python": platform.python_version(), "kept": record.kept, **timed_compiles(record.kernels, args.threads)}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -337,3 +337,24 @@ def test_cuda_gated_mlp_adds_the_residual_in_its_down_projection():
     residual = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16) * 8
     with torch.no_grad():
         assert torch.equal(plus_residual(mlp, x, residual), residual + mlp(x))
+
+
+def test_folded_norm_factors_made_inside_a_capture_are_used_but_not_kept(monkeypatch):
+    """A GEMV's folded-norm factors are built once per norm weight and kept, except inside a CUDA graph capture: a
+    capture only records their computation, and a dropped one (a decode step recorded for its kernels) never runs it,
+    so kept factors would be garbage. The factors then handed over are the same either way."""
+    from mmsdk.kernels.norm_fold import quad_factors
+    from mmsdk.plugins.quantizers import int4_linear
+
+    layer = Int4Linear(16, 8, block_size=16, dtype=torch.bfloat16)
+    norm = nn.RMSNorm(16, eps=1e-6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    expected = quad_factors(norm.weight)
+    monkeypatch.setattr(int4_linear, "being_captured", lambda tensor: True)
+    captured = layer.input_norm(norm)
+    assert torch.equal(captured.factors, expected) and layer._factors is None
+    monkeypatch.setattr(int4_linear, "being_captured", lambda tensor: False)
+    eager = layer.input_norm(norm)
+    assert torch.equal(eager.factors, expected) and layer._factors is not None
+    assert layer.input_norm(norm).factors is eager.factors  # kept: built once

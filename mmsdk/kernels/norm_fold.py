@@ -44,7 +44,10 @@ def quad_factors(weight: torch.Tensor, prequant: torch.Tensor | None = None) -> 
     factors = weight.detach().float()
     if prequant is not None:
         factors = factors * prequant.detach().float()
-    pattern = torch.tensor(NIBBLE_FACTORS, dtype=torch.float32, device=weight.device)
+    # made on the device (each a fill), not copied from the host: a copy would end a CUDA graph capture that meets
+    # this first (mmsdk.kernels.parallel_compile.compile_before_first_call's)
+    pattern = torch.stack([torch.full((), factor, dtype=torch.float32, device=weight.device)
+                           for factor in NIBBLE_FACTORS])
     factors = factors * pattern.repeat(-(-factors.shape[0] // 8))[: factors.shape[0]]
     compact = weight.dtype == torch.bfloat16 and prequant is None
     return (factors.to(torch.bfloat16) if compact else factors).contiguous()

@@ -24,6 +24,7 @@ from torch import nn
 
 from mmsdk.kernels.norm_fold import InputNorm, NormRequest, NormStatistics, quad_factors
 from mmsdk.plugins.quantizers.packing import PackedInt4, dequantize_int4, padded_k, quantize_int4
+from mmsdk.plugins.tensor_keys import being_captured
 
 __all__ = ["Int4Linear"]
 
@@ -173,12 +174,17 @@ class Int4Linear(nn.Module):
 
     def input_norm(self, norm: nn.Module) -> InputNorm:
         """``norm`` (weight, eps) as this layer's GEMV folds it, with this layer's AWQ pre-scale; the factors are
-        built once per norm weight, device and version, and kept."""
+        built once per norm weight, device and version, and kept. Factors built inside a CUDA graph capture are not
+        kept: a capture only records their computation, and one that is dropped (a decode step recorded for its
+        kernels, mmsdk.kernels.parallel_compile.compile_before_first_call) never runs it."""
         weight = norm.weight
         key = (id(weight), weight.device, weight.dtype, weight.data_ptr(), _version(weight),
                None if self.prequant is None else (self.prequant.data_ptr(), _version(self.prequant)))
         if self._factors is None or self._factors[0] != key:
-            self._factors = (key, quad_factors(weight, self.prequant))
+            factors = quad_factors(weight, self.prequant)
+            if being_captured(weight):
+                return InputNorm(weight, float(norm.eps), factors, self.prequant)
+            self._factors = (key, factors)
         return InputNorm(weight, float(norm.eps), self._factors[1], self.prequant)
 
     def _product(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module | None = None,
