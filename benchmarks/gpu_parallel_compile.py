@@ -6,9 +6,10 @@ kernel is compiled before it starts; with ``--warm`` once more on the cache the 
 the first call costs without compiling). ``gemv``: LLaVA-1.5-7B's fused q/k/v projection ([12288, 4096], g32, bf16) for
 one token, the first ``int4_linear`` call (the tuner compiles and times its 18 candidates), then a second call; the
 output is checked against the dequantized weight. ``generate``: the first and second greedy ``generate`` call of
-builtin:llava-digits with qkv-fuse, int4-weight and int4-kv (a user's first call on a machine). ``tune``: ``mmsdk tune
-builtin:llava-digits --apply qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the decode
-step's GEMVs (202 s of its 236 s with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
+builtin:llava-digits with qkv-fuse, int4-weight and int4-kv (a user's first call on a machine); ``generate7b``: the same
+for LLaVA-1.5-7B shapes (random weights) with rmsnorm-rope-fusion too, a 640-token prompt, 8 new tokens. ``tune``:
+``mmsdk tune builtin:llava-digits --apply qkv-fuse,int4-weight,int4-kv --kinds idot,idotr``, whose first step tunes the
+decode step's GEMVs (202 s of its 236 s with one thread on a fresh H100, docs/benchmarks.md, fifty-second pass).
 
 ``--warm-ups default,captured,eager``: how the W4A16 tuner warms each candidate up before timing it. "default" leaves
 it to the tuner (inside a dropped capture, so on Hopper only the GEMVs' captured variants compile, but eagerly in a step
@@ -24,7 +25,8 @@ case says how much of its first call still compiled one kernel at a time on the 
 kernels those were, next to what the compile threads did ("parallel", summed over threads).
 
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1]
-        [--cases gemv,generate,tune] [--warm] [--warm-ups default,captured,eager] [--compile-in threads,processes]
+        [--cases gemv,generate,generate7b,tune] [--warm] [--warm-ups default,captured,eager]
+        [--compile-in threads,processes]
         [--step-ahead off,on]
 """
 
@@ -128,6 +130,28 @@ def generate_case() -> dict[str, Any]:
             "new_tokens": answers[0][0, inputs["input_ids"].shape[1]:].tolist()}  # to compare runs by
 
 
+def generate7b_case() -> dict[str, Any]:
+    """The first and second greedy ``generate`` call (8 new tokens) of LLaVA-1.5-7B shapes (random bf16 weights built
+    on the GPU) with qkv-fuse, int4-weight, rmsnorm-rope-fusion and int4-kv (static ranges), one 640-token prompt with
+    an image: a 7B model's first call on a machine."""
+    import torch
+
+    from benchmarks.gpu_models import build_llava, llava_inputs, optimized
+
+    model = optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
+    inputs = llava_inputs(1, 640, images=True)
+    seconds, answers = [], []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        answers.append(model.generate(**inputs, max_new_tokens=8, do_sample=False))
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return {"first_call_s": round(seconds[0], 2), "second_call_s": round(seconds[1], 4),
+            "same_answer": bool(torch.equal(answers[0], answers[1])),
+            "new_tokens": answers[0][0, inputs["input_ids"].shape[1]:].tolist()}
+
+
 def listen_to_compiles() -> list[dict[str, Any]]:
     """Every Triton compile from now on in this process, appended as it ends: the kernel, the thread it ran on, its
     time and whether Triton's cache had it (an empty list, never filled, on a Triton without the listener)."""
@@ -183,9 +207,17 @@ class ProcessCompiler:
                  warm_up: str = "eager") -> int:
         from triton.runtime.driver import driver
 
-        from mmsdk.kernels.parallel_compile import _build_launcher, _recorded_kernels, compile_threads
+        from mmsdk.kernels.parallel_compile import (
+            _build_launcher,
+            _guarded,
+            _recorded_kernels,
+            _run_as_timed,
+            compile_threads,
+        )
 
-        recorded = _recorded_kernels(launches, captured_on, warm_up)
+        guarded = [_guarded(launch) for launch in launches]  # recorded as compile_in_parallel records them
+        recorded = _recorded_kernels(lambda: _run_as_timed(guarded, captured_on, warm_up) if captured_on is not None
+                                     else [launch() for launch in guarded])
         if not recorded:
             return 0
         jobs = [(kernel.fn.__module__, kernel.fn.__qualname__, specialization)
@@ -306,7 +338,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}",
                         help="compile threads per run, comma separated (default: 1 and this machine's CPUs)")
-    parser.add_argument("--cases", default="gemv,tune", help="comma separated: gemv, generate, tune")
+    parser.add_argument("--cases", default="gemv,tune", help="comma separated: gemv, generate, generate7b, tune")
     parser.add_argument("--warm", action="store_true",
                         help="then run each case once more with the first thread count's Triton cache, now filled")
     parser.add_argument("--warm-ups", default="default",
@@ -321,7 +353,7 @@ def main() -> None:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for option, given, known in (("--cases", args.cases, ("gemv", "generate", "tune")),
+    for option, given, known in (("--cases", args.cases, ("gemv", "generate", "generate7b", "tune")),
                                  ("--warm-ups", args.warm_ups, ("default", "captured", "eager")),
                                  ("--compile-in", args.compile_in, ("threads", "processes")),
                                  ("--step-ahead", args.step_ahead, ("off", "on"))):
@@ -338,7 +370,8 @@ def main() -> None:
             tuning_module.compile_in_parallel = compiler
         if args.warm_ups != "default":
             force_warm_up(args.warm_ups)
-        cases = {"gemv": gemv_case, "generate": generate_case, "tune": lambda: tune_case(args.folder)}
+        cases = {"gemv": gemv_case, "generate": generate_case, "generate7b": generate7b_case,
+                 "tune": lambda: tune_case(args.folder)}
         compiles = listen_to_compiles()
         try:
             result = cases[args.worker]()

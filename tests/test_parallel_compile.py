@@ -330,8 +330,8 @@ def test_compiling_a_decode_step_ahead_is_asked_for_by_the_environment(monkeypat
     from mmsdk.kernels.parallel_compile import COMPILE_STEP_AHEAD_ENV, compile_step_ahead
 
     monkeypatch.delenv(COMPILE_STEP_AHEAD_ENV, raising=False)
-    assert compile_step_ahead() is False
-    for value, expected in (("1", True), ("0", False), ("", False)):
+    assert compile_step_ahead() is True
+    for value, expected in (("1", True), ("0", False), ("", True)):
         monkeypatch.setenv(COMPILE_STEP_AHEAD_ENV, value)
         assert compile_step_ahead() is expected
     for bad in ("yes", "2", "on"):
