@@ -223,6 +223,8 @@ def test_mllama_steps_ask_the_packed_cache_whether_it_holds_kv_without_dequantiz
     real = PackedStaticLayer._dequantized
     monkeypatch.setattr(PackedStaticLayer, "_dequantized", lambda *a, **k: read.append(1) or real(*a, **k))
     with opt.adapter.decode_step_scope(opt.model):
+        with opt.adapter.decode_step_scope(opt.model):  # nested: the outer scope's check stays until it ends
+            pass
         answered = [modeling_mllama._has_cached_cross_attention_states(c, i) for c in (cache, empty) for i in layers]
     assert answered == expected and read == []
     assert modeling_mllama._has_cached_cross_attention_states is original

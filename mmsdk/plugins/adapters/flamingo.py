@@ -182,14 +182,17 @@ def _holds_kv_by_host_length(original: Callable[[Any, int], bool], cache: Any, l
 def _cache_queries_from_the_host() -> Iterator[None]:
     """Mllama's text model asks each cache layer whether it holds K/V by its length on the host while inside
     (:func:`_holds_kv_by_host_length`); its own check is put back on the way out, error or not. Nothing changes on
-    a transformers without that check (it asked ``get_seq_length(idx)`` before 5.24)."""
+    a transformers without that check (it asked ``get_seq_length(idx)`` before 5.24), nor inside another such scope
+    (nested, or on another thread: the outer one puts the check back; both answer alike)."""
     from transformers.models.mllama import modeling_mllama
 
     original = getattr(modeling_mllama, "_has_cached_cross_attention_states", None)
-    if original is None:
+    if original is None or getattr(original, "by_host_length", False):
         yield
         return
-    modeling_mllama._has_cached_cross_attention_states = functools.partial(_holds_kv_by_host_length, original)
+    replacement = functools.partial(_holds_kv_by_host_length, original)
+    replacement.by_host_length = True  # type: ignore[attr-defined]
+    modeling_mllama._has_cached_cross_attention_states = replacement
     try:
         yield
     finally:
