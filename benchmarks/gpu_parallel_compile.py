@@ -118,38 +118,34 @@ def generate_case() -> dict[str, Any]:
     opt = Optimizer(loaded, session=session)
     opt.apply("qkv-fuse", "int4-weight", "int4-kv")
     inputs = prompt_inputs(opt.model, opt.processor, opt.adapter, prompt_sample(None, None, opt.session), "cuda")
+    return two_generate_calls(opt.model, inputs, 16)
+
+
+def two_generate_calls(model: Any, inputs: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """The first and second greedy ``generate`` call of ``model`` on ``inputs``, timed (synchronized), their answers
+    compared, the first one's new tokens listed (to compare runs by)."""
+    import torch
+
     seconds, answers = [], []
     for _ in range(2):
         torch.cuda.synchronize()
         started = time.perf_counter()
-        answers.append(opt.model.generate(**inputs, max_new_tokens=16, do_sample=False))
+        answers.append(model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False))
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     return {"first_call_s": round(seconds[0], 2), "second_call_s": round(seconds[1], 4),
             "same_answer": bool(torch.equal(answers[0], answers[1])),
-            "new_tokens": answers[0][0, inputs["input_ids"].shape[1]:].tolist()}  # to compare runs by
+            "new_tokens": answers[0][0, inputs["input_ids"].shape[1]:].tolist()}
 
 
 def generate7b_case() -> dict[str, Any]:
     """The first and second greedy ``generate`` call (8 new tokens) of LLaVA-1.5-7B shapes (random bf16 weights built
     on the GPU) with qkv-fuse, int4-weight, rmsnorm-rope-fusion and int4-kv (static ranges), one 640-token prompt with
     an image: a 7B model's first call on a machine."""
-    import torch
-
     from benchmarks.gpu_models import build_llava, llava_inputs, optimized
 
     model = optimized(build_llava(), ("qkv-fuse", "int4-weight", "rmsnorm-rope-fusion"), kv=True)
-    inputs = llava_inputs(1, 640, images=True)
-    seconds, answers = [], []
-    for _ in range(2):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        answers.append(model.generate(**inputs, max_new_tokens=8, do_sample=False))
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - started)
-    return {"first_call_s": round(seconds[0], 2), "second_call_s": round(seconds[1], 4),
-            "same_answer": bool(torch.equal(answers[0], answers[1])),
-            "new_tokens": answers[0][0, inputs["input_ids"].shape[1]:].tolist()}
+    return two_generate_calls(model, llava_inputs(1, 640, images=True), 8)
 
 
 def listen_to_compiles() -> list[dict[str, Any]]:
