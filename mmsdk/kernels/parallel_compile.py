@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -143,6 +143,8 @@ def _compile_side_by_side(recorded: dict[tuple[int, str], tuple[Any, str]], thre
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mmsdk-compile") as pool:
         with triton.AsyncCompileMode(pool, ignore_errors=True):
             pending = [_preload(kernel, specialization) for kernel, specialization in recorded.values()]
+            # the mode's exit drops a failed compile's error, and its launch compiles that kernel again: said here
+            _log_failed_compiles([kernel for kernel, _ in recorded.values()], pending)
         # the mode's exit waited for every compile; now each compiled kernel's launcher on the same threads
         compiled = [future.kernel for future in pending if getattr(future, "kernel", None) is not None]
         list(pool.map(_build_launcher, compiled))
@@ -152,6 +154,20 @@ def _compile_side_by_side(recorded: dict[tuple[int, str], tuple[Any, str]], thre
             "mmsdk.kernels: compiled %d kernels for %s on %d threads in %.1f s (Triton's cache keeps them for "
             "later processes; %s sets the threads)", len(recorded), caller, workers, seconds, COMPILE_THREADS_ENV)
     return len(recorded)
+
+
+def _log_failed_compiles(kernels: Sequence[Any], pending: Sequence[Any]) -> None:
+    """Wait for the pending compiles (Triton's ``FutureKernel``, one per kernel of ``kernels``) and log each that
+    failed, with its error; the compile mode drops them silently."""
+    # only the raw future is read: any other attribute of a FutureKernel waits for its result and raises its error
+    running = [(kernel, entry.future) for kernel, entry in zip(kernels, pending, strict=True)
+               if entry is not None and getattr(entry, "future", None) is not None]
+    wait([future for _, future in running])
+    for kernel, future in running:
+        error = future.exception()
+        if error is not None:
+            LOG.debug("compiling %s on a compile thread failed (%s: %s); its launch compiles it again",
+                      getattr(kernel, "__name__", kernel), type(error).__name__, error)
 
 
 def _recorded_kernels(run: Callable[[], Any]) -> dict[tuple[int, str], tuple[Any, str]]:
