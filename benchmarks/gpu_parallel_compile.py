@@ -17,6 +17,10 @@ search's first tuning, whose trials run every candidate eagerly too); "captured"
 every tuning ("eager": one eager call per candidate, each eager variant compiled too, as the tuner did until the
 fifty-third pass).
 
+``--warm``: each case's first run is followed by two more on the Triton cache it filled, one with the tuner's
+choices it kept (``MMSDK_TUNING_CACHE``, a file beside that cache: only the chosen kernels load, nothing is timed)
+and one without (every candidate loaded from the cache and timed again).
+
 ``--step-ahead off,on``: fast generate's ``MMSDK_COMPILE_STEP_AHEAD`` per run (``on``: a new decode step's kernels
 are recorded in a dropped capture and compiled side by side before its first call; it matters to ``generate`` only).
 
@@ -308,21 +312,25 @@ def force_warm_up(warm_up: str) -> None:
 
 
 def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str,
-             step_ahead: str = "off") -> dict[str, Any]:
+             step_ahead: str = "off", keep_choices: bool = True) -> dict[str, Any]:
     """``case`` in a fresh process with Triton's cache in ``cache``, ``threads`` compile threads (or processes:
     ``compile_in``), the tuner's candidates warmed up ``warm_up`` and a new decode step's kernels compiled ahead
-    (``step_ahead`` "on") or not."""
+    (``step_ahead`` "on") or not. The tuner's choices are kept in a file beside ``cache`` (``MMSDK_TUNING_CACHE``),
+    so a later run on the same cache takes them untimed, or (``keep_choices`` False) not at all."""
+    choices = cache.parent / f"{cache.name}-tuning-choices.json"
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "MMSDK_COMPILE_THREADS": str(threads),
                "MMSDK_COMPILE_STEP_AHEAD": "1" if step_ahead == "on" else "0",
+               "MMSDK_TUNING_CACHE": str(choices) if keep_choices else "0",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         warm = cache.is_dir() and any(cache.iterdir())
+        tuning_cache = ("kept" if choices.exists() else "empty") if keep_choices else "off"
         started = time.perf_counter()
         run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder, "--warm-ups", warm_up,
                               "--compile-in", compile_in],
                              env=env, capture_output=True, text=True)
         label = {"case": case, "threads": threads, "warm_up": warm_up, "compile_in": compile_in,
-                 "step_ahead": step_ahead, "triton_cache": "warm" if warm else "empty"}
+                 "step_ahead": step_ahead, "triton_cache": "warm" if warm else "empty", "tuning_cache": tuning_cache}
         if run.returncode:
             return {**label, "error": run.stderr[-2000:]}
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -336,7 +344,8 @@ def main() -> None:
                         help="compile threads per run, comma separated (default: 1 and this machine's CPUs)")
     parser.add_argument("--cases", default="gemv,tune", help="comma separated: gemv, generate, generate7b, tune")
     parser.add_argument("--warm", action="store_true",
-                        help="then run each case once more with the first thread count's Triton cache, now filled")
+                        help="then run each case's first run twice more on the Triton cache it filled: with the "
+                             "tuner's choices it kept and without")
     parser.add_argument("--warm-ups", default="default",
                         help="the tuner's warm-up per run, comma separated: default (its own choice), or captured or "
                              "eager forced on every tuning")
@@ -383,13 +392,14 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",")]
     for case in args.cases.split(","):
         with tempfile.TemporaryDirectory() as caches:
-            runs = [(threads, warm_up, Path(caches) / f"{threads}-{compile_in}-{warm_up}-{ahead}", compile_in, ahead)
+            runs = [(threads, warm_up, Path(caches) / f"{threads}-{compile_in}-{warm_up}-{ahead}", compile_in, ahead,
+                     True)
                     for ahead in args.step_ahead.split(",") for warm_up in args.warm_ups.split(",")
                     for compile_in in args.compile_in.split(",") for threads in counts]
-            if args.warm:  # what is left without compiling: the first run again, on the cache it filled
-                runs.append(runs[0])
-            for threads, warm_up, cache, compile_in, ahead in runs:
-                results["runs"].append(run_case(case, threads, cache, warm_up, compile_in, ahead))
+            if args.warm:  # what is left without compiling: the first run again, on the cache it filled, with the
+                runs += [runs[0], (*runs[0][:-1], False)]  # tuner's choices it kept and without them
+            for threads, warm_up, cache, compile_in, ahead, keep_choices in runs:
+                results["runs"].append(run_case(case, threads, cache, warm_up, compile_in, ahead, keep_choices))
                 print(json.dumps(results["runs"][-1]), flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(results, indent=1))

@@ -12,8 +12,11 @@ pytest_plugins = ["mmsdk.testing.fixtures"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist, share the cores among the workers: torch defaults to a thread per core in every worker,
-    so two workers on two cores would run four threads."""
+    """No tuning choices kept between processes; under pytest-xdist, share the cores among the workers: torch
+    defaults to a thread per core in every worker, so two workers on two cores would run four threads."""
+    # every test process tunes on its own: choices an earlier run kept on disk (mmsdk.kernels.tuning_cache) would
+    # skip the timing that tuner tests check; the tests of that file name their own with monkeypatch
+    os.environ["MMSDK_TUNING_CACHE"] = "0"
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         import torch

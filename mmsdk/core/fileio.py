@@ -1,17 +1,20 @@
-"""Writing folders atomically: build in a hidden sibling, then rename into place."""
+"""Writing folders and files atomically: build in a hidden sibling, then rename into place."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from mmsdk.core.errors import OutputExistsError
 
-__all__ = ["atomic_output_dir", "check_output_dir"]
+__all__ = ["atomic_output_dir", "check_output_dir", "write_json_atomically"]
 
 
 def check_output_dir(path: Path, *, overwrite: bool) -> None:
@@ -50,3 +53,20 @@ def atomic_output_dir(path: Path, *, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, path)
+
+
+def write_json_atomically(path: Path, data: Any) -> Path:
+    """``data`` as indented JSON at ``path``, written to a temporary file beside it and renamed into place (its
+    folder made if missing), so a reader sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                     delete=False) as handle:
+        try:
+            json.dump(data, handle, indent=1)
+        except BaseException:
+            handle.close()
+            os.unlink(handle.name)
+            raise
+    os.replace(handle.name, path)
+    return path

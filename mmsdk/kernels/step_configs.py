@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["STEP_CONFIGS_ENV", "StepConfigs", "StepConfigsFile", "read_step_configs", "step_measured_config",
-           "write_step_configs"]
+from mmsdk.core.fileio import write_json_atomically
+
+__all__ = ["STEP_CONFIGS_ENV", "StepConfigs", "StepConfigsFile", "decode_item", "encode_item", "read_step_configs",
+           "step_measured_config", "write_step_configs"]
 
 STEP_CONFIGS_ENV = "MMSDK_STEP_CONFIGS"  # "0" turns the table off, a file path adds that file's configs
 FILE_FORMAT = "mmsdk-step-configs/1"
@@ -136,7 +137,7 @@ def step_measured_config(key: tuple[Any, ...], device: torch.device, candidates:
     return config if config in candidates else None
 
 
-def _encode(item: Any) -> Any:
+def encode_item(item: Any) -> Any:
     """A key or config element as JSON holds it (dtypes by name)."""
     if isinstance(item, torch.dtype):
         return {"dtype": str(item).removeprefix("torch.")}
@@ -145,7 +146,7 @@ def _encode(item: Any) -> Any:
     raise TypeError(f"a step config key or value holds {item!r}, which a step-configs file cannot store")
 
 
-def _decode(item: Any, path: Path) -> Any:
+def decode_item(item: Any, path: Path) -> Any:
     if isinstance(item, dict):
         dtype = getattr(torch, str(item.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
@@ -169,8 +170,8 @@ def read_step_configs(path: str | Path) -> StepConfigs:
     if not isinstance(data, dict) or data.get("format") != FILE_FORMAT or not isinstance(data.get("gpus"), dict):
         raise ValueError(f"{STEP_CONFIGS_ENV}={path} is not a step-configs file (format {FILE_FORMAT!r}): write it "
                          "with `mmsdk tune` (or StepSearch.save, mmsdk.kernels.step_search)")
-    return {gpu: {tuple(_decode(i, path) for i in entry["key"]): tuple(_decode(i, path) for i in entry["config"])
-                  for entry in entries}
+    return {gpu: {tuple(decode_item(i, path) for i in entry["key"]):
+                      tuple(decode_item(i, path) for i in entry["config"]) for entry in entries}
             for gpu, entries in data["gpus"].items()}
 
 
@@ -202,17 +203,7 @@ def write_step_configs(path: str | Path, gpu: str, configs: dict[tuple[Any, ...]
     merged = {**existing.get(gpu, {}), **configs}
     existing[gpu] = merged
     data = {"format": FILE_FORMAT,
-            "gpus": {name: [{"key": [_encode(i) for i in key], "config": [_encode(i) for i in config]}
+            "gpus": {name: [{"key": [encode_item(i) for i in key], "config": [encode_item(i) for i in config]}
                             for key, config in table.items()]
                      for name, table in existing.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
-                                     delete=False) as handle:
-        try:
-            json.dump(data, handle, indent=1)
-        except BaseException:
-            handle.close()
-            os.unlink(handle.name)
-            raise
-    os.replace(handle.name, path)
-    return path
+    return write_json_atomically(path, data)

@@ -249,6 +249,7 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
     # variants side by side (warmed up in a capture, the eager ones compiled one at a time in the trials: on a fresh
     # H100 the digits tune took 77.2 s against 67.9, docs/benchmarks.md, fifty-third pass)
     tuning().warm_up = "eager"
+    tuning().use_kept_choices = False  # an earlier process's choices would leave the other candidates uncompiled
     try:
         # silent otherwise for minutes: on a fresh machine this compiles every candidate of every GEMV the step runs
         report("tuning the decode step's GEMVs on their own first (a fresh machine compiles each candidate: minutes)")
@@ -263,6 +264,7 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
         result = descend(trials, step_ms, report)
     finally:
         tuning().warm_up = warm_up
+        tuning().use_kept_choices = True
         for key, cfg in others.items():
             table.setdefault(key, cfg)
     result.device_name = torch.cuda.get_device_name(ids.device)

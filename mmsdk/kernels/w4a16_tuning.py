@@ -14,6 +14,7 @@ import torch
 from mmsdk.kernels import LOG, graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
 from mmsdk.kernels.parallel_compile import compile_in_parallel
 from mmsdk.kernels.step_configs import StepConfigsFile, step_measured_config
+from mmsdk.kernels.tuning_cache import TuningChoices
 
 __all__ = ["NORMED_MAX_N", "Tuning", "fit_config", "followed_by_norm", "tuned_config", "tuning"]
 
@@ -40,6 +41,10 @@ class Tuning:
         # for its first tuning: its trials run every candidate in the step's eager call too, which would otherwise
         # compile their eager variants one at a time.
         self.warm_up = "captured"
+        # what earlier processes on this machine chose (mmsdk.kernels.tuning_cache, MMSDK_TUNING_CACHE); a step
+        # search sets use_kept_choices False for its first tuning, which must compile and time every candidate
+        self.kept_choices = TuningChoices()
+        self.use_kept_choices = True
 
 
 @cache
@@ -52,11 +57,12 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
                  weights: tuple[torch.Tensor | None, ...], within: float = 0.0) -> Any:
     """The fastest candidate for ``key`` (timed once on CUDA; the first one, not kept, under the interpreter, a
     capture or ``MMSDK_TUNE=0``), or the configuration measured for it inside the decode step on this GPU
-    (mmsdk.kernels.step_configs: taken untimed); with ``within`` > 0 the first candidate, in the given order, whose
-    time is within that fraction of the fastest (for candidates that time alike alone but not in the decode step,
-    listed in the step's order). Every candidate is compiled first, on all CPUs at once
-    (:func:`mmsdk.kernels.parallel_compile.compile_in_parallel`), and warmed up as ``tuning().warm_up`` says (by
-    default inside a dropped capture, after one eager call of the first).
+    (mmsdk.kernels.step_configs: taken untimed), or the one an earlier process on this machine chose among the same
+    candidates with the same toolchain (mmsdk.kernels.tuning_cache: taken untimed; each new choice is kept there);
+    with ``within`` > 0 the first candidate, in the given order, whose time is within that fraction of the fastest
+    (for candidates that time alike alone but not in the decode step, listed in the step's order). Every candidate
+    is compiled first, on all CPUs at once (:func:`mmsdk.kernels.parallel_compile.compile_in_parallel`), and warmed
+    up as ``tuning().warm_up`` says (by default inside a dropped capture, after one eager call of the first).
 
     ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
     timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
@@ -73,10 +79,16 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     if not timing_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     configs = list(dict.fromkeys(fit_config(c, group) for c in candidates))
+    device, kept = weights[0].device, tuning().kept_choices
+    if tuning().use_kept_choices:
+        chosen = kept.chosen(key, tuple(configs), within, device)
+        if chosen is not None:  # an earlier process's choice among the same candidates: only it compiles, untimed
+            table[key] = chosen
+            return chosen
     launches = [lambda c=cfg: launch(c, weights) for cfg in configs]
     warm_up = tuning().warm_up
     # all at once, not one per launch, as they run below (captured warm-up: the first eagerly, then each captured)
-    compile_in_parallel(launches, captured_on=weights[0].device, warm_up=warm_up)
+    compile_in_parallel(launches, captured_on=device, warm_up=warm_up)
     if warm_up == "captured":
         try:  # what a launch makes on its first call (followed_by_norm's buffers) made eagerly, not just recorded
             launches[0]()
@@ -91,7 +103,11 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
             timings.append((graph_time_ms([lambda c=cfg, w=w: launch(c, w) for w in copies], warm_up=warm_up), cfg))
         except Exception as error:  # a config the compiler rejects (resources) is simply not a candidate
             note_fallback("w4a16 tuning", f"config {cfg} skipped: {type(error).__name__}")
-    table[key] = _first_within(timings, within) if timings else candidates[0]
+    if not timings:
+        table[key] = candidates[0]
+        return table[key]
+    table[key] = _first_within(timings, within)
+    kept.remember(key, tuple(configs), within, device, table[key])
     return table[key]
 
 

@@ -1,0 +1,175 @@
+"""The W4A16 tuner's choices kept on disk between processes (mmsdk.kernels.tuning_cache), checked without a GPU: the
+toolchain is a stand-in string, the timing a table of fake times."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from mmsdk.kernels import tuning_cache
+from mmsdk.kernels.tuning_cache import FILE_FORMAT, TUNING_CACHE_ENV, TuningChoices, tuning_cache_path
+
+CANDIDATES = ((8, 128, 4, 1, "quad"), (16, 32, 2, 1, "idot"), (32, 32, 4, 1, "idotr"))
+KEY = ("gemv", 1, 12288, 128, 32, torch.bfloat16, False, False, "statistics")
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Every device reports one toolchain, as one GPU with one software stack would."""
+    chain = {"name": "Stand-in GPU; sm_90; torch x; triton y; mmsdk z; kernels 0"}
+    monkeypatch.setattr(tuning_cache, "toolchain", lambda device: chain["name"])
+    return chain
+
+
+@pytest.fixture
+def choices_file(monkeypatch, tmp_path):
+    path = tmp_path / "cache" / "tuning-choices.json"
+    monkeypatch.setenv(TUNING_CACHE_ENV, str(path))
+    return path
+
+
+def test_the_file_is_where_the_environment_says_or_in_the_users_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv(TUNING_CACHE_ENV, "0")
+    assert tuning_cache_path() is None
+    monkeypatch.setenv(TUNING_CACHE_ENV, str(tmp_path / "mine.json"))
+    assert tuning_cache_path() == tmp_path / "mine.json"
+    monkeypatch.delenv(TUNING_CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuning_cache_path() == tmp_path / "xdg" / "mmsdk" / "tuning-choices.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tuning_cache_path() == tmp_path / "home" / ".cache" / "mmsdk" / "tuning-choices.json"
+
+
+def test_a_choice_kept_by_one_process_is_taken_by_the_next_with_the_same_toolchain_and_candidates(gpu, choices_file):
+    device = torch.device("cuda", 0)  # only its type is read: the toolchain is the stand-in's
+    first = TuningChoices()
+    assert first.chosen(KEY, CANDIDATES, 0.0, device) is None
+    first.remember(KEY, CANDIDATES, 0.0, device, CANDIDATES[1])
+    assert first.chosen(KEY, CANDIDATES, 0.0, device) == CANDIDATES[1]
+    assert not [p.name for p in choices_file.parent.iterdir() if p.name != choices_file.name]  # no temporary left
+
+    later = TuningChoices()  # a later process reads the file
+    assert later.chosen(KEY, CANDIDATES, 0.0, device) == CANDIDATES[1]
+    assert later.chosen(KEY[:-1] + (True,), CANDIDATES, 0.0, device) is None  # another key
+    assert later.chosen(KEY, CANDIDATES[:2] + ((64, 32, 4, 1, "idotr"),), 0.0, device) is None  # other candidates
+    assert later.chosen(KEY, CANDIDATES, 0.03, device) is None  # another margin
+    gpu["name"] = "Stand-in GPU; sm_90; torch x; triton y; mmsdk z; kernels 1"  # a kernel's source changed
+    assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) is None
+
+
+def test_processes_saving_one_after_another_keep_each_others_choices(gpu, choices_file):
+    device = torch.device("cuda", 0)
+    one, two = TuningChoices(), TuningChoices()
+    assert one.chosen(KEY, CANDIDATES, 0.0, device) is None and two.chosen(KEY, CANDIDATES, 0.0, device) is None
+    one.remember(KEY, CANDIDATES, 0.0, device, CANDIDATES[0])
+    gpu["name"] = "Another GPU"
+    two.remember(("gated", 11008, 128, 32, torch.bfloat16, False, False), CANDIDATES, 0.0, device, CANDIDATES[2])
+    data = json.loads(choices_file.read_text())
+    assert data["format"] == FILE_FORMAT and len(data["toolchains"]) == 2
+    assert TuningChoices().chosen(("gated", 11008, 128, 32, torch.bfloat16, False, False), CANDIDATES, 0.0,
+                                  device) == CANDIDATES[2]
+    gpu["name"] = "Stand-in GPU; sm_90; torch x; triton y; mmsdk z; kernels 0"
+    assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) == CANDIDATES[0]
+
+
+def test_a_kept_config_that_is_not_among_the_candidates_is_not_taken(gpu, choices_file):
+    device = torch.device("cuda", 0)
+    TuningChoices().remember(KEY, CANDIDATES, 0.0, device, (4, 4, 4, 4, "made up"))
+    assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) is None
+
+
+def test_a_named_file_that_is_no_choices_file_is_refused_and_left_alone(gpu, choices_file):
+    choices_file.parent.mkdir(parents=True)
+    choices_file.write_text('{"my": "notes"}')
+    with pytest.raises(ValueError, match=f"{TUNING_CACHE_ENV}=.* is not a tuning-choices file.*set it to 0"):
+        TuningChoices().chosen(KEY, CANDIDATES, 0.0, torch.device("cuda", 0))
+    assert choices_file.read_text() == '{"my": "notes"}'
+
+
+def test_a_broken_file_at_the_default_place_is_replaced_with_one_warning(gpu, monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv(TUNING_CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = tmp_path / "mmsdk" / "tuning-choices.json"
+    path.parent.mkdir()
+    path.write_text('{"format": "mmsdk-tuning-choices/1", "toolch')  # cut short by hand
+    device = torch.device("cuda", 0)
+    choices = TuningChoices()
+    with caplog.at_level(logging.WARNING, logger="mmsdk.kernels"):
+        assert choices.chosen(KEY, CANDIDATES, 0.0, device) is None
+        choices.remember(KEY, CANDIDATES, 0.0, device, CANDIDATES[2])
+    assert [r.getMessage() for r in caplog.records].count(
+        f"mmsdk.kernels: {path} is not a tuning-choices file (format '{FILE_FORMAT}'); it is replaced at the next "
+        "save.") == 1
+    assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) == CANDIDATES[2]
+
+
+def test_a_file_that_cannot_be_read_or_written_costs_one_warning_and_nothing_else(gpu, monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv(TUNING_CACHE_ENV, str(blocker / "tuning-choices.json"))  # its folder is a file
+    device = torch.device("cuda", 0)
+    choices = TuningChoices()
+    with caplog.at_level(logging.WARNING, logger="mmsdk.kernels"):
+        for config in CANDIDATES:
+            assert choices.chosen(KEY, CANDIDATES, 0.0, device) is None
+            choices.remember(KEY, CANDIDATES, 0.0, device, config)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "could not be read" in warnings[0] and f"Set {TUNING_CACHE_ENV}" in warnings[0]
+
+
+def test_off_nothing_is_read_or_written(gpu, monkeypatch, tmp_path):
+    monkeypatch.setenv(TUNING_CACHE_ENV, "0")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    choices = TuningChoices()
+    choices.remember(KEY, CANDIDATES, 0.0, torch.device("cuda", 0), CANDIDATES[0])
+    assert choices.chosen(KEY, CANDIDATES, 0.0, torch.device("cuda", 0)) is None and not list(tmp_path.iterdir())
+
+
+def test_off_cuda_there_is_no_toolchain_to_keep_a_choice_for():
+    assert tuning_cache.toolchain(torch.device("cpu")) is None
+
+
+def test_the_tuner_times_once_and_a_later_process_takes_its_choice_untimed(gpu, choices_file, monkeypatch):
+    """The first process compiles and times every candidate and keeps the fastest; a later one (a new ``Tuning``)
+    compiles and times nothing and runs that choice. A step search's first tuning times anew."""
+    from mmsdk.kernels import w4a16_tuning
+
+    times = {"quad": 10.0, "idot": 9.0, "idotr": 9.5}
+    timed, compiled = [], []
+
+    def graph_time_ms(calls, warm_up="eager"):
+        calls[0]()
+        return times[timed[-1]]
+
+    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
+    monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
+    monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: compiled.append(len(launches)))
+    monkeypatch.setattr(w4a16_tuning, "step_measured_config", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(w4a16_tuning, "tuning", lambda: process["tuning"])
+
+    def launch(cfg, weights):
+        timed.append(cfg[4])
+
+    process = {"tuning": w4a16_tuning.Tuning()}
+    assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
+    assert compiled == [3] and sorted(set(timed)) == ["idot", "idotr", "quad"]
+
+    timed.clear()
+    compiled.clear()
+    process["tuning"] = w4a16_tuning.Tuning()  # a later process
+    assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
+    assert compiled == [] and timed == []
+
+    process["tuning"] = w4a16_tuning.Tuning()
+    process["tuning"].use_kept_choices = False  # a step search's first tuning
+    times.update(idot=11.0)
+    assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[2]
+    assert compiled == [3]
+    process["tuning"] = w4a16_tuning.Tuning()  # and what it found is kept for the next
+    assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[2]
