@@ -150,19 +150,26 @@ def test_the_tuner_times_once_and_a_later_process_takes_its_choice_untimed(gpu, 
     monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
     monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: compiled.append(len(launches)))
     monkeypatch.setattr(w4a16_tuning, "step_measured_config", lambda *args: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
     monkeypatch.setattr(w4a16_tuning, "tuning", lambda: process["tuning"])
 
     def launch(cfg, weights):
         timed.append(cfg[4])
 
     process = {"tuning": w4a16_tuning.Tuning()}
+    capturing["now"] = True  # met first inside a capture (a step compiled ahead): the first candidate, not kept
+    assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[0]
+    capturing["now"] = False
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
     assert compiled == [3] and sorted(set(timed)) == ["idot", "idotr", "quad"]
 
     timed.clear()
     compiled.clear()
-    process["tuning"] = w4a16_tuning.Tuning()  # a later process
+    process["tuning"] = w4a16_tuning.Tuning()  # a later process, met first inside a capture: its kept choice
+    capturing["now"] = True
+    assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
+    capturing["now"] = False
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
     assert compiled == [] and timed == []
 

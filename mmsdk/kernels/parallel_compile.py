@@ -120,9 +120,10 @@ def compile_before_first_call(call: Callable[[], Any], stream: torch.cuda.Stream
     written). What it records is each kernel as launched inside a capture. That is what an eager call launches too,
     except for kernels with a variant of their own inside captures (the GEMVs' programmatic dependent launch,
     mmsdk.kernels.pdl_preload_ready); the GEMVs' tuner compiles its candidates side by side at their first eager
-    call anyway (:func:`compile_in_parallel`), and while captured it runs its first candidate untimed and keeps no
-    choice. A capture that fails (a host sync in ``call``) keeps what was recorded before it failed; nothing happens
-    (0) with one thread, without Triton's hooks, or while a ``jit_cache_hook`` of someone else's is set.
+    call anyway (:func:`compile_in_parallel`), and while captured it runs the choice an earlier process kept
+    (mmsdk.kernels.tuning_cache), compiled here, or else its first candidate untimed, keeping no choice. A capture
+    that fails (a host sync in ``call``) keeps what was recorded before it failed; nothing happens (0) with one
+    thread, without Triton's hooks, or while a ``jit_cache_hook`` of someone else's is set.
     """
     threads = compile_threads() if threads is None else threads
     if threads <= 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,10 @@ def toolchain(device: torch.device) -> str | None:
             f"kernels {_kernel_sources_digest()}")
 
 
+@cache
 def _kernel_sources_digest() -> str:
-    """sha256 (16 hex digits) over the source of mmsdk's Triton kernel modules (``mmsdk/kernels/_*_triton.py``)."""
+    """sha256 (16 hex digits) over the source of mmsdk's Triton kernel modules (``mmsdk/kernels/_*_triton.py``),
+    read once per process."""
     digest = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("_*_triton.py")):
         digest.update(path.name.encode())

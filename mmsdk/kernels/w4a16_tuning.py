@@ -76,15 +76,19 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     if measured is not None:
         table[key] = measured
         return measured
-    if not timing_enabled() or torch.cuda.is_current_stream_capturing():
+    if not timing_enabled():
         return candidates[0]
     configs = list(dict.fromkeys(fit_config(c, group) for c in candidates))
     device, kept = weights[0].device, tuning().kept_choices
     if tuning().use_kept_choices:
+        # an earlier process's choice among the same candidates: only it compiles, untimed; taken inside a capture
+        # too (a read of the host's file), so a decode step compiled ahead from a dropped capture compiles it
         chosen = kept.chosen(key, tuple(configs), within, device)
-        if chosen is not None:  # an earlier process's choice among the same candidates: only it compiles, untimed
+        if chosen is not None:
             table[key] = chosen
             return chosen
+    if torch.cuda.is_current_stream_capturing():
+        return candidates[0]
     launches = [lambda c=cfg: launch(c, weights) for cfg in configs]
     warm_up = tuning().warm_up
     # all at once, not one per launch, as they run below (captured warm-up: the first eagerly, then each captured)
