@@ -180,3 +180,48 @@ def test_the_tuner_times_once_and_a_later_process_takes_its_choice_untimed(gpu, 
     assert compiled == [3]
     process["tuning"] = w4a16_tuning.Tuning()  # and what it found is kept for the next
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[2]
+
+
+_ONE_PROCESS = """
+import hashlib, json, torch
+from triton import knobs
+from mmsdk.kernels.w4a16 import int4_linear
+from mmsdk.kernels.w4a16_tuning import tuning
+from mmsdk.plugins.quantizers.packing import quantize_int4
+
+compiles = []
+knobs.compilation.listener = lambda *, src, cache_hit, **_: compiles.append(getattr(src, "name", str(src)))
+torch.manual_seed(0)
+packed = quantize_int4(torch.randn(1536, 1024, device="cuda") * 0.02, 32, scale_dtype=torch.bfloat16)
+x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+out = int4_linear(x, packed.qweight, packed.scales, packed.zero_points, 1024, 32)
+torch.cuda.synchronize()
+print(json.dumps({"chosen": [repr(v) for v in tuning().chosen.values()], "compiles": len(compiles),
+                  "out": hashlib.sha256(out.float().cpu().numpy().tobytes()).hexdigest()}))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_a_gpu_a_later_process_runs_the_kept_choice_without_compiling_or_timing_the_others(tmp_path):
+    """Two processes, one Triton cache and one choices file: the first compiles and times every candidate of the
+    one-row GEMV; the second takes its choice, loads (or compiles) only that kernel and gives the same output
+    bitwise. With the file off, a third process loads every candidate again."""
+    import os
+    import subprocess
+    import sys
+
+    def one_process(choices: str) -> dict:
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), TUNING_CACHE_ENV: choices,
+               "MMSDK_TUNE": "1", "MMSDK_STEP_CONFIGS": "0", "MMSDK_COMPILE_THREADS": "4"}
+        run = subprocess.run([sys.executable, "-c", _ONE_PROCESS], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    choices = str(tmp_path / "tuning-choices.json")
+    first, second, without = one_process(choices), one_process(choices), one_process("0")
+    assert first["chosen"] == second["chosen"] and first["out"] == second["out"]
+    assert json.loads((tmp_path / "tuning-choices.json").read_text())["format"] == FILE_FORMAT
+    assert second["compiles"] <= 2 < first["compiles"], (first, second)  # the choice's eager and captured variants
+    assert without["compiles"] > 2, without
