@@ -76,6 +76,18 @@ def test_processes_saving_one_after_another_keep_each_others_choices(gpu, choice
     assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) == CANDIDATES[0]
 
 
+def test_the_file_keeps_the_toolchains_that_saved_last(gpu, choices_file):
+    device = torch.device("cuda", 0)
+    for version in range(tuning_cache.KEPT_TOOLCHAINS + 2):
+        gpu["name"] = f"Stand-in GPU; mmsdk {version}"
+        TuningChoices().remember(KEY, CANDIDATES, 0.0, device, CANDIDATES[0])
+    gpu["name"] = "Stand-in GPU; mmsdk 1"  # saved again: now the newest
+    TuningChoices().remember(KEY, CANDIDATES, 0.0, device, CANDIDATES[2])
+    kept = list(json.loads(choices_file.read_text())["toolchains"])
+    assert kept == [f"Stand-in GPU; mmsdk {v}" for v in (3, 4, 5, 6, 7, 8, 9, 1)]  # 0 and 2 dropped, 1 back
+    assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) == CANDIDATES[2]
+
+
 def test_a_kept_config_that_is_not_among_the_candidates_is_not_taken(gpu, choices_file):
     device = torch.device("cuda", 0)
     TuningChoices().remember(KEY, CANDIDATES, 0.0, device, (4, 4, 4, 4, "made up"))

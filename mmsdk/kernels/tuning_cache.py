@@ -27,10 +27,12 @@ from mmsdk.core.fileio import write_json_atomically
 from mmsdk.kernels import LOG
 from mmsdk.kernels.step_configs import decode_item, encode_item
 
-__all__ = ["FILE_FORMAT", "TUNING_CACHE_ENV", "TuningChoices", "candidates_digest", "toolchain", "tuning_cache_path"]
+__all__ = ["FILE_FORMAT", "KEPT_TOOLCHAINS", "TUNING_CACHE_ENV", "TuningChoices", "candidates_digest", "toolchain",
+           "tuning_cache_path"]
 
 TUNING_CACHE_ENV = "MMSDK_TUNING_CACHE"
 FILE_FORMAT = "mmsdk-tuning-choices/1"
+KEPT_TOOLCHAINS = 8  # the file keeps the choices of the toolchains that saved last (upgrades leave older ones behind)
 
 Entries = dict[str, dict[str, dict[str, Any]]]  # toolchain -> encoded key -> {"candidates": digest, "config": [...]}
 
@@ -117,7 +119,9 @@ class TuningChoices:
         text = _key_text(key)
         try:
             current = self._load(path, explicit=TUNING_CACHE_ENV in os.environ)
-            current.setdefault(chain, {})[text] = entry
+            current[chain] = {**current.pop(chain, {}), text: entry}  # the newest toolchain last
+            for stale in list(current)[:-KEPT_TOOLCHAINS]:  # older versions' choices, never read again
+                del current[stale]
             write_json_atomically(path, {"format": FILE_FORMAT, "toolchains": current})
         except OSError as error:
             self._warn(f"the tuner's choices could not be saved to {path} ({type(error).__name__}: {error}); later "
