@@ -8,8 +8,10 @@ ran, so two processes on one machine give the same outputs bitwise.
 A choice is taken only by a process with the same toolchain (GPU name and compute capability, torch, CUDA, Triton,
 mmsdk and the source of mmsdk's Triton kernels) and the same candidates for its key; anything else times anew.
 ``MMSDK_TUNING_CACHE`` says where: unset, ``$XDG_CACHE_HOME/mmsdk/tuning-choices.json`` (``~/.cache`` without
-it); ``0``, nowhere (every process times); a path, that file. The file is written to a temporary file beside it and
-renamed, merged with what other processes saved meanwhile, so a reader never sees half a file.
+it); ``0``, nowhere (every process times); a path, that file. Each save reads the file again and merges its new
+choice into what other processes saved meanwhile (two saving at the same instant may lose one new choice, which a
+later process then times again), writes a temporary file beside it and renames that into place, so a reader never
+sees half a file.
 """
 
 from __future__ import annotations
