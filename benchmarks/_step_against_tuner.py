@@ -25,6 +25,8 @@ def step_with_tuner_picks(model: Any, inputs: dict[str, Any], step_ms: Any) -> d
         return {"note": "no GEMV of this step has a step-measured config on this GPU"}
     previous = os.environ.get(STEP_CONFIGS_ENV)
     os.environ[STEP_CONFIGS_ENV] = "0"
+    kept_choices = tuning().use_kept_choices
+    tuning().use_kept_choices = False  # the tuner's own picks, timed now, not what an earlier process kept
     try:
         for key in answered:
             del table[key]
@@ -32,6 +34,7 @@ def step_with_tuner_picks(model: Any, inputs: dict[str, Any], step_ms: Any) -> d
                "tuner_picks": {str(key): table.get(key) for key in answered},
                "step_measured": {str(key): cfg for key, cfg in answered.items()}}
     finally:
+        tuning().use_kept_choices = kept_choices
         if previous is None:
             os.environ.pop(STEP_CONFIGS_ENV, None)
         else:

@@ -445,8 +445,9 @@ def fresh_step(stack: str, configs: str | None, reps: int,
                run: Any = subprocess.run) -> tuple[float, dict[str, Any]]:
     """The replayed step of ``stack`` in a new process (``--step-only``), with ``MMSDK_STEP_CONFIGS`` set to the file
     ``configs``, or unset (the built-in table and the tuner's own picks) when ``configs`` is None: its step time and the
-    GEMV configs that process ran (the tuner's picks for the shapes no table answers can differ between processes)."""
-    env = dict(os.environ)
+    GEMV configs that process ran (the tuner's picks for the shapes no table answers can differ between processes:
+    each times its own, with no choices kept from an earlier one, ``MMSDK_TUNING_CACHE=0``)."""
+    env = {**os.environ, "MMSDK_TUNING_CACHE": "0"}
     env.pop(STEP_CONFIGS_ENV, None)
     if configs is not None:
         env[STEP_CONFIGS_ENV] = configs
