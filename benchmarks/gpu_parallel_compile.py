@@ -21,8 +21,11 @@ fifty-third pass).
 choices it kept (``MMSDK_TUNING_CACHE``, a file beside that cache: only the chosen kernels load, nothing is timed)
 and one without (every candidate loaded from the cache and timed again).
 
-``--step-ahead off,on``: fast generate's ``MMSDK_COMPILE_STEP_AHEAD`` per run (``on``: a new decode step's kernels
-are recorded in a dropped capture and compiled side by side before its first call; it matters to ``generate`` only).
+``--step-ahead off,on,kernels``: fast generate's ``MMSDK_COMPILE_STEP_AHEAD`` per run (``on``: a new decode step's
+kernels are recorded in a dropped capture and compiled side by side before its first call, the GEMV tuner's
+candidates for every shape the step meets among them; ``kernels``: the same, but the tuner's candidates compiled in a
+step of their own per shape at its first eager call, as in the fifty-fifth pass; it matters to the generate cases
+only).
 
 Each worker also lists every Triton compile it saw (Triton's compilation listener): on which thread, how long, so a
 case says how much of its first call still compiled one kernel at a time on the calling thread ("serial") and which
@@ -31,7 +34,7 @@ kernels those were, next to what the compile threads did ("parallel", summed ove
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1]
         [--cases gemv,generate,generate7b,tune] [--warm] [--warm-ups default,captured,eager]
         [--compile-in threads,processes]
-        [--step-ahead off,on]
+        [--step-ahead off,on,kernels]
 """
 
 from __future__ import annotations
@@ -320,14 +323,14 @@ def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str
     choices = cache.parent / f"{cache.name}-tuning-choices.json"
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "MMSDK_COMPILE_THREADS": str(threads),
-               "MMSDK_COMPILE_STEP_AHEAD": "1" if step_ahead == "on" else "0",
+               "MMSDK_COMPILE_STEP_AHEAD": "0" if step_ahead == "off" else "1",
                "MMSDK_TUNING_CACHE": str(choices) if keep_choices else "0",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         warm = cache.is_dir() and any(cache.iterdir())
         tuning_cache = ("kept" if choices.exists() else "empty") if keep_choices else "off"
         started = time.perf_counter()
         run = subprocess.run([sys.executable, __file__, "--worker", case, "--folder", folder, "--warm-ups", warm_up,
-                              "--compile-in", compile_in],
+                              "--compile-in", compile_in, "--step-ahead", step_ahead],
                              env=env, capture_output=True, text=True)
         label = {"case": case, "threads": threads, "warm_up": warm_up, "compile_in": compile_in,
                  "step_ahead": step_ahead, "triton_cache": "warm" if warm else "empty", "tuning_cache": tuning_cache}
@@ -354,14 +357,15 @@ def main() -> None:
                              "recorded kernels compiled by spawned processes into Triton's cache)")
     parser.add_argument("--step-ahead", default="off",
                         help="comma separated: off, on (fast generate compiles a new decode step's kernels side by "
-                             "side before its first call: MMSDK_COMPILE_STEP_AHEAD)")
+                             "side before its first call: MMSDK_COMPILE_STEP_AHEAD), kernels (on, but the tuner "
+                             "compiles its candidates per shape at its first eager call)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     for option, given, known in (("--cases", args.cases, ("gemv", "generate", "generate7b", "tune")),
                                  ("--warm-ups", args.warm_ups, ("default", "captured", "eager")),
                                  ("--compile-in", args.compile_in, ("threads", "processes")),
-                                 ("--step-ahead", args.step_ahead, ("off", "on"))):
+                                 ("--step-ahead", args.step_ahead, ("off", "on", "kernels"))):
         unknown = [value for value in given.split(",") if value not in known]
         if unknown:
             parser.error(f"{option} {given}: {', '.join(unknown)} unknown; use a comma-separated list of "
@@ -375,6 +379,10 @@ def main() -> None:
             tuning_module.compile_in_parallel = compiler
         if args.warm_ups != "default":
             force_warm_up(args.warm_ups)
+        if args.step_ahead == "kernels":  # the tuner launches no candidate inside the step's recording
+            import mmsdk.kernels.w4a16_tuning as tuning_module
+
+            tuning_module.recording_a_first_call = lambda: False
         cases = {"gemv": gemv_case, "generate": generate_case, "generate7b": generate7b_case,
                  "tune": lambda: tune_case(args.folder)}
         compiles = listen_to_compiles()

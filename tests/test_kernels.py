@@ -694,6 +694,41 @@ def test_tuning_off_takes_the_first_candidate_untimed(monkeypatch):
     assert picked == (8, 2, 2, 1, "quad") and launched == [] and key not in tuning().chosen
 
 
+def test_a_tuner_met_in_a_recorded_first_call_launches_every_candidate_and_keeps_nothing(monkeypatch):
+    """Inside compile_before_first_call's dropped capture (a decode step compiled ahead), a shape met for the first
+    time launches each candidate once (recorded there, so they compile with the step's other kernels), runs the first
+    and keeps no choice; inside any other capture it launches none."""
+    from mmsdk.kernels import parallel_compile, w4a16_tuning
+
+    launched = []
+    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setattr(w4a16_tuning, "step_measured_config", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    candidates = ((8, 64, 2, 1, "quad"), (16, 32, 2, 1, "idot"), (8, 64, 2, 1, "quad"))
+
+    def launch(cfg, weights):
+        launched.append(cfg)
+        if cfg[4] == "idot":
+            raise RuntimeError("a candidate that cannot run here")
+
+    def tune(key):
+        return w4a16_tuning.tuned_config(key, launch, candidates, 32, (torch.zeros(4),))
+
+    assert tune(("test", "captured")) == candidates[0] and launched == []
+    recorded = {}
+
+    def call():
+        recorded["inside"] = parallel_compile.recording_a_first_call()
+        recorded["pick"] = tune(("test", "recorded"))
+
+    monkeypatch.setattr(parallel_compile, "_call_in_dropped_capture", lambda step, stream: step())
+    monkeypatch.setattr(parallel_compile, "_recorded_kernels", lambda run: run() or {})
+    parallel_compile.compile_before_first_call(call, None, threads=2)
+    assert recorded == {"inside": True, "pick": candidates[0]} and not parallel_compile.recording_a_first_call()
+    assert launched == list(candidates[:2])  # each once, a failing one too
+    assert ("test", "recorded") not in w4a16_tuning.tuning().chosen
+
+
 def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
     """``within``: the first candidate in the given order that times within that fraction of the fastest is kept
     (the gated tiles, listed in the decode step's order); without it the fastest."""

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from functools import cache
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ import torch
 from mmsdk.kernels import LOG, WARM_UPS, call_in_dropped_capture, captured_calls
 
 __all__ = ["COMPILE_STEP_AHEAD_ENV", "COMPILE_THREADS_ENV", "compile_before_first_call", "compile_in_parallel",
-           "compile_step_ahead", "compile_threads"]
+           "compile_step_ahead", "compile_threads", "recording_a_first_call"]
 
 # how many threads compile a tuner's candidates at once (default: the CPUs this process may use, at most
 # DEFAULT_MOST_THREADS); "1" compiles each candidate at its first launch, one after the other, as without this module
@@ -119,17 +121,46 @@ def compile_before_first_call(call: Callable[[], Any], stream: torch.cuda.Stream
     generate's decode step, and one that keeps no tensor it makes for a later call (such a tensor would never be
     written). What it records is each kernel as launched inside a capture. That is what an eager call launches too,
     except for kernels with a variant of their own inside captures (the GEMVs' programmatic dependent launch,
-    mmsdk.kernels.pdl_preload_ready); the GEMVs' tuner compiles its candidates side by side at their first eager
-    call anyway (:func:`compile_in_parallel`), and while captured it runs the choice an earlier process kept
-    (mmsdk.kernels.tuning_cache), compiled here, or else its first candidate untimed, keeping no choice. A capture
+    mmsdk.kernels.pdl_preload_ready). The GEMVs' tuner, met here for a new shape, runs the choice an earlier process
+    kept (mmsdk.kernels.tuning_cache), or else launches every candidate (:func:`recording_a_first_call`) and runs the
+    first, keeping no choice: all are recorded and compiled here, and the tuner times them at the first eager call,
+    its own compile step (:func:`compile_in_parallel`) left with at most the first one's eager variant. A capture
     that fails (a host sync in ``call``) keeps what was recorded before it failed; nothing happens (0) with one
     thread, without Triton's hooks, or while a ``jit_cache_hook`` of someone else's is set.
     """
     threads = compile_threads() if threads is None else threads
     if threads <= 1:
         return 0
-    return _compile_side_by_side(_recorded_kernels(lambda: _call_in_dropped_capture(call, stream)), threads,
-                                 "a first decode step")
+
+    def recorded_call() -> None:
+        state = _recording()
+        state.depth += 1
+        try:
+            _call_in_dropped_capture(call, stream)
+        finally:
+            state.depth -= 1
+
+    return _compile_side_by_side(_recorded_kernels(recorded_call), threads, "a first decode step")
+
+
+def recording_a_first_call() -> bool:
+    """Whether :func:`compile_before_first_call` is recording a call on this thread (inside its dropped capture).
+
+    A tuner met there for the first time launches every candidate (recorded, not run: nothing of the capture runs), so
+    the candidates of all the call's shapes compile in one step with its other kernels, instead of in a step of their
+    own per shape at the first eager call (18 candidates on 16 threads take two rounds of compiles, the second
+    nearly empty)."""
+    return _recording().depth > 0
+
+
+class _Recording(threading.local):
+    depth = 0  # compile_before_first_call recordings this thread is inside
+
+
+@cache
+def _recording() -> _Recording:
+    """This process's recording state (one per thread)."""
+    return _Recording()
 
 
 def _compile_side_by_side(recorded: dict[tuple[int, str], tuple[Any, str]], threads: int, caller: str) -> int:
