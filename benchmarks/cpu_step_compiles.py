@@ -11,7 +11,8 @@ at a time, unless ``MMSDK_COMPILE_STEP_AHEAD=1`` records them in a dropped captu
   interpreter switch is set, while every kernel module was imported before it, so the kernels stay compiled Triton
   functions), with programmatic dependent launch and inline PTX on, as a captured step on Hopper launches them.
   ``Int4Linear``'s CUDA check and the packed KV cache's device check are lifted; the GEMV tuners take their first
-  candidate untimed (on a GPU they pick one of their candidates: one kernel per GEMV shape either way);
+  candidate untimed (as with ``MMSDK_TUNE=0``), or with ``--tuner`` launch every candidate of each shape, as a step
+  compiled ahead with tuning on does, so they compile in the same step;
 * the step runs once under Triton's ``jit_cache_hook``, which records each kernel and launches none (torch's
   operations run on CPU over whatever the skipped kernels left), with CUDA-graph capture reported as on, so each
   module takes the branch it takes in compile_before_first_call's dropped capture;
@@ -27,7 +28,7 @@ each GEMV's eager variant (the tuner compiles only its candidates' captured vari
 one's eager variant); with it, neither.
 
     python benchmarks/cpu_step_compiles.py [--model builtin:llava-digits]
-        [--apply qkv-fuse,int4-weight,rmsnorm-rope-fusion,int4-kv] [--threads 2] [--out step_compiles.json]
+        [--apply qkv-fuse,int4-weight,rmsnorm-rope-fusion,int4-kv] [--threads 2] [--tuner] [--out step_compiles.json]
 """
 
 from __future__ import annotations
@@ -150,6 +151,25 @@ def _held_tensors(roots: Iterable[Any]) -> dict[tuple[int, str, int], tuple[str,
     return held
 
 
+@contextmanager
+def _tuner_recording(on: bool) -> Iterator[None]:
+    """With ``on``, the W4A16 tuner times (the interpreter switch turns it off) and this thread is inside
+    compile_before_first_call's recording, so a new GEMV shape launches all its candidates; put back on exit."""
+    if not on:
+        yield
+        return
+    from mmsdk.kernels import parallel_compile, w4a16_tuning
+
+    state, timing_enabled = parallel_compile._recording(), w4a16_tuning.timing_enabled
+    state.depth += 1
+    w4a16_tuning.timing_enabled = lambda: True
+    try:
+        yield
+    finally:
+        state.depth -= 1
+        w4a16_tuning.timing_enabled = timing_enabled
+
+
 @dataclass
 class StepRecord:
     """What a new decode step's first run, as inside a capture, would compile and what it left behind."""
@@ -158,8 +178,11 @@ class StepRecord:
     kept: list[str]  # "Type.attribute" of each tensor it made and left held (see the module's doc)
 
 
-def record_step(model_name: str, passes: list[Any]) -> StepRecord:
-    """The kernels a new decode step of ``model_name`` with ``passes`` would compile, and the tensors it would keep."""
+def record_step(model_name: str, passes: list[Any], tuner: bool = False) -> StepRecord:
+    """The kernels a new decode step of ``model_name`` with ``passes`` would compile, and the tensors it would keep.
+    ``tuner``: as compile_before_first_call records it with the GEMV tuner on (each GEMV shape met for the first time
+    launches every candidate: mmsdk.kernels.parallel_compile.recording_a_first_call); without, as with
+    ``MMSDK_TUNE=0`` (its first candidate only)."""
     import torch
     from triton.runtime.driver import driver
 
@@ -187,7 +210,7 @@ def record_step(model_name: str, passes: list[Any]) -> StepRecord:
     def record_instead_of_warming_up(self: Any, step: Callable[[], Any]) -> None:
         roots = (opt.model, self)  # the model holds the kept decode state (its cache and step)
         before = _held_tensors(roots)
-        with _as_in_a_hopper_capture(modules):
+        with _as_in_a_hopper_capture(modules), _tuner_recording(tuner):
             record.kernels.update(parallel_compile._recorded_kernels(step))
         record.kept.extend(sorted({where for key, (where, tensor) in _held_tensors(roots).items()
                                    if before.get(key, ("", None))[1] != tensor}))
@@ -231,6 +254,8 @@ def main() -> None:
     parser.add_argument("--apply", default="qkv-fuse,int4-weight,rmsnorm-rope-fusion,int4-kv",
                         help="comma separated passes (fast generate's: those that declare it)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--tuner", action="store_true",
+                        help="record the GEMV tuner's candidates too, as a step compiled ahead with tuning on does")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads < 1:
@@ -238,10 +263,11 @@ def main() -> None:
     import torch
     import triton
 
-    record = record_step(args.model, args.apply.split(","))
-    result = {"model": args.model, "passes": args.apply, "cpu": platform.processor() or platform.machine(),
-              "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "kept": record.kept, **timed_compiles(record.kernels, args.threads)}
+    record = record_step(args.model, args.apply.split(","), args.tuner)
+    result = {"model": args.model, "passes": args.apply, "tuner": args.tuner,
+              "cpu": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0)),
+              "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+              "kept": record.kept, **timed_compiles(record.kernels, args.threads)}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

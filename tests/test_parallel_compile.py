@@ -291,8 +291,9 @@ def test_a_whole_decode_step_is_recorded_kernel_by_kernel_without_a_gpu_and_keep
     on sm_90 inside a capture, under the recording hook. The step runs to its end with every kernel skipped (the
     stand-in driver launches nothing), its GEMVs, attention and token choice are all recorded, and it leaves no tensor
     it made held by the model, the cache or the step (in the dropped capture such a tensor would never be written:
-    the folded norms' factors were one, before Int4Linear stopped keeping factors made in a capture). In a process of
-    its own: the benchmark patches mmsdk's device checks for good."""
+    the folded norms' factors were one, before Int4Linear stopped keeping factors made in a capture). With the tuner
+    on, tiny LLaVA's step records every candidate of each GEMV shape as well, and keeps nothing either. In a process
+    of its own: the benchmark patches mmsdk's device checks for good."""
     import json
     import subprocess
     import sys
@@ -309,6 +310,8 @@ for model, passes in (("tiny:llava", stack), ("tiny:qwen2-vl", stack), ("tiny:ml
                       ("tiny:idefics", ["gated-xattn", "int4-kv"])):
     record = record_step(model, passes)
     found[model] = {"kernels": [kernel.__name__ for kernel, _ in record.kernels.values()], "kept": record.kept}
+record = record_step("tiny:llava", stack, tuner=True)
+found["tiny:llava with the tuner"] = {"kernels": [k.__name__ for k, _ in record.kernels.values()], "kept": record.kept}
 print(json.dumps(found))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
@@ -318,6 +321,11 @@ print(json.dumps(found))
         pytest.skip("Triton cannot build for sm_90 here")
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
+    tuned = found.pop("tiny:llava with the tuner")  # every candidate of each GEMV shape recorded, nothing kept
+    assert tuned["kept"] == [], tuned
+    gemvs = [name for name in tuned["kernels"] if name.startswith("gemv")]
+    assert len(gemvs) > 2 * sum(name.startswith("gemv") for name in found["tiny:llava"]["kernels"]), tuned
+    assert set(found["tiny:llava"]["kernels"]) <= set(tuned["kernels"]), tuned
     for model, record in found.items():
         kernels = record["kernels"]
         assert record["kept"] == [], (model, record)
