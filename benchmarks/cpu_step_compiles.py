@@ -160,13 +160,12 @@ def _tuner_recording(on: bool) -> Iterator[None]:
         return
     from mmsdk.kernels import parallel_compile, w4a16_tuning
 
-    state, timing_enabled = parallel_compile._recording(), w4a16_tuning.timing_enabled
-    state.depth += 1
+    timing_enabled = w4a16_tuning.timing_enabled
     w4a16_tuning.timing_enabled = lambda: True
     try:
-        yield
+        with parallel_compile._recording().entered():
+            yield
     finally:
-        state.depth -= 1
         w4a16_tuning.timing_enabled = timing_enabled
 
 

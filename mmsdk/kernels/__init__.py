@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PAIRED_ROWS_ENV", "PDL_ENV", "TUNE_ENV", "WARM_UPS",
+__all__ = ["INTERPRET_ENV", "KV_MERGE_ENV", "PAIRED_ROWS_ENV", "PDL_ENV", "TUNE_ENV", "WARM_UPS", "ThreadScope",
            "call_in_dropped_capture", "captured_calls", "graph_time_ms", "kv_merge_enabled", "l2_spill_copies",
            "note_fallback", "paired_rows_enabled", "pdl_preload_ready", "pdl_ready", "timing_enabled",
            "triton_available", "triton_ready", "weights_settled"]
@@ -121,17 +121,30 @@ def pdl_preload_ready(tensor: torch.Tensor) -> bool:
     writes them, and the graph replays after they were made); an eager call could directly follow the kernel
     that packed them.
     """
-    return pdl_ready(tensor) and (torch.cuda.is_current_stream_capturing() or _settled().depth > 0)
+    return pdl_ready(tensor) and (torch.cuda.is_current_stream_capturing() or bool(_settled()))
 
 
-class _Settled(threading.local):
-    depth = 0  # weights_settled scopes this thread is inside
+class ThreadScope(threading.local):
+    """A scope that each thread enters on its own, nested entries counted: true on a thread while it is inside."""
+
+    depth = 0
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def __bool__(self) -> bool:
+        return self.depth > 0
 
 
 @cache
-def _settled() -> _Settled:
-    """This process's weights_settled state (one per thread)."""
-    return _Settled()
+def _settled() -> ThreadScope:
+    """This process's weights_settled scope (one per thread)."""
+    return ThreadScope()
 
 
 @contextmanager
@@ -141,12 +154,8 @@ def weights_settled() -> Iterator[None]:
     holds, so that none writes a weight, entered on a stream that waited for the work that made them (fast
     generate's warm-up step). It then launches the variants its graph runs, not eager ones of its own: no kernel
     compiles for it alone."""
-    state = _settled()
-    state.depth += 1
-    try:
+    with _settled().entered():
         yield
-    finally:
-        state.depth -= 1
 
 
 @cache

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mmsdk.kernels import LOG, WARM_UPS, call_in_dropped_capture, captured_calls
+from mmsdk.kernels import LOG, WARM_UPS, ThreadScope, call_in_dropped_capture, captured_calls
 
 __all__ = ["COMPILE_STEP_AHEAD_ENV", "COMPILE_THREADS_ENV", "compile_before_first_call", "compile_in_parallel",
            "compile_step_ahead", "compile_threads", "recording_a_first_call"]
@@ -133,12 +132,8 @@ def compile_before_first_call(call: Callable[[], Any], stream: torch.cuda.Stream
         return 0
 
     def recorded_call() -> None:
-        state = _recording()
-        state.depth += 1
-        try:
+        with _recording().entered():
             _call_in_dropped_capture(call, stream)
-        finally:
-            state.depth -= 1
 
     return _compile_side_by_side(_recorded_kernels(recorded_call), threads, "a first decode step")
 
@@ -150,17 +145,13 @@ def recording_a_first_call() -> bool:
     the candidates of all the call's shapes compile in one step with its other kernels, instead of in a step of their
     own per shape at the first eager call (18 candidates on 16 threads take two rounds of compiles, the second
     nearly empty)."""
-    return _recording().depth > 0
-
-
-class _Recording(threading.local):
-    depth = 0  # compile_before_first_call recordings this thread is inside
+    return bool(_recording())
 
 
 @cache
-def _recording() -> _Recording:
-    """This process's recording state (one per thread)."""
-    return _Recording()
+def _recording() -> ThreadScope:
+    """This process's scope of compile_before_first_call's recordings (one per thread)."""
+    return ThreadScope()
 
 
 def _compile_side_by_side(recorded: dict[tuple[int, str], tuple[Any, str]], threads: int, caller: str) -> int:
