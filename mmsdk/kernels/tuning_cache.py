@@ -120,7 +120,7 @@ class TuningChoices:
         entry = {"candidates": candidates_digest(candidates, within), "config": [encode_item(i) for i in config]}
         text = _key_text(key)
         try:
-            current = self._load(path, explicit=TUNING_CACHE_ENV in os.environ)
+            current = self._load(path)
             current[chain] = {**current.pop(chain, {}), text: entry}  # the newest toolchain last
             for stale in list(current)[:-KEPT_TOOLCHAINS]:  # older versions' choices, never read again
                 del current[stale]
@@ -134,7 +134,7 @@ class TuningChoices:
     def _read(self, path: Path) -> Entries:
         if self._entries is None or self._path != path:
             try:
-                self._entries = self._load(path, explicit=TUNING_CACHE_ENV in os.environ)
+                self._entries = self._load(path)
             except OSError as error:
                 self._warn(f"the tuner's choices could not be read from {path} ({type(error).__name__}: {error}); "
                            f"timing every shape. Set {TUNING_CACHE_ENV} to a readable file, or to 0.")
@@ -142,9 +142,9 @@ class TuningChoices:
             self._path = path
         return self._entries
 
-    def _load(self, path: Path, explicit: bool) -> Entries:
+    def _load(self, path: Path) -> Entries:
         """The file's entries ({} when it does not exist). One that is not a choices file raises ValueError when the
-        user named it; at the default place it is ours, so it is replaced (with a warning)."""
+        user named it (``MMSDK_TUNING_CACHE``); at the default place it is ours, so it is replaced (with a warning)."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -153,7 +153,7 @@ class TuningChoices:
             data = {"error": str(error)}
         if isinstance(data, dict) and data.get("format") == FILE_FORMAT and isinstance(data.get("toolchains"), dict):
             return {chain: dict(entries) for chain, entries in data["toolchains"].items() if isinstance(entries, dict)}
-        if explicit:
+        if TUNING_CACHE_ENV in os.environ:
             raise ValueError(f"{TUNING_CACHE_ENV}={path} is not a tuning-choices file (format {FILE_FORMAT!r}): point "
                              f"it at a new or earlier such file, or set it to 0 to keep no choices.")
         self._warn(f"{path} is not a tuning-choices file (format {FILE_FORMAT!r}); it is replaced at the next save.")
