@@ -212,13 +212,13 @@ class ProcessCompiler:
 
         from mmsdk.kernels.parallel_compile import (
             _build_launcher,
-            _guarded,
             _recorded_kernels,
             _run_as_timed,
             compile_threads,
+            guarded_launch,
         )
 
-        guarded = [_guarded(launch) for launch in launches]  # recorded as compile_in_parallel records them
+        guarded = [guarded_launch(launch) for launch in launches]  # recorded as compile_in_parallel records them
         recorded = _recorded_kernels(lambda: _run_as_timed(guarded, captured_on, warm_up) if captured_on is not None
                                      else [launch() for launch in guarded])
         if not recorded:

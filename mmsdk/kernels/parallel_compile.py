@@ -38,7 +38,7 @@ import torch
 from mmsdk.kernels import LOG, WARM_UPS, ThreadScope, call_in_dropped_capture, captured_calls
 
 __all__ = ["COMPILE_STEP_AHEAD_ENV", "COMPILE_THREADS_ENV", "compile_before_first_call", "compile_in_parallel",
-           "compile_step_ahead", "compile_threads", "recording_a_first_call"]
+           "compile_step_ahead", "compile_threads", "guarded_launch", "recording_a_first_call"]
 
 # how many threads compile a tuner's candidates at once (default: the CPUs this process may use, at most
 # DEFAULT_MOST_THREADS); "1" compiles each candidate at its first launch, one after the other, as without this module
@@ -100,7 +100,7 @@ def compile_in_parallel(launches: Sequence[Callable[[], Any]], threads: int | No
     threads = compile_threads() if threads is None else threads
     if threads <= 1 or len(launches) <= 1:
         return 0
-    guarded = [_guarded(launch) for launch in launches]
+    guarded = [guarded_launch(launch) for launch in launches]
     if captured_on is not None and captured_on.type == "cuda":
         recorded = _recorded_kernels(lambda: _run_as_timed(guarded, captured_on, warm_up))
     else:
@@ -217,8 +217,9 @@ def _recorded_kernels(run: Callable[[], Any]) -> dict[tuple[int, str], tuple[Any
     return recorded
 
 
-def _guarded(launch: Callable[[], Any]) -> Callable[[], None]:
-    """``launch``, its failure logged and dropped: the real launch raises it again, where the tuner handles it."""
+def guarded_launch(launch: Callable[[], Any]) -> Callable[[], None]:
+    """``launch``, its failure logged and dropped: the real launch raises it again, where the tuner handles it (for
+    launches that are only recorded)."""
 
     def run() -> None:
         try:

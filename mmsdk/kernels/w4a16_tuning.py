@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mmsdk.kernels import LOG, graph_time_ms, l2_spill_copies, note_fallback, timing_enabled
-from mmsdk.kernels.parallel_compile import compile_in_parallel, recording_a_first_call
+from mmsdk.kernels.parallel_compile import compile_in_parallel, guarded_launch, recording_a_first_call
 from mmsdk.kernels.step_configs import StepConfigsFile, step_measured_config
 from mmsdk.kernels.tuning_cache import TuningChoices
 
@@ -89,8 +89,8 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
             return chosen
     if torch.cuda.is_current_stream_capturing():
         if recording_a_first_call():  # a step compiled ahead: every candidate's kernels compile with the step's
-            for cfg in configs:
-                _launch_quietly(launch, cfg, weights)
+            for cfg in configs:  # a failing one is met again, and skipped with its reason, when it is timed
+                guarded_launch(lambda c=cfg: launch(c, weights))()
         return candidates[0]
     launches = [lambda c=cfg: launch(c, weights) for cfg in configs]
     warm_up = tuning().warm_up
@@ -116,14 +116,6 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
     table[key] = _first_within(timings, within)
     kept.remember(key, tuple(configs), within, device, table[key])
     return table[key]
-
-
-def _launch_quietly(launch: Any, cfg: tuple[Any, ...], weights: tuple[torch.Tensor | None, ...]) -> None:
-    """``launch(cfg, weights)``, a failure logged and dropped: the tuner meets it again when it times ``cfg``."""
-    try:
-        launch(cfg, weights)
-    except Exception as error:  # noqa: BLE001 - timed later, this candidate is skipped there with its reason
-        LOG.debug("w4a16 tuning: recording config %s failed (%s: %s)", cfg, type(error).__name__, error)
 
 
 def _first_within(timings: list[tuple[float, tuple[Any, ...]]], within: float) -> tuple[Any, ...]:
