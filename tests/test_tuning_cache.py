@@ -88,9 +88,13 @@ def test_the_file_keeps_the_toolchains_that_saved_last(gpu, choices_file):
     assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) == CANDIDATES[2]
 
 
-def test_a_kept_config_that_is_not_among_the_candidates_is_not_taken(gpu, choices_file):
+def test_a_kept_config_that_is_not_among_the_candidates_or_unreadable_is_not_taken(gpu, choices_file):
     device = torch.device("cuda", 0)
     TuningChoices().remember(KEY, CANDIDATES, 0.0, device, (4, 4, 4, 4, "made up"))
+    assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) is None
+    TuningChoices().remember(KEY, CANDIDATES, 0.0, device, CANDIDATES[0])
+    edited = choices_file.read_text().replace('"quad"', '{"dtype": "no such dtype"}')  # an entry edited by hand
+    choices_file.write_text(edited)
     assert TuningChoices().chosen(KEY, CANDIDATES, 0.0, device) is None
 
 

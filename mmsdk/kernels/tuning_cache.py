@@ -108,7 +108,10 @@ class TuningChoices:
         entry = self._read(path).get(chain, {}).get(_key_text(key))
         if entry is None or entry.get("candidates") != candidates_digest(candidates, within):
             return None
-        config = tuple(decode_item(item, path) for item in entry.get("config", ()))
+        try:
+            config = tuple(decode_item(item, path) for item in entry.get("config", ()))
+        except ValueError:  # an entry edited by hand: timed again, and the new choice replaces it
+            return None
         return config if config in candidates else None
 
     def remember(self, key: tuple[Any, ...], candidates: tuple[tuple[Any, ...], ...], within: float,
