@@ -153,8 +153,9 @@ def _held_tensors(roots: Iterable[Any]) -> dict[tuple[int, str, int], tuple[str,
 
 @contextmanager
 def _tuner_recording(on: bool) -> Iterator[None]:
-    """With ``on``, the W4A16 tuner times (the interpreter switch turns it off) and this thread is inside
-    compile_before_first_call's recording, so a new GEMV shape launches all its candidates; put back on exit."""
+    """With ``on``, the W4A16 tuner times (the interpreter switch turns it off), every weight as a 7B's (the tiny
+    models' are under ``MMSDK_TUNE_MIN_BYTES``), and this thread is inside compile_before_first_call's recording, so a
+    new GEMV shape launches all its candidates; put back on exit."""
     if not on:
         yield
         return
@@ -162,11 +163,13 @@ def _tuner_recording(on: bool) -> Iterator[None]:
 
     timing_enabled = w4a16_tuning.timing_enabled
     w4a16_tuning.timing_enabled = lambda: True
+    w4a16_tuning.tuning().times_small_weights = True
     try:
         with parallel_compile._recording().entered():
             yield
     finally:
         w4a16_tuning.timing_enabled = timing_enabled
+        w4a16_tuning.tuning().times_small_weights = False
 
 
 @dataclass

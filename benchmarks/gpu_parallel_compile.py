@@ -21,6 +21,10 @@ fifty-third pass).
 choices it kept (``MMSDK_TUNING_CACHE``, a file beside that cache: only the chosen kernels load, nothing is timed)
 and one without (every candidate loaded from the cache and timed again).
 
+``--tune-min-bytes default,0``: ``MMSDK_TUNE_MIN_BYTES`` per run (unset: the tuner takes the first candidate untimed
+for weights under 256 KiB, such as every weight of the generate case's tiny model; 0: it times every weight, as before
+the fifty-seventh pass).
+
 ``--step-ahead off,on,kernels``: fast generate's ``MMSDK_COMPILE_STEP_AHEAD`` per run (``on``: a new decode step's
 kernels are recorded in a dropped capture and compiled side by side before its first call, the GEMV tuner's
 candidates for every shape the step meets among them; ``kernels``: the same, but the tuner's candidates compiled in a
@@ -34,7 +38,7 @@ kernels those were, next to what the compile threads did ("parallel", summed ove
     python benchmarks/gpu_parallel_compile.py --out parallel_compile.json [--threads 16,1]
         [--cases gemv,generate,generate7b,tune] [--warm] [--warm-ups default,captured,eager]
         [--compile-in threads,processes]
-        [--step-ahead off,on,kernels]
+        [--step-ahead off,on,kernels] [--tune-min-bytes default,0]
 """
 
 from __future__ import annotations
@@ -315,16 +319,18 @@ def force_warm_up(warm_up: str) -> None:
 
 
 def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str,
-             step_ahead: str = "off", keep_choices: bool = True) -> dict[str, Any]:
+             step_ahead: str = "off", keep_choices: bool = True, tune_min_bytes: str = "default") -> dict[str, Any]:
     """``case`` in a fresh process with Triton's cache in ``cache``, ``threads`` compile threads (or processes:
     ``compile_in``), the tuner's candidates warmed up ``warm_up`` and a new decode step's kernels compiled ahead
     (``step_ahead`` "on") or not. The tuner's choices are kept in a file beside ``cache`` (``MMSDK_TUNING_CACHE``),
-    so a later run on the same cache takes them untimed, or (``keep_choices`` False) not at all."""
+    so a later run on the same cache takes them untimed, or (``keep_choices`` False) not at all. ``tune_min_bytes``
+    sets ``MMSDK_TUNE_MIN_BYTES`` (the weights the tuner leaves untimed), or leaves it unset ("default")."""
     choices = cache.parent / f"{cache.name}-tuning-choices.json"
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "MMSDK_COMPILE_THREADS": str(threads),
                "MMSDK_COMPILE_STEP_AHEAD": "0" if step_ahead == "off" else "1",
                "MMSDK_TUNING_CACHE": str(choices) if keep_choices else "0",
+               **({} if tune_min_bytes == "default" else {"MMSDK_TUNE_MIN_BYTES": tune_min_bytes}),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         warm = cache.is_dir() and any(cache.iterdir())
         tuning_cache = ("kept" if choices.exists() else "empty") if keep_choices else "off"
@@ -333,7 +339,8 @@ def run_case(case: str, threads: int, cache: Path, warm_up: str, compile_in: str
                               "--compile-in", compile_in, "--step-ahead", step_ahead],
                              env=env, capture_output=True, text=True)
         label = {"case": case, "threads": threads, "warm_up": warm_up, "compile_in": compile_in,
-                 "step_ahead": step_ahead, "triton_cache": "warm" if warm else "empty", "tuning_cache": tuning_cache}
+                 "step_ahead": step_ahead, "triton_cache": "warm" if warm else "empty", "tuning_cache": tuning_cache,
+                 "tune_min_bytes": tune_min_bytes}
         if run.returncode:
             return {**label, "error": run.stderr[-2000:]}
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -359,6 +366,9 @@ def main() -> None:
                         help="comma separated: off, on (fast generate compiles a new decode step's kernels side by "
                              "side before its first call: MMSDK_COMPILE_STEP_AHEAD), kernels (on, but the tuner "
                              "compiles its candidates per shape at its first eager call)")
+    parser.add_argument("--tune-min-bytes", default="default",
+                        help="comma separated: default (MMSDK_TUNE_MIN_BYTES unset: weights under 256 KiB take their "
+                             "first candidate untimed) or a whole number of bytes per run (0: every weight timed)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -370,6 +380,9 @@ def main() -> None:
         if unknown:
             parser.error(f"{option} {given}: {', '.join(unknown)} unknown; use a comma-separated list of "
                          f"{', '.join(known)}")
+    if any(value != "default" and not value.isdigit() for value in args.tune_min_bytes.split(",")):
+        parser.error(f"--tune-min-bytes {args.tune_min_bytes}: use a comma-separated list of default and whole "
+                     "numbers of bytes")
     if args.worker:
         process_compiles: list[dict[str, Any]] = []
         compiler = ProcessCompiler(process_compiles)
@@ -400,14 +413,16 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",")]
     for case in args.cases.split(","):
         with tempfile.TemporaryDirectory() as caches:
-            runs = [(threads, warm_up, Path(caches) / f"{threads}-{compile_in}-{warm_up}-{ahead}", compile_in, ahead,
-                     True)
-                    for ahead in args.step_ahead.split(",") for warm_up in args.warm_ups.split(",")
-                    for compile_in in args.compile_in.split(",") for threads in counts]
+            runs = [dict(threads=threads, warm_up=warm_up, compile_in=compile_in, step_ahead=ahead,
+                         tune_min_bytes=least, keep_choices=True,
+                         cache=Path(caches) / f"{threads}-{compile_in}-{warm_up}-{ahead}-{least}")
+                    for least in args.tune_min_bytes.split(",") for ahead in args.step_ahead.split(",")
+                    for warm_up in args.warm_ups.split(",") for compile_in in args.compile_in.split(",")
+                    for threads in counts]
             if args.warm:  # what is left without compiling: the first run again, on the cache it filled, with the
-                runs += [runs[0], (*runs[0][:-1], False)]  # tuner's choices it kept and without them
-            for threads, warm_up, cache, compile_in, ahead, keep_choices in runs:
-                results["runs"].append(run_case(case, threads, cache, warm_up, compile_in, ahead, keep_choices))
+                runs += [runs[0], {**runs[0], "keep_choices": False}]  # tuner's choices it kept and without them
+            for run in runs:
+                results["runs"].append(run_case(case, **run))
                 print(json.dumps(results["runs"][-1]), flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(results, indent=1))

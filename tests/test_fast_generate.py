@@ -685,9 +685,10 @@ def test_a_decode_step_compiled_ahead_in_a_dropped_capture_gives_the_same_tokens
 def test_on_an_empty_triton_cache_a_step_compiled_ahead_compiles_nothing_itself(tmp_path, tune):
     """In a fresh process with an empty Triton cache, the step's kernels are compiled ahead on the compile threads,
     and its eager warm-up (under weights_settled, the GEMVs launched as in its graph) and its capture compile nothing
-    on the step's own thread. MMSDK_TUNE=0: each GEMV runs its first candidate untimed; 1: the tuner's candidates for
-    every shape were compiled ahead with the step's kernels, and it times them at the warm-up without compiling on
-    that thread either. The answer is the one the same process gives without compiling ahead."""
+    on the step's own thread. MMSDK_TUNE=0: each GEMV runs its first candidate untimed; 1 (with MMSDK_TUNE_MIN_BYTES=0,
+    as for a bigger model's weights): the tuner's candidates for every shape were compiled ahead with the step's
+    kernels, and it times them at the warm-up without compiling on that thread either. The answer is the one the same
+    process gives without compiling ahead."""
     import json
     import os
     import subprocess
@@ -727,7 +728,9 @@ fast_generate.release(opt.model)
 second = fast_generate._Generator(opt.model, opt.adapter, {**inputs, "max_new_tokens": 8}, compile_ahead=False).run()
 print(json.dumps({"ahead": ahead, "own": own, "same": bool(torch.equal(first, second))}))
 """
+    # the tiny model's weights are under MMSDK_TUNE_MIN_BYTES: timed as a bigger model's are only with it 0
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "MMSDK_TUNE": tune,
+           "MMSDK_TUNE_MIN_BYTES": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

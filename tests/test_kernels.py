@@ -694,6 +694,52 @@ def test_tuning_off_takes_the_first_candidate_untimed(monkeypatch):
     assert picked == (8, 2, 2, 1, "quad") and launched == [] and key not in tuning().chosen
 
 
+def test_a_weight_under_the_tuning_threshold_takes_its_first_candidate_untimed(monkeypatch):
+    """A packed weight (scales and zero points counted) under MMSDK_TUNE_MIN_BYTES (256 KiB unset) takes the first
+    candidate with nothing compiled or timed, and keeps it for the process; one at the threshold is timed, as is
+    every weight with it 0 or in a step search's first tuning (times_small_weights). A bad value names the fix."""
+    from mmsdk.kernels import w4a16_tuning
+
+    timed, compiled = [], []
+
+    def graph_time_ms(calls, warm_up="eager"):
+        calls[0]()
+        return {"quad": 2.0, "idot": 1.0}[timed[-1]]
+
+    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
+    monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
+    monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: compiled.append(len(launches)))
+    monkeypatch.setattr(w4a16_tuning, "step_measured_config", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    process = {"tuning": w4a16_tuning.Tuning()}
+    process["tuning"].use_kept_choices = False  # no choices file on this machine to read
+    monkeypatch.setattr(w4a16_tuning, "tuning", lambda: process["tuning"])
+    monkeypatch.delenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, raising=False)
+    candidates = ((8, 128, 4, 1, "quad"), (16, 32, 2, 1, "idot"))
+
+    def tune(name, *weights):
+        return w4a16_tuning.tuned_config(("test", name), lambda cfg, w: timed.append(cfg[4]), candidates, 32, weights)
+
+    qweight = torch.zeros(128, 1024, dtype=torch.uint8)  # 128 KiB, and 1/16 of it as bf16 scales (g32)
+    scales = torch.zeros(128, 32, dtype=torch.bfloat16)
+    assert tune("small", qweight, scales, None) == candidates[0]
+    assert timed == [] and compiled == [] and process["tuning"].chosen[("test", "small")] == candidates[0]
+    at_threshold = torch.zeros(w4a16_tuning.DEFAULT_TUNE_MIN_BYTES - scales.numel() * 2, dtype=torch.uint8)
+    assert tune("at the threshold", at_threshold, scales, None) == candidates[1] and compiled == [2]
+
+    monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, "0")
+    assert tune("small, every weight timed", qweight, scales) == candidates[1] and compiled == [2, 2]
+    monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, str(10 << 20))
+    assert tune("under a higher threshold", at_threshold, scales) == candidates[0] and compiled == [2, 2]
+    process["tuning"].times_small_weights = True
+    assert tune("in a step search", qweight, scales) == candidates[1] and compiled == [2, 2, 2]
+    for bad in ("1MiB", "-1", "0.5"):
+        monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, bad)
+        with pytest.raises(ValueError, match="whole number of bytes"):
+            w4a16_tuning.tune_min_bytes()
+
+
 def test_a_tuner_met_in_a_recorded_first_call_launches_every_candidate_and_keeps_nothing(monkeypatch):
     """Inside compile_before_first_call's dropped capture (a decode step compiled ahead), a shape met for the first
     time launches each candidate once (recorded there, so they compile with the step's other kernels), runs the first
@@ -702,6 +748,7 @@ def test_a_tuner_met_in_a_recorded_first_call_launches_every_candidate_and_keeps
 
     launched = []
     monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, "0")  # the stand-in weight is tiny: timed all the same
     monkeypatch.setattr(w4a16_tuning, "step_measured_config", lambda *args: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     candidates = ((8, 64, 2, 1, "quad"), (16, 32, 2, 1, "idot"), (8, 64, 2, 1, "quad"))
@@ -743,6 +790,7 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
         return times[timed[-1]]
 
     monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, "0")  # the stand-in weight is tiny: timed all the same
     monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
     monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
     monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: warm_ups.append(how["warm_up"]))

@@ -153,6 +153,8 @@ def test_search_decode_step_tunes_the_step_first_then_descends_and_keeps_other_m
         assert other not in table  # only this step's GEMVs are in the table while it is searched
         # the trials run each candidate eagerly too: the first tuning compiles both variants side by side
         assert tuning().warm_up == "eager"
+        # and every GEMV is timed, even a tiny model's under MMSDK_TUNE_MIN_BYTES, with no earlier process's choice
+        assert tuning().times_small_weights and not tuning().use_kept_choices
         table.setdefault(GEMV, plain[0])  # the first timing tunes the step's GEMV
         timings.append(table[GEMV])
         return 1.0 if table[GEMV] == plain[1] else 2.0
@@ -173,6 +175,7 @@ def test_search_decode_step_tunes_the_step_first_then_descends_and_keeps_other_m
     assert len(lines) == 3 + len(plain) - 1 and all("ms (best" in line for line in lines[3:])
     assert timings[:2] == [plain[0], plain[0]] and table[other] == (8, 128, 4, 1, "quad", 528)
     assert tuning().warm_up == "captured"  # the tuner's own warm-up again afterwards
+    assert not tuning().times_small_weights and tuning().use_kept_choices
 
 
 def test_the_search_names_why_a_model_would_not_take_the_fast_path(session, tiny):

@@ -162,6 +162,7 @@ def test_the_tuner_times_once_and_a_later_process_takes_its_choice_untimed(gpu, 
         return times[timed[-1]]
 
     monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
+    monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, "0")  # the stand-in weight is tiny: timed all the same
     monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
     monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
     monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: compiled.append(len(launches)))
@@ -229,7 +230,8 @@ def test_on_a_gpu_a_later_process_runs_the_kept_choice_without_compiling_or_timi
 
     def one_process(choices: str) -> dict:
         env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), TUNING_CACHE_ENV: choices,
-               "MMSDK_TUNE": "1", "MMSDK_STEP_CONFIGS": "0", "MMSDK_COMPILE_THREADS": "4"}
+               "MMSDK_TUNE": "1", "MMSDK_STEP_CONFIGS": "0", "MMSDK_COMPILE_THREADS": "4",
+               "MMSDK_TUNE_MIN_BYTES": "0"}  # timed whatever the default size below which weights are not
         run = subprocess.run([sys.executable, "-c", _ONE_PROCESS], env=env, capture_output=True, text=True,
                              timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]

@@ -250,6 +250,7 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
     # H100 the digits tune took 77.2 s against 67.9, docs/benchmarks.md, fifty-third pass)
     tuning().warm_up = "eager"
     tuning().use_kept_choices = False  # an earlier process's choices would leave the other candidates uncompiled
+    tuning().times_small_weights = True  # a tiny model's GEMVs too: the search needs each one's candidates timed
     try:
         # silent otherwise for minutes: on a fresh machine this compiles every candidate of every GEMV the step runs
         report("tuning the decode step's GEMVs on their own first (a fresh machine compiles each candidate: minutes)")
@@ -265,6 +266,7 @@ def search_decode_step(model: torch.nn.Module, inputs: dict[str, Any], kinds: tu
     finally:
         tuning().warm_up = warm_up
         tuning().use_kept_choices = True
+        tuning().times_small_weights = False
         for key, cfg in others.items():
             table.setdefault(key, cfg)
     result.device_name = torch.cuda.get_device_name(ids.device)

@@ -6,6 +6,7 @@ first use (:func:`tuning`).
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from typing import Any
 
@@ -16,9 +17,18 @@ from mmsdk.kernels.parallel_compile import compile_in_parallel, guarded_launch, 
 from mmsdk.kernels.step_configs import StepConfigsFile, step_measured_config
 from mmsdk.kernels.tuning_cache import TuningChoices
 
-__all__ = ["NORMED_MAX_N", "Tuning", "fit_config", "followed_by_norm", "tuned_config", "tuning"]
+__all__ = ["DEFAULT_TUNE_MIN_BYTES", "NORMED_MAX_N", "TUNE_MIN_BYTES_ENV", "Tuning", "fit_config", "followed_by_norm",
+           "tune_min_bytes", "tuned_config", "tuning"]
 
 NORMED_MAX_N = 32768  # the widest one-row GEMV output the tuner times followed by a norm (followed_by_norm)
+# Weights smaller than this (packed bytes, scales and zero points included) take their first candidate untimed. Such a
+# GEMV is bound by its launch, whichever tile runs: 256 KiB is read in 0.06 µs at an H200's 4.2 TB/s, against the
+# ~2.4 µs a 4096 x 4096 g32 GEMV (9 MiB, 4.6 µs) spends beyond its bytes' time (docs/benchmarks.md, tenth pass).
+# Timing them would compile every candidate for nothing: the tiny built-in models (weights of 12 KiB at most) had their
+# first generate compile 80 GEMV kernels for tunings (fifty-fifth pass). Every weight of a 7B model is larger (the
+# smallest, Qwen2-VL-7B's k or v projection, 0.9 MiB), so all are timed as before.
+DEFAULT_TUNE_MIN_BYTES = 256 << 10
+TUNE_MIN_BYTES_ENV = "MMSDK_TUNE_MIN_BYTES"  # a whole number of bytes; 0 times every weight
 
 
 def fit_config(cfg: tuple[Any, ...], group: int) -> tuple[Any, ...]:
@@ -45,6 +55,9 @@ class Tuning:
         # search sets use_kept_choices False for its first tuning, which must compile and time every candidate
         self.kept_choices = TuningChoices()
         self.use_kept_choices = True
+        # weights under tune_min_bytes() take their first candidate untimed; a step search sets this True for its
+        # first tuning, which must time every GEMV the step runs to search them (a tiny model's included)
+        self.times_small_weights = False
 
 
 @cache
@@ -53,16 +66,33 @@ def tuning() -> Tuning:
     return Tuning()
 
 
+def tune_min_bytes() -> int:
+    """The packed weight size below which the tuner takes the first candidate untimed: ``MMSDK_TUNE_MIN_BYTES``, or
+    ``DEFAULT_TUNE_MIN_BYTES`` (256 KiB) when unset."""
+    value = os.environ.get(TUNE_MIN_BYTES_ENV, "").strip()
+    if not value:
+        return DEFAULT_TUNE_MIN_BYTES
+    if not value.isdigit():
+        raise ValueError(f"{TUNE_MIN_BYTES_ENV}={value!r}: set it to a whole number of bytes (0 times every weight's "
+                         f"candidates), or leave it unset for {DEFAULT_TUNE_MIN_BYTES} (256 KiB).")
+    return int(value)
+
+
+def _packed_bytes(weights: tuple[torch.Tensor | None, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights if t is not None)
+
+
 def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any, ...], ...], group: int,
                  weights: tuple[torch.Tensor | None, ...], within: float = 0.0) -> Any:
-    """The fastest candidate for ``key`` (timed once on CUDA; the first one, not kept, under the interpreter, a
-    capture or ``MMSDK_TUNE=0``), or the configuration measured for it inside the decode step on this GPU
-    (mmsdk.kernels.step_configs: taken untimed), or the one an earlier process on this machine chose among the same
-    candidates with the same toolchain (mmsdk.kernels.tuning_cache: taken untimed; each new choice is kept there);
-    with ``within`` > 0 the first candidate, in the given order, whose time is within that fraction of the fastest
-    (for candidates that time alike alone but not in the decode step, listed in the step's order). Every candidate
-    is compiled first, on all CPUs at once (:func:`mmsdk.kernels.parallel_compile.compile_in_parallel`), and warmed
-    up as ``tuning().warm_up`` says (by default inside a dropped capture, after one eager call of the first).
+    """The fastest candidate for ``key`` (timed once on CUDA; the first one, not kept, under the interpreter, a capture
+    or ``MMSDK_TUNE=0``; the first one, kept untimed, for weights under :func:`tune_min_bytes`), or the configuration
+    measured for it inside the decode step on this GPU (mmsdk.kernels.step_configs: taken untimed), or the one an
+    earlier process on this machine chose among the same candidates with the same toolchain (mmsdk.kernels.tuning_cache:
+    taken untimed; each new choice is kept there); with ``within`` > 0 the first candidate, in the given order, whose
+    time is within that fraction of the fastest (for candidates that time alike alone but not in the decode step, listed
+    in the step's order). Every candidate is compiled first, on all CPUs at once
+    (:func:`mmsdk.kernels.parallel_compile.compile_in_parallel`), and warmed up as ``tuning().warm_up`` says (by default
+    inside a dropped capture, after one eager call of the first).
 
     ``launch(cfg, weights)`` runs a candidate on ``weights`` (the packed tensors, as a tuple). Candidates are
     timed on enough copies of the weights, in turn, that each call reads them from HBM as in a model
@@ -77,6 +107,9 @@ def tuned_config(key: tuple[Any, ...], launch: Any, candidates: tuple[tuple[Any,
         table[key] = measured
         return measured
     if not timing_enabled():
+        return candidates[0]
+    if not tuning().times_small_weights and _packed_bytes(weights) < tune_min_bytes():
+        table[key] = candidates[0]  # bound by its launch whichever tile runs: not worth a compile per candidate
         return candidates[0]
     configs = list(dict.fromkeys(fit_config(c, group) for c in candidates))
     device, kept = weights[0].device, tuning().kept_choices
