@@ -199,38 +199,54 @@ def test_mllama_with_a_quantized_kv_cache_matches_transformers_greedy_on_cpu(kv,
         assert layer.key_codes.shape[2] == tokens and layer.key_codes.shape[-1] * per_byte == layer.head_dim
 
 
-def test_mllama_steps_ask_the_packed_cache_whether_it_holds_kv_without_dequantizing_it(session, tiny, monkeypatch):
+def test_mllama_asks_the_packed_cache_whether_it_holds_kv_without_dequantizing_it(session, tiny, monkeypatch):
     """transformers 5.24+'s Mllama asks every cache layer ``keys.numel() > 0`` before running it; on a packed layer
-    ``keys`` dequantizes the whole layer (in a captured step: a kernel per self-attention layer at every token). Inside
-    the adapter's decode-step scope each layer answers from its host length instead: the same answers, no layer
-    dequantized, and transformers' own check put back after, error or not."""
+    ``keys`` dequantizes the whole layer (in a captured step: a kernel per self-attention layer at every token). With a
+    KV-cache pass the text model's forward asks each layer's host length instead (MllamaAdapter
+    .install_packed_cache_queries): the same answers without dequantizing, in transformers' own loop too, with the same
+    tokens; transformers' module keeps its own check, and installing twice rebinds once."""
+    import sys
+
     from transformers.models.mllama import modeling_mllama
 
-    from mmsdk.plugins.quantizers.static_kv import PackedStaticLayer
+    from mmsdk.plugins._forward import body_function
+    from mmsdk.plugins.adapters.flamingo import HOLDS_KV_CHECK
+    from mmsdk.plugins.quantizers.quantized_cache import QuantizedKVLayer
 
-    original = getattr(modeling_mllama, "_has_cached_cross_attention_states", None)
+    original = getattr(modeling_mllama, HOLDS_KV_CHECK, None)
     if original is None:
         pytest.skip("this transformers asks the cache's get_seq_length(idx), without reading keys")
-    opt, inputs = _optimized(tiny, session, "tiny:mllama", ("int4-kv",))
+    plain, inputs = _optimized(tiny, session, "tiny:mllama", ("int4-kv",))
+    del plain.adapter.language_model(plain.model).__dict__["_mmsdk_body"]  # transformers' own check, to compare
+    opt, _ = _optimized(tiny, session, "tiny:mllama", ("int4-kv",))
+    text_model = opt.adapter.language_model(opt.model)
+    body = text_model.__dict__["_mmsdk_body"]
+    opt.adapter.install_packed_cache_queries(opt.model)  # again: nothing more to rebind
+    assert text_model.__dict__["_mmsdk_body"] is body and getattr(modeling_mllama, HOLDS_KV_CHECK) is original
+    function = body_function(text_model)
+    while HOLDS_KV_CHECK not in function.__code__.co_names:
+        function = function.__wrapped__
+    by_host_length = function.__globals__[HOLDS_KV_CHECK]
+
     cache = installed_state(opt.model).static_cache(64, fused=True)
     with torch.inference_mode():
         opt.model(**inputs, past_key_values=cache, use_cache=True)
     empty = installed_state(opt.model).static_cache(64, fused=True)  # no prefill: every layer empty
     layers = range(len(cache.layers) + 1)  # one past the last: no such layer
-    expected = [original(cache, i) for i in layers] + [original(empty, i) for i in layers]
+    expected = [original(c, i) for c in (cache, empty) for i in layers]
     assert expected[: len(cache.layers)] == [True] * len(cache.layers) and not any(expected[len(cache.layers):])
-    read = []
-    real = PackedStaticLayer._dequantized
-    monkeypatch.setattr(PackedStaticLayer, "_dequantized", lambda *a, **k: read.append(1) or real(*a, **k))
-    with opt.adapter.decode_step_scope(opt.model):
-        with opt.adapter.decode_step_scope(opt.model):  # nested: the outer scope's check stays until it ends
-            pass
-        answered = [modeling_mllama._has_cached_cross_attention_states(c, i) for c in (cache, empty) for i in layers]
-    assert answered == expected and read == []
-    assert modeling_mllama._has_cached_cross_attention_states is original
-    with pytest.raises(RuntimeError), opt.adapter.decode_step_scope(opt.model):
-        raise RuntimeError("a step that fails")
-    assert modeling_mllama._has_cached_cross_attention_states is original
+    asked_by = []  # what read each packed layer's keys or values (the caller of the property)
+    real = QuantizedKVLayer._read
+    monkeypatch.setattr(QuantizedKVLayer, "_read",
+                        lambda *a, **k: asked_by.append(sys._getframe(2).f_code.co_name) or real(*a, **k))
+    assert [by_host_length(c, i) for c in (cache, empty) for i in layers] == expected and asked_by == []
+
+    reference = _greedy(plain.model, inputs, 6)
+    assert HOLDS_KV_CHECK in asked_by
+    reads_with_the_check = len(asked_by)
+    asked_by.clear()
+    assert torch.equal(_greedy(opt.model, inputs, 6), reference)
+    assert HOLDS_KV_CHECK not in asked_by and len(asked_by) < reads_with_the_check
 
 
 def test_cross_attention_length_redirect_is_scoped_and_restored():

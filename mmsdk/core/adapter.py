@@ -352,6 +352,13 @@ class ModelAdapter:
 
         return nullcontext()
 
+    def install_packed_cache_queries(self, model: nn.Module) -> None:
+        """Called when a KV-cache pass packs the model's cache (mmsdk.plugins.quantizers.kv_runtime.install), for a
+        family whose language model asks every cache layer something that a packed layer answers only by
+        dequantizing the whole layer (its ``keys`` and ``values`` are dequantized on read): have it answered another
+        way, from the model's own modules, so transformers' loop and fast generate's steps read no layer for it.
+        Default: nothing to change."""
+
     def needs_decode_mask_over_cache(self, model: nn.Module) -> bool:
         """True when the language model, given no attention mask on a decode step, makes one as long as the tokens
         cached so far: a length the host reads, which a captured decode step would freeze. Fast generate's step then

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import types
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -22,7 +23,13 @@ from mmsdk.core.adapter import (
 )
 from mmsdk.core.recipes import Recipe
 from mmsdk.core.registry import Registrar
-from mmsdk.plugins._forward import add_forward_wrapper, innermost_override
+from mmsdk.plugins._forward import (
+    add_forward_wrapper,
+    body_function,
+    innermost_override,
+    rebind_global,
+    set_forward_body,
+)
 from mmsdk.plugins.adapters._common import clip_like_blocks
 from mmsdk.plugins.adapters._recipes import family_recipes
 from mmsdk.plugins.adapters._scoring import ClsAttentionScorer
@@ -161,15 +168,19 @@ class IdeficsAdapter(ModelAdapter):
         return True
 
 
+HOLDS_KV_CHECK = "_has_cached_cross_attention_states"  # transformers 5.24+'s Mllama: does a cache layer hold K/V
+
+
 def _holds_kv_by_host_length(original: Callable[[Any, int], bool], cache: Any, layer_idx: int) -> bool:
     """Mllama's ``_has_cached_cross_attention_states``, answered from the layer's length where the host knows it.
 
     transformers 5.24 and newer ask ``layer.is_initialized and layer.keys.numel() > 0`` of every layer, before running
     it. On mmsdk's packed KV layers ``keys`` dequantizes the whole layer (what a model that reads a layer directly
-    gets): in a captured decode step that is a dequantize kernel per self-attention layer, replayed at every token, its
-    output unused. A layer whose ``get_seq_length()`` is a host int (mmsdk's packed and image layers, transformers'
-    dynamic ones) holds K/V exactly when that is above 0; any other layer (a compileable static one answers with a
-    device tensor) is asked as transformers asks it."""
+    gets): in transformers' loop a third of the tiny Mllama's dequantizations (21 of 69 over 8 tokens), in a captured
+    decode step a dequantize kernel per self-attention layer, replayed at every token, its output unused. A layer
+    whose ``get_seq_length()`` is a host int (mmsdk's packed and image layers, transformers' dynamic ones) holds K/V
+    exactly when that is above 0; any other layer (a compileable static one answers with a device tensor) is asked as
+    transformers asks it."""
     layers = getattr(cache, "layers", None)
     if layers is not None and 0 <= layer_idx < len(layers) and getattr(layers[layer_idx], "is_initialized", False):
         length = layers[layer_idx].get_seq_length()
@@ -178,25 +189,20 @@ def _holds_kv_by_host_length(original: Callable[[Any, int], bool], cache: Any, l
     return original(cache, layer_idx)
 
 
-@contextmanager
-def _cache_queries_from_the_host() -> Iterator[None]:
-    """Mllama's text model asks each cache layer whether it holds K/V by its length on the host while inside
-    (:func:`_holds_kv_by_host_length`); its own check is put back on the way out, error or not. Nothing changes on
-    a transformers without that check (it asked ``get_seq_length(idx)`` before 5.24), nor inside another such scope
-    (nested, or on another thread: the outer one puts the check back; both answer alike)."""
-    from transformers.models.mllama import modeling_mllama
-
-    original = getattr(modeling_mllama, "_has_cached_cross_attention_states", None)
+def _ask_cache_layers_by_host_length(text_model: nn.Module) -> None:
+    """Rebind the global ``HOLDS_KV_CHECK`` that ``text_model``'s forward calls to :func:`_holds_kv_by_host_length`,
+    for this module only (transformers' module is left as it is). Nothing changes on a transformers without that check
+    (it asked ``get_seq_length(idx)`` before 5.24), or where it is rebound already."""
+    function = body_function(text_model)
+    asking = function  # the function under its decorators that calls the check, with the globals it reads it from
+    while asking is not None and HOLDS_KV_CHECK not in asking.__code__.co_names:
+        asking = getattr(asking, "__wrapped__", None)
+    original = None if asking is None else asking.__globals__.get(HOLDS_KV_CHECK)
     if original is None or getattr(original, "by_host_length", False):
-        yield
         return
     replacement = functools.partial(_holds_kv_by_host_length, original)
     replacement.by_host_length = True  # type: ignore[attr-defined]
-    modeling_mllama._has_cached_cross_attention_states = replacement
-    try:
-        yield
-    finally:
-        modeling_mllama._has_cached_cross_attention_states = original
+    set_forward_body(text_model, types.MethodType(rebind_global(function, HOLDS_KV_CHECK, replacement), text_model))
 
 
 class MllamaAdapter(ModelAdapter):
@@ -266,11 +272,11 @@ class MllamaAdapter(ModelAdapter):
             return {}
         return {"cross_attention_mask": torch.cat([mask, mask[:, -1:]], dim=1)}
 
-    def decode_step_scope(self, model: nn.Module) -> AbstractContextManager[None]:
+    def install_packed_cache_queries(self, model: nn.Module) -> None:
         """Mllama's text model asks every cache layer whether it holds K/V by its length on the host, not by the size of
         its ``keys`` (:func:`_holds_kv_by_host_length`), which on a packed KV cache dequantized each self-attention
-        layer inside the captured step."""
-        return _cache_queries_from_the_host()
+        layer at every token, in transformers' loop and inside fast generate's captured step."""
+        _ask_cache_layers_by_host_length(self.language_model(model))
 
     def image_token_scorer(self, model: nn.Module, rule: str = "auto") -> ImageTokenScorer | None:
         """Attention in each tile of the last local vision layer (tiles are padded to a multiple of 8)."""

@@ -259,6 +259,7 @@ def install(model: nn.Module, state: KVQuantState, adapter: Any) -> None:
     state.recomputes_image_kv = any(not block.kv_cached for block in adapter.cross_attention_blocks(model))
     object.__setattr__(model, ATTRIBUTE, state)
     model._prepare_cache_for_generation = _prepare_cache_for_generation.__get__(model)  # type: ignore[method-assign]
+    adapter.install_packed_cache_queries(model)
     if not state.cross_attention:
         return
     for index, block in enumerate(adapter.cross_attention_blocks(model)):
