@@ -699,41 +699,30 @@ def test_a_weight_under_the_tuning_threshold_takes_its_first_candidate_untimed(m
     candidate with nothing compiled or timed, and keeps it for the process; one at the threshold is timed, as is
     every weight with it 0 or in a step search's first tuning (times_small_weights). A bad value names the fix."""
     from mmsdk.kernels import w4a16_tuning
+    from tests.tuner_fakes import fake_timings
 
-    timed, compiled = [], []
-
-    def graph_time_ms(calls, warm_up="eager"):
-        calls[0]()
-        return {"quad": 2.0, "idot": 1.0}[timed[-1]]
-
-    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
-    monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
-    monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
-    monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: compiled.append(len(launches)))
-    monkeypatch.setattr(w4a16_tuning, "step_measured_config", lambda *args: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake = fake_timings(monkeypatch, {"quad": 2.0, "idot": 1.0}, time_small_weights=False)
     process = {"tuning": w4a16_tuning.Tuning()}
     process["tuning"].use_kept_choices = False  # no choices file on this machine to read
     monkeypatch.setattr(w4a16_tuning, "tuning", lambda: process["tuning"])
-    monkeypatch.delenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, raising=False)
     candidates = ((8, 128, 4, 1, "quad"), (16, 32, 2, 1, "idot"))
 
     def tune(name, *weights):
-        return w4a16_tuning.tuned_config(("test", name), lambda cfg, w: timed.append(cfg[4]), candidates, 32, weights)
+        return w4a16_tuning.tuned_config(("test", name), fake.launch, candidates, 32, weights)
 
     qweight = torch.zeros(128, 1024, dtype=torch.uint8)  # 128 KiB, and 1/16 of it as bf16 scales (g32)
     scales = torch.zeros(128, 32, dtype=torch.bfloat16)
     assert tune("small", qweight, scales, None) == candidates[0]
-    assert timed == [] and compiled == [] and process["tuning"].chosen[("test", "small")] == candidates[0]
+    assert fake.timed == [] and fake.compiled == [] and process["tuning"].chosen[("test", "small")] == candidates[0]
     at_threshold = torch.zeros(w4a16_tuning.DEFAULT_TUNE_MIN_BYTES - scales.numel() * 2, dtype=torch.uint8)
-    assert tune("at the threshold", at_threshold, scales, None) == candidates[1] and compiled == [2]
+    assert tune("at the threshold", at_threshold, scales, None) == candidates[1] and fake.compiled == [2]
 
     monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, "0")
-    assert tune("small, every weight timed", qweight, scales) == candidates[1] and compiled == [2, 2]
+    assert tune("small, every weight timed", qweight, scales) == candidates[1] and fake.compiled == [2, 2]
     monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, str(10 << 20))
-    assert tune("under a higher threshold", at_threshold, scales) == candidates[0] and compiled == [2, 2]
+    assert tune("under a higher threshold", at_threshold, scales) == candidates[0] and fake.compiled == [2, 2]
     process["tuning"].times_small_weights = True
-    assert tune("in a step search", qweight, scales) == candidates[1] and compiled == [2, 2, 2]
+    assert tune("in a step search", qweight, scales) == candidates[1] and fake.compiled == [2, 2, 2]
     for bad in ("1MiB", "-1", "0.5"):
         monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, bad)
         with pytest.raises(ValueError, match="whole number of bytes"):
@@ -780,26 +769,16 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
     """``within``: the first candidate in the given order that times within that fraction of the fastest is kept
     (the gated tiles, listed in the decode step's order); without it the fastest."""
     from mmsdk.kernels import w4a16_gated, w4a16_tuning
+    from tests.tuner_fakes import fake_timings
 
     times = {"a": 10.4, "b": 10.1, "c": 10.0, "d": 9.0}
-    timed, warm_ups = [], []
-
-    def graph_time_ms(calls, warm_up="eager"):
-        warm_ups.append(warm_up)
-        calls[0]()
-        return times[timed[-1]]
-
-    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
-    monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, "0")  # the stand-in weight is tiny: timed all the same
-    monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
-    monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
-    monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: warm_ups.append(how["warm_up"]))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake = fake_timings(monkeypatch, times, label=lambda cfg: cfg[0])
+    timed, warm_ups = fake.timed, fake.warm_ups
     candidates = tuple((name,) for name in times)
     pick = {}
     for within, key in ((0.0, "fastest"), (0.03, "3%"), (0.2, "20%")):
-        pick[key] = w4a16_tuning.tuned_config(("test", "within", key), lambda cfg, w: timed.append(cfg[0]), candidates,
-                                              32, (torch.zeros(4),), within)
+        pick[key] = w4a16_tuning.tuned_config(("test", "within", key), fake.launch, candidates, 32, (torch.zeros(4),),
+                                              within)
     assert pick == {"fastest": ("d",), "3%": ("d",), "20%": ("a",)}
     # each tuning: its candidates compiled as they are then run, the first called once eagerly (its lazily made
     # buffers hold values), each timed with its warm-up inside a capture (only the GEMVs' captured variants compile)
@@ -808,14 +787,13 @@ def test_tuner_keeps_the_first_candidate_within_its_margin(monkeypatch):
     warm_ups.clear()
     w4a16_tuning.tuning().warm_up = "eager"  # a step search's first tuning
     try:
-        w4a16_tuning.tuned_config(("test", "within", "eager"), lambda cfg, w: timed.append(cfg[0]), candidates, 32,
-                                  (torch.zeros(4),))
+        w4a16_tuning.tuned_config(("test", "within", "eager"), fake.launch, candidates, 32, (torch.zeros(4),))
     finally:
         w4a16_tuning.tuning().warm_up = "captured"
     assert timed == ["a", "b", "c", "d"] and warm_ups == ["eager"] * 5  # each warmed up eagerly as it is timed
-    times.update(d=10.2)
-    assert w4a16_tuning.tuned_config(("test", "within", "close"), lambda cfg, w: timed.append(cfg[0]), candidates,
-                                     32, (torch.zeros(4),), 0.03) == ("b",)
+    fake.times.update(d=10.2)
+    assert w4a16_tuning.tuned_config(("test", "within", "close"), fake.launch, candidates, 32, (torch.zeros(4),),
+                                     0.03) == ("b",)
     # the step's best "idot" tile leads; the gated tiles' order follows the group size (the step's ranking); the tuner
     # takes them with that margin
     assert [c[:5] for c in w4a16_gated._paired_candidates(128)[:4]] == [

@@ -153,46 +153,31 @@ def test_the_tuner_times_once_and_a_later_process_takes_its_choice_untimed(gpu, 
     """The first process compiles and times every candidate and keeps the fastest; a later one (a new ``Tuning``)
     compiles and times nothing and runs that choice. A step search's first tuning times anew."""
     from mmsdk.kernels import w4a16_tuning
+    from tests.tuner_fakes import fake_timings
 
-    times = {"quad": 10.0, "idot": 9.0, "idotr": 9.5}
-    timed, compiled = [], []
-
-    def graph_time_ms(calls, warm_up="eager"):
-        calls[0]()
-        return times[timed[-1]]
-
-    monkeypatch.setattr(w4a16_tuning, "timing_enabled", lambda: True)
-    monkeypatch.setenv(w4a16_tuning.TUNE_MIN_BYTES_ENV, "0")  # the stand-in weight is tiny: timed all the same
-    monkeypatch.setattr(w4a16_tuning, "l2_spill_copies", lambda weights: [weights])
-    monkeypatch.setattr(w4a16_tuning, "graph_time_ms", graph_time_ms)
-    monkeypatch.setattr(w4a16_tuning, "compile_in_parallel", lambda launches, **how: compiled.append(len(launches)))
-    monkeypatch.setattr(w4a16_tuning, "step_measured_config", lambda *args: None)
-    capturing = {"now": False}
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    fake = fake_timings(monkeypatch, {"quad": 10.0, "idot": 9.0, "idotr": 9.5})
+    timed, compiled, launch = fake.timed, fake.compiled, fake.launch
     monkeypatch.setattr(w4a16_tuning, "tuning", lambda: process["tuning"])
 
-    def launch(cfg, weights):
-        timed.append(cfg[4])
-
     process = {"tuning": w4a16_tuning.Tuning()}
-    capturing["now"] = True  # met first inside a capture (a step compiled ahead): the first candidate, not kept
+    fake.capturing = True  # met first inside a capture (a step compiled ahead): the first candidate, not kept
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[0]
-    capturing["now"] = False
+    fake.capturing = False
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
     assert compiled == [3] and sorted(set(timed)) == ["idot", "idotr", "quad"]
 
     timed.clear()
     compiled.clear()
     process["tuning"] = w4a16_tuning.Tuning()  # a later process, met first inside a capture: its kept choice
-    capturing["now"] = True
+    fake.capturing = True
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
-    capturing["now"] = False
+    fake.capturing = False
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[1]
     assert compiled == [] and timed == []
 
     process["tuning"] = w4a16_tuning.Tuning()
     process["tuning"].use_kept_choices = False  # a step search's first tuning
-    times.update(idot=11.0)
+    fake.times.update(idot=11.0)
     assert w4a16_tuning.tuned_config(KEY, launch, CANDIDATES, 32, (torch.zeros(4),)) == CANDIDATES[2]
     assert compiled == [3]
     process["tuning"] = w4a16_tuning.Tuning()  # and what it found is kept for the next
