@@ -209,7 +209,7 @@ def test_mllama_asks_the_packed_cache_whether_it_holds_kv_without_dequantizing_i
 
     from transformers.models.mllama import modeling_mllama
 
-    from mmsdk.plugins._forward import body_function
+    from mmsdk.plugins._forward import body_function, referenced_global
     from mmsdk.plugins.adapters.flamingo import HOLDS_KV_CHECK
     from mmsdk.plugins.quantizers.quantized_cache import QuantizedKVLayer
 
@@ -223,10 +223,8 @@ def test_mllama_asks_the_packed_cache_whether_it_holds_kv_without_dequantizing_i
     body = text_model.__dict__["_mmsdk_body"]
     opt.adapter.install_packed_cache_queries(opt.model)  # again: nothing more to rebind
     assert text_model.__dict__["_mmsdk_body"] is body and getattr(modeling_mllama, HOLDS_KV_CHECK) is original
-    function = body_function(text_model)
-    while HOLDS_KV_CHECK not in function.__code__.co_names:
-        function = function.__wrapped__
-    by_host_length = function.__globals__[HOLDS_KV_CHECK]
+    by_host_length = referenced_global(body_function(text_model), HOLDS_KV_CHECK)
+    assert getattr(by_host_length, "by_host_length", False)  # the rebound check, not transformers' own
 
     cache = installed_state(opt.model).static_cache(64, fused=True)
     with torch.inference_mode():

@@ -358,3 +358,25 @@ def test_folded_norm_factors_made_inside_a_capture_are_used_but_not_kept(monkeyp
     eager = layer.input_norm(norm)
     assert torch.equal(eager.factors, expected) and layer._factors is not None
     assert layer.input_norm(norm).factors is eager.factors  # kept: built once
+
+
+def test_referenced_global_looks_through_decorators_as_rebind_global_does():
+    """What a function, or the function its decorators wrap, sees under a global name; None where none refers to it;
+    after rebind_global, the new value."""
+    import functools
+
+    from mmsdk.plugins._forward import rebind_global, referenced_global
+
+    def inner(x):
+        return torch.neg(x)  # the module's global torch
+
+    @functools.wraps(inner)
+    def decorated(*args):
+        return inner(*args)
+
+    assert referenced_global(decorated, "torch") is torch
+    assert referenced_global(decorated, "no_such_name") is None
+    stand_in = type("StandIn", (), {"neg": staticmethod(lambda x: "rebound")})()
+    rebound = rebind_global(decorated, "torch", stand_in)
+    assert referenced_global(rebound, "torch") is stand_in and rebound(torch.ones(1)) == "rebound"
+    assert referenced_global(decorated, "torch") is torch  # the original is left as it was

@@ -38,6 +38,7 @@ __all__ = [
     "observed",
     "plus_residual",
     "rebind_global",
+    "referenced_global",
     "set_forward_body",
     "set_normed_residual_body",
     "set_residual_body",
@@ -165,6 +166,15 @@ def add_forward_wrapper(module: nn.Module, handler: Callable[..., Any]) -> None:
         return handler(inner, *args, **kwargs)
 
     module.forward = wrapper
+
+
+def referenced_global(function: Callable[..., Any], name: str) -> Any:
+    """What ``function``'s code, or the code of a function its decorators wrap (``__wrapped__``), sees under global
+    ``name`` (what :func:`rebind_global` would replace); None where none of them refers to ``name``."""
+    inner: Any = function
+    while inner is not None and name not in inner.__code__.co_names:
+        inner = getattr(inner, "__wrapped__", None)
+    return None if inner is None else inner.__globals__.get(name)
 
 
 def rebind_global(function: Callable[..., Any], name: str, value: Any) -> Callable[..., Any]:

@@ -28,6 +28,7 @@ from mmsdk.plugins._forward import (
     body_function,
     innermost_override,
     rebind_global,
+    referenced_global,
     set_forward_body,
 )
 from mmsdk.plugins.adapters._common import clip_like_blocks
@@ -194,10 +195,7 @@ def _ask_cache_layers_by_host_length(text_model: nn.Module) -> None:
     for this module only (transformers' module is left as it is). Nothing changes on a transformers without that check
     (it asked ``get_seq_length(idx)`` before 5.24), or where it is rebound already."""
     function = body_function(text_model)
-    asking = function  # the function under its decorators that calls the check, with the globals it reads it from
-    while asking is not None and HOLDS_KV_CHECK not in asking.__code__.co_names:
-        asking = getattr(asking, "__wrapped__", None)
-    original = None if asking is None else asking.__globals__.get(HOLDS_KV_CHECK)
+    original = referenced_global(function, HOLDS_KV_CHECK)
     if original is None or getattr(original, "by_host_length", False):
         return
     replacement = functools.partial(_holds_kv_by_host_length, original)
